@@ -1,0 +1,1 @@
+"""k25: an embeddable single-node LLM inference engine."""
