@@ -6,5 +6,8 @@
 namespace k25::bindings {
 
 void bind_model_files(pybind11::module_& m);  // bind_model_files.cpp: GGUF/safetensors readers
+void bind_engine(pybind11::module_& m);       // bind_engine.cpp: model loading, Engine
+void bind_scheduler(pybind11::module_& m);    // bind_scheduler.cpp: BlockPool, scheduler harness
+void bind_ops(pybind11::module_& m);          // bind_ops.cpp: CPU kernels on torch tensors
 
 }  // namespace k25::bindings

@@ -1,0 +1,177 @@
+// Bindings of the engine: model loading, EngineConfig, SamplingParams, Engine, outputs.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings/bindings.h"
+#include "engine/cpu_executor.h"
+#include "k25/engine.h"
+#include "k25/status.h"
+
+namespace py = pybind11;
+
+namespace k25::bindings {
+
+namespace {
+
+py::dict config_dict(const ModelConfig& c) {
+  py::dict d;
+  d["architecture"] = c.architecture;
+  d["source_format"] = c.source_format;
+  d["vocab_size"] = c.vocab_size;
+  d["hidden_size"] = c.hidden_size;
+  d["intermediate_size"] = c.intermediate_size;
+  d["num_layers"] = c.num_layers;
+  d["num_heads"] = c.num_heads;
+  d["num_kv_heads"] = c.num_kv_heads;
+  d["head_dim"] = c.head_dim;
+  d["rms_norm_eps"] = c.rms_norm_eps;
+  d["rope_theta"] = c.rope.theta;
+  d["rope_type"] = c.rope.type;
+  d["rope_factor"] = c.rope.factor;
+  d["max_position_embeddings"] = c.max_position_embeddings;
+  d["tie_word_embeddings"] = c.tie_word_embeddings;
+  d["qkv_bias"] = c.qkv_bias;
+  d["o_bias"] = c.o_bias;
+  d["layer_sliding_window"] = c.layer_sliding_window;
+  d["bos_token_id"] = c.bos_token_id;
+  d["eos_token_ids"] = c.eos_token_ids;
+  return d;
+}
+
+py::dict stats_dict(const EngineStats& s) {
+  py::dict d;
+  d["steps"] = s.steps;
+  d["prefill_tokens"] = s.prefill_tokens;
+  d["decode_tokens"] = s.decode_tokens;
+  d["generated_tokens"] = s.generated_tokens;
+  d["preemptions"] = s.preemptions;
+  d["requests_added"] = s.requests_added;
+  d["requests_finished"] = s.requests_finished;
+  d["requests_aborted"] = s.requests_aborted;
+  d["requests_failed"] = s.requests_failed;
+  d["running"] = s.running;
+  d["waiting"] = s.waiting;
+  d["blocks_total"] = s.blocks_total;
+  d["blocks_used"] = s.blocks_used;
+  d["blocks_free"] = s.blocks_free;
+  d["block_size"] = s.block_size;
+  d["busy_time_s"] = s.busy_time_s;
+  d["last_step_s"] = s.last_step_s;
+  d["last_step_tokens"] = s.last_step_tokens;
+  return d;
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  py::class_<ModelHandle, std::shared_ptr<ModelHandle>>(m, "ModelHandle")
+      .def_property_readonly("config", [](const ModelHandle& h) { return config_dict(h.config()); })
+      .def_property_readonly("path", &ModelHandle::path)
+      .def_property_readonly("format", &ModelHandle::format)
+      .def_property_readonly("weight_bytes", &ModelHandle::weight_bytes)
+      .def_property_readonly("load_seconds", &ModelHandle::load_seconds)
+      .def_property_readonly("max_positions", &ModelHandle::max_positions)
+      .def("kv_block_bytes", [](const ModelHandle& h, int32_t bs) { return kv_block_bytes(h.config(), bs); });
+
+  m.def("read_model_config", [](const std::string& path) {
+          ModelConfig c;
+          {
+            py::gil_scoped_release release;
+            c = read_model_config(path);
+          }
+          return config_dict(c);
+        }, py::arg("path"), "The architecture of a GGUF file or HF directory, without loading weights.");
+  m.def("kv_bytes_per_token", [](const std::string& path) {
+          return kv_block_bytes(read_model_config(path), 1);
+        }, py::arg("path"), "float32 KV bytes one token takes (all layers, K and V).");
+
+  m.def("load_model", &load_model, py::arg("path"), py::arg("max_positions"), py::arg("num_threads") = 0,
+        py::call_guard<py::gil_scoped_release>(), "Loads a GGUF file or a Hugging Face directory (float32).");
+
+  py::class_<EngineConfig>(m, "EngineConfig")
+      .def(py::init<>())
+      .def_readwrite("max_batch_size", &EngineConfig::max_batch_size)
+      .def_readwrite("max_num_batched_tokens", &EngineConfig::max_num_batched_tokens)
+      .def_readwrite("prefill_chunk_size", &EngineConfig::prefill_chunk_size)
+      .def_readwrite("block_size", &EngineConfig::block_size)
+      .def_readwrite("num_kv_blocks", &EngineConfig::num_kv_blocks)
+      .def_readwrite("max_seq_len", &EngineConfig::max_seq_len)
+      .def_readwrite("decode_max_tokens", &EngineConfig::decode_max_tokens)
+      .def_readwrite("num_threads", &EngineConfig::num_threads)
+      .def_readwrite("admission_watermark", &EngineConfig::admission_watermark);
+
+  py::class_<SamplingParams>(m, "SamplingParams")
+      .def(py::init<>())
+      .def_readwrite("temperature", &SamplingParams::temperature)
+      .def_readwrite("top_k", &SamplingParams::top_k)
+      .def_readwrite("top_p", &SamplingParams::top_p)
+      .def_readwrite("min_p", &SamplingParams::min_p)
+      .def_readwrite("repetition_penalty", &SamplingParams::repetition_penalty)
+      .def_readwrite("presence_penalty", &SamplingParams::presence_penalty)
+      .def_readwrite("frequency_penalty", &SamplingParams::frequency_penalty)
+      .def_readwrite("has_seed", &SamplingParams::has_seed)
+      .def_readwrite("seed", &SamplingParams::seed)
+      .def_readwrite("max_new_tokens", &SamplingParams::max_new_tokens)
+      .def_readwrite("min_new_tokens", &SamplingParams::min_new_tokens)
+      .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids)
+      .def_readwrite("stop", &SamplingParams::stop)
+      .def_readwrite("ignore_eos", &SamplingParams::ignore_eos)
+      .def_readwrite("logprobs", &SamplingParams::logprobs);
+
+  py::class_<RequestOutput>(m, "RequestOutput")
+      .def_readonly("id", &RequestOutput::id)
+      .def_readonly("new_token_ids", &RequestOutput::new_token_ids)
+      .def_property_readonly("new_logprobs",
+                             [](const RequestOutput& o) {
+                               py::list out;
+                               for (const TokenLogprobOut& t : o.new_logprobs) {
+                                 out.append(py::make_tuple(t.token, t.logprob, t.top));
+                               }
+                               return out;
+                             })
+      .def_readonly("finished", &RequestOutput::finished)
+      .def_readonly("finish_reason", &RequestOutput::finish_reason)
+      .def_readonly("stop_string", &RequestOutput::stop_string)
+      .def_readonly("error", &RequestOutput::error)
+      .def_readonly("num_prompt_tokens", &RequestOutput::num_prompt_tokens)
+      .def_readonly("num_output_tokens", &RequestOutput::num_output_tokens)
+      .def_readonly("num_preemptions", &RequestOutput::num_preemptions)
+      .def("take_prompt_logits", [](RequestOutput& o, int64_t vocab) -> py::object {
+        if (o.prompt_logits.empty()) return py::none();
+        auto* owned = new std::vector<float>(std::move(o.prompt_logits));
+        py::capsule free_it(owned, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+        const int64_t rows = static_cast<int64_t>(owned->size()) / vocab;
+        return py::array_t<float>({rows, vocab}, owned->data(), free_it);
+      });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](std::shared_ptr<ModelHandle> model, const EngineConfig& cfg, bool fused,
+                       std::vector<py::bytes> token_bytes, std::vector<int32_t> eos) {
+             std::vector<std::string> tb;
+             tb.reserve(token_bytes.size());
+             for (const py::bytes& b : token_bytes) tb.emplace_back(b);
+             py::gil_scoped_release release;
+             auto exec = make_cpu_executor(model, cfg.block_size, cfg.num_kv_blocks, fused, cfg.num_threads);
+             return std::make_unique<Engine>(cfg, std::move(exec), std::move(tb), std::move(eos));
+           }),
+           py::arg("model"), py::arg("config"), py::arg("fused"), py::arg("token_bytes"), py::arg("eos_token_ids"))
+      .def("add_request",
+           [](Engine& e, std::vector<int32_t> prompt, const SamplingParams& p, int32_t priority, bool want_logits) {
+             if (priority < 0 || priority > 2) throw Error(ErrorCode::kInvalidArgument, "priority must be 0, 1 or 2");
+             RequestSpec spec;
+             spec.prompt = std::move(prompt);
+             spec.params = p;
+             spec.priority = static_cast<Priority>(priority);
+             spec.want_prompt_logits = want_logits;
+             py::gil_scoped_release release;
+             return e.add_request(std::move(spec));
+           },
+           py::arg("prompt"), py::arg("params"), py::arg("priority") = 1, py::arg("want_prompt_logits") = false)
+      .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>())
+      .def("wait_outputs", &Engine::wait_outputs, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace k25::bindings

@@ -1,0 +1,108 @@
+// The block pool and a model-free scheduler harness, for property tests of the policy.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings/bindings.h"
+#include "engine/scheduler.h"
+#include "k25/status.h"
+
+namespace py = pybind11;
+
+namespace k25::bindings {
+
+namespace {
+
+// Drives the real Scheduler the way the engine does, with a fake model: every emitting
+// sequence appends token 0 and finishes after max_new tokens.
+class SchedulerSim {
+ public:
+  explicit SchedulerSim(const EngineConfig& cfg) : pool_(cfg.num_kv_blocks), sched_(cfg, &pool_) {}
+
+  int64_t add(int32_t prompt_len, int32_t max_new, int32_t priority) {
+    if (prompt_len <= 0 || max_new <= 0) throw Error(ErrorCode::kInvalidArgument, "lengths must be positive");
+    const int64_t total = static_cast<int64_t>(prompt_len) + max_new;
+    if (blocks_for_tokens(total, sched_.config().block_size) > pool_.num_total()) {
+      throw Error(ErrorCode::kResourceExhausted, "request can never fit the pool");
+    }
+    auto s = std::make_unique<Sequence>();
+    s->id = next_id_++;
+    s->arrival = static_cast<uint64_t>(s->id);
+    s->priority = static_cast<Priority>(priority);
+    s->tokens.assign(prompt_len, 0);
+    s->num_prompt_tokens = prompt_len;
+    s->max_total_tokens = static_cast<int32_t>(total);
+    s->params.max_new_tokens = max_new;
+    const int64_t id = s->id;
+    sched_.add(std::move(s));
+    return id;
+  }
+
+  py::dict step() {
+    StepPlan plan = sched_.schedule();
+    py::list seqs;
+    for (const ScheduledSeq& s : plan.seqs) {
+      seqs.append(py::make_tuple(s.seq->id, s.seq->num_computed, s.num_new_tokens, s.emits,
+                                 static_cast<int>(s.seq->priority)));
+    }
+    sched_.complete_step(plan);
+    py::list finished;
+    for (const ScheduledSeq& s : plan.seqs) {
+      if (!s.emits) continue;
+      Sequence* q = s.seq;
+      q->tokens.push_back(0);
+      if (q->num_output_tokens() >= q->params.max_new_tokens || q->num_tokens() >= q->max_total_tokens) {
+        sched_.finish(q, FinishReason::kLength);
+        finished.append(q->id);
+      }
+    }
+    for (py::handle h : finished) sched_.release(h.cast<int64_t>());
+    py::dict out;
+    out["seqs"] = seqs;
+    out["preempted"] = plan.preempted;
+    out["finished"] = finished;
+    out["num_tokens"] = plan.num_tokens;
+    return out;
+  }
+
+  bool abort(int64_t id) {
+    Sequence* s = sched_.find(id);
+    if (!s) return false;
+    sched_.finish(s, FinishReason::kAbort);
+    sched_.release(id);
+    return true;
+  }
+
+  BlockPool pool_;
+  Scheduler sched_;
+  int64_t next_id_ = 1;
+};
+
+}  // namespace
+
+void bind_scheduler(py::module_& m) {
+  py::class_<BlockPool>(m, "BlockPool")
+      .def(py::init<int32_t>())
+      .def_property_readonly("num_total", &BlockPool::num_total)
+      .def_property_readonly("num_free", &BlockPool::num_free)
+      .def_property_readonly("num_used", &BlockPool::num_used)
+      .def("allocate", &BlockPool::allocate)
+      .def("incref", &BlockPool::incref)
+      .def("decref", &BlockPool::decref)
+      .def("refcount", &BlockPool::refcount)
+      .def("check_invariants", &BlockPool::check_invariants);
+
+  py::class_<SchedulerSim>(m, "SchedulerSim")
+      .def(py::init<const EngineConfig&>())
+      .def("add", &SchedulerSim::add, py::arg("prompt_len"), py::arg("max_new_tokens"), py::arg("priority") = 1)
+      .def("step", &SchedulerSim::step)
+      .def("abort", &SchedulerSim::abort)
+      .def("check_invariants", [](const SchedulerSim& s) { s.sched_.check_invariants(); })
+      .def_property_readonly("num_running", [](const SchedulerSim& s) { return s.sched_.num_running(); })
+      .def_property_readonly("num_waiting", [](const SchedulerSim& s) { return s.sched_.num_waiting(); })
+      .def_property_readonly("num_preemptions", [](const SchedulerSim& s) { return s.sched_.num_preemptions(); })
+      .def_property_readonly("blocks_free", [](const SchedulerSim& s) { return s.pool_.num_free(); })
+      .def_property_readonly("blocks_total", [](const SchedulerSim& s) { return s.pool_.num_total(); })
+      .def("has_unfinished", [](const SchedulerSim& s) { return s.sched_.has_unfinished(); });
+}
+
+}  // namespace k25::bindings

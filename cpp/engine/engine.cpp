@@ -1,0 +1,405 @@
+#include "k25/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+
+#include "engine/executor.h"
+#include "engine/scheduler.h"
+#include "engine/sequence.h"
+#include "k25/status.h"
+#include "kv/block_pool.h"
+
+namespace k25 {
+
+namespace {
+
+double now_s() {
+  using clock = std::chrono::steady_clock;
+  return std::chrono::duration<double>(clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> executor,
+               std::vector<std::string> token_bytes, std::vector<int32_t> eos_token_ids)
+    : config_(config),
+      executor_(std::move(executor)),
+      token_bytes_(std::move(token_bytes)),
+      eos_token_ids_(std::move(eos_token_ids)) {
+  if (!executor_) fail(ErrorCode::kInvalidArgument, "engine needs a model executor");
+  if (config_.max_seq_len <= 0) fail(ErrorCode::kInvalidArgument, "max_seq_len must be positive");
+  vocab_size_ = executor_->vocab_size();
+  if (!token_bytes_.empty() && static_cast<int32_t>(token_bytes_.size()) < vocab_size_) {
+    // Padded model vocabularies have ids the tokenizer does not know; they add no text.
+    token_bytes_.resize(vocab_size_);
+  }
+  pool_ = std::make_unique<BlockPool>(config_.num_kv_blocks);
+  scheduler_ = std::make_unique<Scheduler>(config_, pool_.get());
+  stats_.blocks_total = pool_->num_total();
+  stats_.blocks_free = pool_->num_total();
+  stats_.block_size = config_.block_size;
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() { shutdown(); }
+
+void Engine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_ && !thread_.joinable()) return;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+int64_t Engine::add_request(RequestSpec spec) {
+  auto bad = [](const std::string& m) { fail(ErrorCode::kInvalidArgument, m); };
+  const int64_t P = static_cast<int64_t>(spec.prompt.size());
+  if (P == 0) bad("the prompt is empty");
+  for (int32_t t : spec.prompt) {
+    if (t < 0 || t >= vocab_size_) {
+      bad("prompt token id " + std::to_string(t) + " is outside the vocabulary (size " +
+          std::to_string(vocab_size_) + ")");
+    }
+  }
+  SamplingParams& p = spec.params;
+  validate_sampling_params(p, vocab_size_);
+  if (!p.stop.empty() && token_bytes_.empty()) {
+    bad("stop strings need a tokenizer; this model has none (use stop_token_ids)");
+  }
+  if (config_.decode_max_tokens > 0) p.max_new_tokens = std::min(p.max_new_tokens, config_.decode_max_tokens);
+  const int64_t needed = P + (p.max_new_tokens > 0 ? 1 : 0);
+  if (needed > config_.max_seq_len) {
+    bad("the prompt has " + std::to_string(P) + " tokens; max_seq_len is " +
+        std::to_string(config_.max_seq_len) + " and must hold the prompt plus one new token");
+  }
+  const int64_t max_total = std::min<int64_t>(P + p.max_new_tokens, config_.max_seq_len);
+  const int32_t blocks = blocks_for_tokens(max_total, config_.block_size);
+  if (blocks > config_.num_kv_blocks) {
+    fail(ErrorCode::kResourceExhausted,
+         "the request needs up to " + std::to_string(max_total) + " tokens of KV (" +
+             std::to_string(blocks) + " blocks) but the KV pool holds " +
+             std::to_string(config_.num_kv_blocks) + " blocks of " +
+             std::to_string(config_.block_size) + " tokens; raise kv_cache_bytes or lower max_new_tokens");
+  }
+
+  auto seq = std::make_unique<Sequence>();
+  seq->tokens = std::move(spec.prompt);
+  seq->num_prompt_tokens = static_cast<int32_t>(P);
+  seq->max_total_tokens = static_cast<int32_t>(max_total);
+  seq->priority = spec.priority;
+  seq->params = std::move(p);
+  seq->want_prompt_logits = spec.want_prompt_logits;
+  if (seq->params.has_seed) {
+    seq->seed = seq->params.seed;
+  } else {
+    std::random_device rd;
+    seq->seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }
+  seq->arrival_time = now_s();
+  int64_t id;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) fail(ErrorCode::kResourceExhausted, "the engine is shut down");
+    id = next_id_++;
+    seq->id = id;
+    seq->arrival = next_arrival_++;
+    inbox_.push_back(std::move(seq));
+    ++stats_.requests_added;
+  }
+  cv_.notify_all();
+  return id;
+}
+
+void Engine::abort(int64_t id) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    aborts_.push_back(id);
+  }
+  cv_.notify_all();
+}
+
+std::vector<RequestOutput> Engine::wait_outputs(double timeout_s) {
+  std::unique_lock<std::mutex> lk(out_mu_);
+  if (outbox_.empty() && timeout_s > 0) {
+    out_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return !outbox_.empty(); });
+  }
+  std::vector<RequestOutput> out(std::make_move_iterator(outbox_.begin()),
+                                 std::make_move_iterator(outbox_.end()));
+  outbox_.clear();
+  return out;
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return stats_;
+}
+
+void Engine::emit(RequestOutput out) {
+  {
+    std::lock_guard<std::mutex> lk(out_mu_);
+    outbox_.push_back(std::move(out));
+  }
+  out_cv_.notify_all();
+}
+
+void Engine::finish(Sequence* seq, int reason, const std::string& error,
+                    std::vector<RequestOutput>* outs) {
+  scheduler_->finish(seq, static_cast<FinishReason>(reason));
+  RequestOutput o;
+  o.id = seq->id;
+  o.finished = true;
+  o.finish_reason = finish_reason_name(seq->finish_reason);
+  o.error = error;
+  o.num_prompt_tokens = seq->num_prompt_tokens;
+  o.num_output_tokens = seq->num_output_tokens();
+  o.num_preemptions = seq->num_preemptions;
+  if (seq->want_prompt_logits) o.prompt_logits = std::move(seq->prompt_logits);
+  outs->push_back(std::move(o));
+}
+
+bool Engine::check_stop(Sequence* seq, int32_t token, std::string* matched) {
+  const SamplingParams& p = seq->params;
+  const bool may_stop = seq->num_output_tokens() > p.min_new_tokens ||
+                        (p.min_new_tokens == 0);
+  if (may_stop) {
+    if (!p.ignore_eos &&
+        std::find(eos_token_ids_.begin(), eos_token_ids_.end(), token) != eos_token_ids_.end()) {
+      return true;
+    }
+    if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end()) {
+      return true;
+    }
+  }
+  if (!p.stop.empty()) {
+    const std::string& piece = token_bytes_[token];
+    std::string& tail = seq->output_bytes_tail;
+    tail += piece;
+    size_t longest = 0;
+    for (const std::string& s : p.stop) longest = std::max(longest, s.size());
+    // Only matches that end inside the new bytes are new.
+    for (const std::string& s : p.stop) {
+      size_t from = tail.size() > piece.size() + s.size() - 1 ? tail.size() - piece.size() - s.size() + 1 : 0;
+      if (tail.find(s, from) != std::string::npos) {
+        *matched = s;
+        return true;
+      }
+    }
+    if (tail.size() > 2 * longest + 256) tail.erase(0, tail.size() - longest);
+  }
+  return false;
+}
+
+void Engine::loop() {
+  executor_->prepare_thread();
+  while (true) {
+    std::deque<std::unique_ptr<Sequence>> adds;
+    std::vector<int64_t> aborts;
+    bool stopping;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] {
+        return stop_ || !inbox_.empty() || !aborts_.empty() || scheduler_->has_unfinished();
+      });
+      adds.swap(inbox_);
+      aborts.swap(aborts_);
+      stopping = stop_;
+    }
+    std::vector<RequestOutput> outs;
+    for (auto& s : adds) scheduler_->add(std::move(s));
+    if (stopping) {
+      // Nothing new starts; whatever is left ends as aborted.
+      std::vector<Sequence*> left(scheduler_->running());
+      left.insert(left.end(), scheduler_->waiting().begin(), scheduler_->waiting().end());
+      for (Sequence* s : left) finish(s, static_cast<int>(FinishReason::kAbort), "", &outs);
+    }
+    for (int64_t id : aborts) {
+      Sequence* s = scheduler_->find(id);
+      if (s && s->status != SeqStatus::kFinished) finish(s, static_cast<int>(FinishReason::kAbort), "", &outs);
+    }
+    for (RequestOutput& o : outs) {
+      scheduler_->release(o.id);
+      std::lock_guard<std::mutex> lk(mu_);
+      ++stats_.requests_aborted;
+    }
+    for (RequestOutput& o : outs) emit(std::move(o));
+    if (stopping) break;
+    if (scheduler_->has_unfinished()) step();
+  }
+}
+
+void Engine::step() {
+  const double t0 = now_s();
+  const int64_t preempt_before = scheduler_->num_preemptions();
+  StepPlan plan = scheduler_->schedule();
+  std::vector<RequestOutput> outs;
+  if (plan.empty()) {
+    // Unreachable when admission checks hold (an idle pool fits any admitted request);
+    // fail the head of the queue rather than spin.
+    if (scheduler_->num_running() == 0 && scheduler_->num_waiting() > 0) {
+      Sequence* s = scheduler_->waiting().front();
+      finish(s, static_cast<int>(FinishReason::kError), "request could not be scheduled", &outs);
+      scheduler_->release(s->id);
+      std::lock_guard<std::mutex> lk(mu_);
+      ++stats_.requests_failed;
+    }
+    for (RequestOutput& o : outs) emit(std::move(o));
+    return;
+  }
+
+  const int32_t bs = config_.block_size;
+  BatchMeta meta;
+  meta.query_start.push_back(0);
+  int32_t max_blocks = 0;
+  for (const ScheduledSeq& s : plan.seqs) {
+    max_blocks = std::max<int32_t>(max_blocks, static_cast<int32_t>(s.seq->block_table.size()));
+  }
+  meta.max_blocks_per_seq = max_blocks;
+  meta.block_tables.assign(static_cast<size_t>(max_blocks) * plan.seqs.size(), -1);
+
+  std::vector<SampleRequest> samples;
+  std::vector<LogitsCopy> copies;
+  std::vector<std::vector<int32_t>> banned(plan.seqs.size());
+  std::vector<int> sample_of_seq(plan.seqs.size(), -1);
+  int64_t prefill_tokens = 0, decode_tokens = 0;
+  for (size_t i = 0; i < plan.seqs.size(); ++i) {
+    const ScheduledSeq& s = plan.seqs[i];
+    Sequence* seq = s.seq;
+    if (seq->want_prompt_logits && seq->prompt_logits.empty()) {
+      seq->prompt_logits.assign(static_cast<size_t>(seq->num_prompt_tokens) * vocab_size_, 0.0f);
+    }
+    for (int32_t j = 0; j < s.num_new_tokens; ++j) {
+      const int32_t pos = seq->num_computed + j;
+      const int32_t row = meta.num_tokens();
+      meta.token_ids.push_back(seq->tokens[pos]);
+      meta.positions.push_back(pos);
+      meta.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[pos / bs]) * bs + pos % bs);
+      const bool last = j == s.num_new_tokens - 1;
+      const bool prompt_row = seq->want_prompt_logits && pos < seq->num_prompt_tokens;
+      if (prompt_row || (last && s.emits)) {
+        const int32_t lr = static_cast<int32_t>(meta.logits_rows.size());
+        meta.logits_rows.push_back(row);
+        if (prompt_row) {
+          copies.push_back({lr, seq->prompt_logits.data() + static_cast<size_t>(pos) * vocab_size_});
+        }
+        if (last && s.emits && seq->params.max_new_tokens > seq->num_output_tokens()) {
+          SampleRequest r;
+          r.logits_row = lr;
+          r.input.params = &seq->params;
+          r.input.tokens = &seq->tokens;
+          r.input.num_prompt_tokens = seq->num_prompt_tokens;
+          r.input.seed = seq->seed;
+          if (seq->num_output_tokens() < seq->params.min_new_tokens) {
+            if (!seq->params.ignore_eos) banned[i] = eos_token_ids_;
+            banned[i].insert(banned[i].end(), seq->params.stop_token_ids.begin(),
+                             seq->params.stop_token_ids.end());
+            r.input.banned = &banned[i];
+          }
+          sample_of_seq[i] = static_cast<int>(samples.size());
+          samples.push_back(r);
+        }
+      }
+    }
+    meta.query_start.push_back(meta.num_tokens());
+    meta.context_lens.push_back(seq->num_computed + s.num_new_tokens);
+    std::copy(seq->block_table.begin(), seq->block_table.end(),
+              meta.block_tables.begin() + static_cast<std::ptrdiff_t>(i) * max_blocks);
+    meta.max_query_len = std::max(meta.max_query_len, s.num_new_tokens);
+    meta.max_context_len = std::max(meta.max_context_len, seq->num_computed + s.num_new_tokens);
+    if (seq->num_computed + s.num_new_tokens < seq->num_tokens() || s.num_new_tokens > 1) {
+      prefill_tokens += s.num_new_tokens;
+    } else {
+      decode_tokens += s.num_new_tokens;
+    }
+  }
+
+  std::vector<SampleResult> results;
+  int64_t failed = 0, finished = 0, generated = 0;
+  try {
+    executor_->execute(meta, samples, &results, copies);
+    if (results.size() != samples.size()) fail(ErrorCode::kInternal, "executor returned wrong result count");
+  } catch (const std::exception& e) {
+    // The step's sequences fail; the engine and every other request carry on.
+    for (const ScheduledSeq& s : plan.seqs) {
+      finish(s.seq, static_cast<int>(FinishReason::kError), std::string("model step failed: ") + e.what(), &outs);
+      ++failed;
+    }
+    for (RequestOutput& o : outs) scheduler_->release(o.id);
+    for (RequestOutput& o : outs) emit(std::move(o));
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_.requests_failed += failed;
+    return;
+  }
+  scheduler_->complete_step(plan);
+
+  const double t_done = now_s();
+  for (size_t i = 0; i < plan.seqs.size(); ++i) {
+    const ScheduledSeq& s = plan.seqs[i];
+    Sequence* seq = s.seq;
+    if (!s.emits) continue;
+    if (sample_of_seq[i] < 0) {  // max_new_tokens reached already (e.g. scoring requests)
+      finish(seq, static_cast<int>(FinishReason::kLength), "", &outs);
+      continue;
+    }
+    const SampleResult& r = results[sample_of_seq[i]];
+    seq->tokens.push_back(r.token);
+    ++generated;
+    if (seq->first_token_time < 0) seq->first_token_time = t_done;
+    RequestOutput o;
+    o.id = seq->id;
+    o.new_token_ids.push_back(r.token);
+    if (seq->params.logprobs >= 0) {
+      TokenLogprobOut lp{r.token, r.logprob, {}};
+      for (const TokenLogprob& t : r.top) lp.top.emplace_back(t.token, t.logprob);
+      o.new_logprobs.push_back(std::move(lp));
+    }
+    std::string matched;
+    FinishReason reason = FinishReason::kNone;
+    if (check_stop(seq, r.token, &matched)) {
+      reason = FinishReason::kStop;
+    } else if (seq->num_output_tokens() >= seq->params.max_new_tokens ||
+               seq->num_tokens() >= seq->max_total_tokens) {
+      reason = FinishReason::kLength;
+    }
+    if (reason != FinishReason::kNone) {
+      std::vector<RequestOutput> fin;
+      finish(seq, static_cast<int>(reason), "", &fin);
+      o.finished = true;
+      o.finish_reason = fin[0].finish_reason;
+      o.stop_string = matched;
+      o.prompt_logits = std::move(fin[0].prompt_logits);
+    }
+    o.num_prompt_tokens = seq->num_prompt_tokens;
+    o.num_output_tokens = seq->num_output_tokens();
+    o.num_preemptions = seq->num_preemptions;
+    outs.push_back(std::move(o));
+  }
+  for (RequestOutput& o : outs) {
+    if (o.finished) {
+      scheduler_->release(o.id);
+      ++finished;
+    }
+  }
+  const double t1 = now_s();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++stats_.steps;
+    stats_.prefill_tokens += prefill_tokens;
+    stats_.decode_tokens += decode_tokens;
+    stats_.generated_tokens += generated;
+    stats_.preemptions += scheduler_->num_preemptions() - preempt_before;
+    stats_.requests_finished += finished;
+    stats_.running = scheduler_->num_running();
+    stats_.waiting = scheduler_->num_waiting();
+    stats_.blocks_used = pool_->num_used();
+    stats_.blocks_free = pool_->num_free();
+    stats_.busy_time_s += t1 - t0;
+    stats_.last_step_s = t1 - t0;
+    stats_.last_step_tokens = plan.num_tokens;
+  }
+  for (RequestOutput& o : outs) emit(std::move(o));
+}
+
+}  // namespace k25

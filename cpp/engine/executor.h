@@ -1,0 +1,58 @@
+// The seam between the engine (policy, torch-free) and a backend that runs the model.
+//
+// Everything the model needs for a step is in BatchMeta; the executor returns one sampled
+// token per SampleInput and copies whole logits rows where asked. CPU and (later) CUDA
+// executors implement it; where sampling happens is the executor's business.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/sampler.h"
+
+namespace k25 {
+
+struct BatchMeta {
+  // Per token (T = num_tokens). Sequences are laid out one after another.
+  std::vector<int32_t> token_ids;
+  std::vector<int32_t> positions;
+  std::vector<int64_t> slot_mapping;  // block_id * block_size + offset of each new token
+  // Per sequence (S = num_seqs).
+  std::vector<int32_t> query_start;   // [S + 1] offsets of each sequence's tokens
+  std::vector<int32_t> context_lens;  // [S] tokens with KV after this step (incl. new)
+  std::vector<int32_t> block_tables;  // [S * max_blocks_per_seq], unused entries -1
+  int32_t max_blocks_per_seq = 0;
+  int32_t max_query_len = 0;
+  int32_t max_context_len = 0;
+  // Rows of the token batch whose logits are needed, ascending.
+  std::vector<int32_t> logits_rows;
+
+  int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
+  int32_t num_seqs() const { return static_cast<int32_t>(context_lens.size()); }
+  bool is_decode_only() const { return max_query_len == 1; }
+};
+
+struct SampleRequest {
+  int32_t logits_row;  // index into BatchMeta::logits_rows
+  SampleInput input;
+};
+
+struct LogitsCopy {
+  int32_t logits_row;  // index into BatchMeta::logits_rows
+  float* dst;          // vocab_size floats
+};
+
+class ModelExecutor {
+ public:
+  virtual ~ModelExecutor() = default;
+  // Called once on the engine thread before the first step.
+  virtual void prepare_thread() {}
+  virtual int32_t vocab_size() const = 0;
+  // Runs one step: writes KV for the new tokens, fills results[i] for samples[i], and
+  // copies the logits rows named in copies.
+  virtual void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
+                       std::vector<SampleResult>* results,
+                       const std::vector<LogitsCopy>& copies) = 0;
+};
+
+}  // namespace k25

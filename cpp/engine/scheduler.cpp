@@ -1,0 +1,210 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "k25/status.h"
+
+namespace k25 {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kAbort: return "abort";
+    case FinishReason::kError: return "error";
+  }
+  return "";
+}
+
+Scheduler::Scheduler(const EngineConfig& config, BlockPool* pool) : config_(config), pool_(pool) {
+  if (config_.max_num_batched_tokens <= 0 || config_.prefill_chunk_size <= 0 ||
+      config_.max_batch_size <= 0 || config_.block_size <= 0) {
+    fail(ErrorCode::kInvalidArgument, "scheduler limits must be positive");
+  }
+}
+
+void Scheduler::add(std::unique_ptr<Sequence> seq) {
+  Sequence* s = seq.get();
+  if (seqs_.count(s->id)) fail(ErrorCode::kInternal, "duplicate sequence id");
+  s->status = SeqStatus::kWaiting;
+  seqs_.emplace(s->id, std::move(seq));
+  waiting_.push_back(s);
+}
+
+Sequence* Scheduler::find(int64_t id) {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : it->second.get();
+}
+
+int32_t Scheduler::blocks_missing(const Sequence& seq, int32_t num_new_tokens) const {
+  int32_t need = blocks_for_tokens(seq.num_computed + num_new_tokens, config_.block_size);
+  return std::max<int32_t>(0, need - static_cast<int32_t>(seq.block_table.size()));
+}
+
+bool Scheduler::grow(Sequence* seq, int32_t num_new_tokens) {
+  int32_t missing = blocks_missing(*seq, num_new_tokens);
+  if (missing > pool_->num_free()) return false;
+  std::vector<int32_t> got = pool_->allocate(missing);
+  seq->block_table.insert(seq->block_table.end(), got.begin(), got.end());
+  return true;
+}
+
+void Scheduler::preempt(Sequence* seq) {
+  // Recompute: drop the KV, keep the tokens (prompt and what was generated so far).
+  auto it = std::find(running_.begin(), running_.end(), seq);
+  if (it == running_.end()) fail(ErrorCode::kInternal, "preempting a sequence that is not running");
+  running_.erase(it);
+  pool_->release_all(seq->block_table);
+  seq->num_computed = 0;
+  seq->status = SeqStatus::kWaiting;
+  ++seq->num_preemptions;
+  ++num_preemptions_;
+  waiting_.push_back(seq);
+}
+
+void Scheduler::sort_queues() {
+  std::stable_sort(running_.begin(), running_.end(), ranks_before);
+  std::stable_sort(waiting_.begin(), waiting_.end(), ranks_before);
+}
+
+StepPlan Scheduler::schedule() {
+  StepPlan plan;
+  sort_queues();
+  int32_t budget = config_.max_num_batched_tokens;
+  const int32_t chunk = config_.prefill_chunk_size;
+
+  // Phase 0: a waiting sequence of a higher class takes room from lower classes.
+  if (!waiting_.empty()) {
+    Sequence* w = waiting_.front();
+    int32_t first = std::min({w->num_tokens() - w->num_computed, chunk, budget});
+    bool preempted = false;
+    while (!running_.empty() && running_.back()->priority > w->priority) {
+      bool slot_ok = num_running() < config_.max_batch_size;
+      bool blocks_ok = blocks_missing(*w, first) <= pool_->num_free();
+      if (slot_ok && blocks_ok) break;
+      Sequence* victim = running_.back();
+      plan.preempted.push_back(victim->id);
+      preempt(victim);
+      preempted = true;
+    }
+    if (preempted) std::stable_sort(waiting_.begin(), waiting_.end(), ranks_before);
+  }
+
+  // Phase 1: running sequences, best first; the worst make room when blocks run out.
+  bool preempted_for_running = false;
+  size_t i = 0;
+  while (i < running_.size() && budget > 0) {
+    Sequence* s = running_[i];
+    int32_t n = std::min({s->num_tokens() - s->num_computed, chunk, budget});
+    if (n <= 0) fail(ErrorCode::kInternal, "running sequence with nothing to compute");
+    bool self_preempted = false;
+    while (blocks_missing(*s, n) > pool_->num_free()) {
+      Sequence* victim = running_.back();
+      plan.preempted.push_back(victim->id);
+      preempt(victim);
+      preempted_for_running = true;
+      if (victim == s) {
+        self_preempted = true;
+        break;
+      }
+    }
+    if (self_preempted) break;
+    grow(s, n);
+    plan.seqs.push_back({s, n, s->num_computed + n == s->num_tokens()});
+    plan.num_tokens += n;
+    budget -= n;
+    ++i;
+  }
+  if (preempted_for_running) std::stable_sort(waiting_.begin(), waiting_.end(), ranks_before);
+
+  // Phase 2: admit waiting sequences in order; stop at the first that does not fit, so a
+  // long prompt is not starved by shorter ones behind it. No admissions in a step that
+  // had to preempt for running sequences: the pool is already short.
+  if (!preempted_for_running) {
+    const int32_t watermark =
+        running_.empty() ? 0
+                         : static_cast<int32_t>(std::ceil(config_.admission_watermark *
+                                                          pool_->num_total()));
+    size_t admitted = 0;
+    while (admitted < waiting_.size() && budget > 0 && num_running() < config_.max_batch_size) {
+      Sequence* s = waiting_[admitted];
+      int32_t n = std::min({s->num_tokens() - s->num_computed, chunk, budget});
+      if (blocks_missing(*s, n) + watermark > pool_->num_free()) break;
+      grow(s, n);
+      s->status = SeqStatus::kRunning;
+      running_.push_back(s);
+      plan.seqs.push_back({s, n, s->num_computed + n == s->num_tokens()});
+      plan.num_tokens += n;
+      budget -= n;
+      ++admitted;
+    }
+    waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(admitted));
+  }
+  return plan;
+}
+
+void Scheduler::complete_step(const StepPlan& plan) {
+  for (const ScheduledSeq& s : plan.seqs) {
+    if (s.seq->status == SeqStatus::kRunning) s.seq->num_computed += s.num_new_tokens;
+  }
+}
+
+void Scheduler::finish(Sequence* seq, FinishReason reason) {
+  if (seq->status == SeqStatus::kFinished) return;
+  auto drop = [seq](std::vector<Sequence*>& q) {
+    auto it = std::find(q.begin(), q.end(), seq);
+    if (it != q.end()) q.erase(it);
+  };
+  drop(running_);
+  drop(waiting_);
+  pool_->release_all(seq->block_table);
+  seq->status = SeqStatus::kFinished;
+  seq->finish_reason = reason;
+}
+
+std::unique_ptr<Sequence> Scheduler::release(int64_t id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return nullptr;
+  if (it->second->status != SeqStatus::kFinished) {
+    fail(ErrorCode::kInternal, "releasing a sequence that is not finished");
+  }
+  std::unique_ptr<Sequence> out = std::move(it->second);
+  seqs_.erase(it);
+  return out;
+}
+
+void Scheduler::check_invariants() const {
+  pool_->check_invariants();
+  std::vector<int32_t> owners(pool_->num_total(), 0);
+  int64_t owned = 0;
+  for (Sequence* s : running_) {
+    if (s->status != SeqStatus::kRunning) fail(ErrorCode::kInternal, "running queue state");
+    if (static_cast<int32_t>(s->block_table.size()) <
+        blocks_for_tokens(s->num_computed, config_.block_size)) {
+      fail(ErrorCode::kInternal, "sequence without blocks for its computed tokens");
+    }
+    for (int32_t b : s->block_table) {
+      ++owners.at(b);
+      ++owned;
+    }
+  }
+  for (Sequence* s : waiting_) {
+    if (s->status != SeqStatus::kWaiting) fail(ErrorCode::kInternal, "waiting queue state");
+    if (!s->block_table.empty() || s->num_computed != 0) {
+      fail(ErrorCode::kInternal, "waiting sequence holds KV blocks");
+    }
+  }
+  for (int32_t b = 0; b < pool_->num_total(); ++b) {
+    if (owners[b] != pool_->refcount(b)) {
+      fail(ErrorCode::kInternal, "block " + std::to_string(b) + " has refcount " +
+                                     std::to_string(pool_->refcount(b)) + " but " +
+                                     std::to_string(owners[b]) + " owners");
+    }
+  }
+  if (owned != pool_->num_used()) fail(ErrorCode::kInternal, "block accounting mismatch");
+}
+
+}  // namespace k25

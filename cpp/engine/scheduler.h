@@ -1,0 +1,83 @@
+// The scheduler: pure policy. Decides which sequences run in a step and how many tokens
+// each computes, under one token budget; allocates their KV blocks; preempts by
+// recompute when blocks run out. It never touches tensors.
+//
+// Order: priority class (gold, silver, bronze), then arrival. Running sequences are
+// served first (decodes and unfinished prompt chunks), then waiting ones are admitted.
+// A waiting sequence of a higher class may preempt running sequences of a strictly
+// lower class when it cannot otherwise be admitted; a running sequence that needs a
+// block preempts the lowest-ranked running sequences (possibly itself).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "k25/config.h"
+#include "engine/sequence.h"
+#include "kv/block_pool.h"
+
+namespace k25 {
+
+struct ScheduledSeq {
+  Sequence* seq;
+  int32_t num_new_tokens;  // tokens computed this step, starting at seq->num_computed
+  bool emits;              // this step computes the last known token: sample the next
+};
+
+struct StepPlan {
+  std::vector<ScheduledSeq> seqs;
+  std::vector<int64_t> preempted;  // ids preempted while planning this step
+  int32_t num_tokens = 0;
+  bool empty() const { return seqs.empty(); }
+};
+
+class Scheduler {
+ public:
+  Scheduler(const EngineConfig& config, BlockPool* pool);
+
+  // Takes ownership; the sequence waits until schedule() admits it.
+  void add(std::unique_ptr<Sequence> seq);
+  // Plans one step and allocates the blocks it needs.
+  StepPlan schedule();
+  // Marks the planned tokens computed. Call after the step ran.
+  void complete_step(const StepPlan& plan);
+  // Frees the sequence's blocks and removes it from the queues. The sequence object
+  // stays alive until release() so that its final output can be built.
+  void finish(Sequence* seq, FinishReason reason);
+  std::unique_ptr<Sequence> release(int64_t id);
+
+  Sequence* find(int64_t id);
+  bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
+  int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
+  int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
+  int64_t num_preemptions() const { return num_preemptions_; }
+  const EngineConfig& config() const { return config_; }
+  const std::vector<Sequence*>& running() const { return running_; }
+  const std::vector<Sequence*>& waiting() const { return waiting_; }
+
+  // Throws kInternal when block ownership is inconsistent (for tests and debug builds).
+  void check_invariants() const;
+
+ private:
+  void preempt(Sequence* seq);
+  int32_t blocks_missing(const Sequence& seq, int32_t num_new_tokens) const;
+  bool grow(Sequence* seq, int32_t num_new_tokens);
+  void sort_queues();
+
+  EngineConfig config_;
+  BlockPool* pool_;
+  std::map<int64_t, std::unique_ptr<Sequence>> seqs_;
+  std::vector<Sequence*> running_;
+  std::vector<Sequence*> waiting_;
+  int64_t num_preemptions_ = 0;
+};
+
+// True when a ranks before b (higher priority class, then earlier arrival).
+inline bool ranks_before(const Sequence* a, const Sequence* b) {
+  if (a->priority != b->priority) return a->priority < b->priority;
+  return a->arrival < b->arrival;
+}
+
+}  // namespace k25

@@ -1,0 +1,49 @@
+// The state of one request inside the engine. The scheduler owns every Sequence.
+//
+// A sequence is its token list (prompt, then generated tokens) and how many of those
+// tokens already have KV in the cache (num_computed). Each step computes some of the
+// rest: a chunk of the prompt, or the one newest token. There is no prefill/decode
+// phase; after a preemption by recompute num_computed is 0 again and the generated
+// tokens are recomputed along with the prompt.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "k25/sampling.h"
+
+namespace k25 {
+
+enum class SeqStatus { kWaiting, kRunning, kFinished };
+
+enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
+const char* finish_reason_name(FinishReason r);
+
+struct Sequence {
+  int64_t id = 0;
+  Priority priority = Priority::kSilver;
+  uint64_t arrival = 0;  // admission order; ties in priority go to the earliest
+  std::vector<int32_t> tokens;
+  int32_t num_prompt_tokens = 0;
+  int32_t num_computed = 0;
+  int32_t max_total_tokens = 0;  // prompt + allowed new tokens (<= max_seq_len)
+  std::vector<int32_t> block_table;
+  SamplingParams params;
+  uint64_t seed = 0;  // effective sampling seed
+  SeqStatus status = SeqStatus::kWaiting;
+  FinishReason finish_reason = FinishReason::kNone;
+  int32_t num_preemptions = 0;
+  bool want_prompt_logits = false;
+  std::vector<float> prompt_logits;  // [num_prompt_tokens, vocab] when asked
+  std::string output_bytes_tail;  // last bytes of the output, for stop strings
+  double arrival_time = 0;        // seconds, engine clock
+  double first_token_time = -1;
+
+  int32_t num_tokens() const { return static_cast<int32_t>(tokens.size()); }
+  int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
+  // A sequence that still has tokens without KV is prefilling (or recomputing).
+  bool is_prefill() const { return num_tokens() - num_computed > 1; }
+};
+
+}  // namespace k25

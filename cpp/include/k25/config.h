@@ -1,0 +1,20 @@
+// Engine configuration shared by the scheduler, the KV pool and the executors.
+#pragma once
+
+#include <cstdint>
+
+namespace k25 {
+
+struct EngineConfig {
+  int32_t max_batch_size = 64;           // sequences per step
+  int32_t max_num_batched_tokens = 2048; // token budget of one step (prefill chunks + decodes)
+  int32_t prefill_chunk_size = 512;      // most prompt tokens one sequence computes per step
+  int32_t block_size = 16;               // tokens per KV block
+  int32_t num_kv_blocks = 0;             // size of the primary KV pool, in blocks
+  int32_t max_seq_len = 8192;            // prompt + generated tokens of one sequence
+  int32_t decode_max_tokens = 0;         // cap on max_new_tokens of any request (0: none)
+  int32_t num_threads = 0;               // intra-op threads of the engine thread (0: default)
+  float admission_watermark = 0.01f;     // fraction of blocks kept free when admitting
+};
+
+}  // namespace k25

@@ -1,0 +1,130 @@
+// k25::Engine — the engine loop on its own thread.
+//
+// add_request() validates and queues a request and returns its id; the engine thread
+// schedules, runs the model, samples and emits incremental RequestOutputs, which callers
+// collect with wait_outputs(). Thread-safe: any thread may add, abort or wait.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "k25/config.h"
+#include "k25/sampling.h"
+
+namespace k25 {
+
+class ModelExecutor;
+class Scheduler;
+class BlockPool;
+struct Sequence;
+struct StepPlan;
+
+struct TokenLogprobOut {
+  int32_t token;
+  float logprob;
+  std::vector<std::pair<int32_t, float>> top;
+};
+
+struct RequestOutput {
+  int64_t id = 0;
+  std::vector<int32_t> new_token_ids;
+  std::vector<TokenLogprobOut> new_logprobs;  // one per new token when logprobs were asked
+  bool finished = false;
+  std::string finish_reason;  // "stop", "length", "abort", "error" once finished
+  std::string stop_string;    // the stop string that ended it, if any
+  std::string error;
+  int32_t num_prompt_tokens = 0;
+  int32_t num_output_tokens = 0;
+  int32_t num_preemptions = 0;
+  std::vector<float> prompt_logits;  // [num_prompt_tokens, vocab] when asked, at finish
+};
+
+struct EngineStats {
+  int64_t steps = 0;
+  int64_t prefill_tokens = 0;  // tokens computed for prompts (and recomputation)
+  int64_t decode_tokens = 0;   // tokens computed one per sequence per step
+  int64_t generated_tokens = 0;
+  int64_t preemptions = 0;
+  int64_t requests_added = 0;
+  int64_t requests_finished = 0;
+  int64_t requests_aborted = 0;
+  int64_t requests_failed = 0;
+  int32_t running = 0;
+  int32_t waiting = 0;
+  int32_t blocks_total = 0;
+  int32_t blocks_used = 0;
+  int32_t blocks_free = 0;
+  int32_t block_size = 0;
+  double busy_time_s = 0;  // time spent inside steps
+  double last_step_s = 0;
+  int32_t last_step_tokens = 0;
+};
+
+struct RequestSpec {
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+  Priority priority = Priority::kSilver;
+  bool want_prompt_logits = false;
+};
+
+class Engine {
+ public:
+  // token_bytes[i]: the UTF-8 bytes token i adds to the text (for stop strings; may be
+  // empty when the model has no tokenizer). eos_token_ids end generation unless ignore_eos.
+  Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> executor,
+         std::vector<std::string> token_bytes, std::vector<int32_t> eos_token_ids);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates and queues; throws k25::Error (kInvalidArgument, kResourceExhausted).
+  int64_t add_request(RequestSpec spec);
+  // Ends a request early (finish_reason "abort"); unknown or finished ids are ignored.
+  void abort(int64_t id);
+  // Blocks until at least one output is ready or the timeout passes.
+  std::vector<RequestOutput> wait_outputs(double timeout_s);
+  EngineStats stats() const;
+  const EngineConfig& config() const { return config_; }
+  // Aborts what is left and stops the engine thread. Idempotent.
+  void shutdown();
+
+ private:
+  void loop();
+  void step();
+  void emit(RequestOutput out);
+  void finish(Sequence* seq, int reason, const std::string& error, std::vector<RequestOutput>* outs);
+  bool check_stop(Sequence* seq, int32_t token, std::string* matched);
+
+  EngineConfig config_;
+  std::unique_ptr<ModelExecutor> executor_;
+  std::vector<std::string> token_bytes_;
+  std::vector<int32_t> eos_token_ids_;
+  size_t max_stop_len_cap_ = 0;
+  int32_t vocab_size_ = 0;
+
+  std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<Scheduler> scheduler_;
+
+  mutable std::mutex mu_;  // guards inbox_, aborts_, stop_, stats_ snapshot
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Sequence>> inbox_;
+  std::vector<int64_t> aborts_;
+  bool stop_ = false;
+  int64_t next_id_ = 1;
+  uint64_t next_arrival_ = 0;
+  EngineStats stats_;
+
+  std::mutex out_mu_;
+  std::condition_variable out_cv_;
+  std::deque<RequestOutput> outbox_;
+
+  std::thread thread_;
+};
+
+}  // namespace k25

@@ -1,0 +1,191 @@
+#include "model/llama_model.h"
+
+#include <cmath>
+
+#include "k25/status.h"
+#include "ops/cpu_kernels.h"
+
+namespace k25 {
+
+namespace {
+
+// Inverse RoPE frequencies computed with the same float32 ops, in the same order, as
+// Hugging Face transformers, so that cos/sin tables agree bit for bit.
+at::Tensor rope_inv_freq(const ModelConfig& c, const at::Tensor& freq_factors) {
+  const int64_t D = c.head_dim;
+  at::Tensor expo = at::arange(0, D, 2, at::kLong).to(at::kFloat) / static_cast<double>(D);
+  at::Tensor inv = at::reciprocal(at::pow(at::Scalar(c.rope.theta), expo)) * 1.0;
+  const RopeConfig& r = c.rope;
+  if (r.type == "linear") {
+    inv = inv / r.factor;
+  } else if (r.type == "llama3") {
+    const double old_ctx = static_cast<double>(r.original_max_position);
+    const double low_wavelen = old_ctx / r.low_freq_factor;
+    const double high_wavelen = old_ctx / r.high_freq_factor;
+    at::Tensor wavelen = at::reciprocal(inv) * (2 * M_PI);
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
+    at::Tensor smooth = (at::reciprocal(wavelen) * old_ctx - r.low_freq_factor) /
+                        (r.high_freq_factor - r.low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+    at::Tensor medium = at::logical_not(wavelen < high_wavelen) * at::logical_not(wavelen > low_wavelen);
+    inv = at::where(medium, smoothed, scaled);
+  }
+  if (freq_factors.defined()) inv = inv / freq_factors;
+  return inv.contiguous();
+}
+
+at::Tensor rms_norm_aten(const at::Tensor& x, const at::Tensor& w, double eps) {
+  at::Tensor var = x.pow(2).mean(-1, true);
+  return w * (x * at::rsqrt(var + eps));
+}
+
+at::Tensor i32_view(const std::vector<int32_t>& v) {
+  return at::from_blob(const_cast<int32_t*>(v.data()), {static_cast<int64_t>(v.size())}, at::kInt);
+}
+
+}  // namespace
+
+LlamaModel::LlamaModel(ModelConfig config, LlamaWeights weights, int32_t max_positions)
+    : config_(std::move(config)), weights_(std::move(weights)) {
+  at::Tensor inv = rope_inv_freq(config_, weights_.rope_freq_factors);
+  at::Tensor pos = at::arange(0, max_positions, at::kLong).to(at::kFloat);
+  at::Tensor freqs = at::outer(pos, inv);
+  rope_cos_ = freqs.cos().contiguous();
+  rope_sin_ = freqs.sin().contiguous();
+}
+
+int64_t LlamaModel::weight_bytes() const {
+  auto b = [](const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; };
+  int64_t n = b(weights_.embed) + b(weights_.final_norm);
+  if (!weights_.lm_head.is_same(weights_.embed)) n += b(weights_.lm_head);
+  for (const LayerWeights& l : weights_.layers) {
+    n += b(l.attn_norm) + b(l.wqkv) + b(l.bqkv) + b(l.wo) + b(l.bo) + b(l.ffn_norm) +
+         b(l.w_gate_up) + b(l.w_down);
+  }
+  return n;
+}
+
+at::Tensor LlamaModel::forward(const BatchMeta& meta, float* kv, const KVLayout& layout,
+                               bool fused) const {
+  const ModelConfig& c = config_;
+  const LlamaWeights& W = weights_;
+  const int64_t T = meta.num_tokens();
+  const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
+  const int32_t Hq = c.num_heads, Hkv = c.num_kv_heads;
+  const int64_t qkv_dim = (Hq + 2 * Hkv) * D;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  if (meta.positions.back() >= rope_cos_.size(0)) {
+    fail(ErrorCode::kInvalidArgument, "position beyond the RoPE table (max_seq_len)");
+  }
+
+  at::Tensor ids = i32_view(meta.token_ids);
+  at::Tensor h = at::index_select(W.embed, 0, ids);  // residual stream [T, H]
+  at::Tensor x = at::empty({T, H}, h.options());
+  at::Tensor attn = at::empty({T, Hq * D}, h.options());
+  at::Tensor act = at::empty({T, I}, h.options());
+
+  cpu::AttentionBatch ab;
+  ab.query_start = meta.query_start.data();
+  ab.context_lens = meta.context_lens.data();
+  ab.block_tables = meta.block_tables.data();
+  ab.max_blocks_per_seq = meta.max_blocks_per_seq;
+  ab.num_seqs = meta.num_seqs();
+
+  if (fused) {
+    cpu::rms_norm(h.data_ptr<float>(), H, W.layers[0].attn_norm.data_ptr<float>(), x.data_ptr<float>(), H, T, H, eps);
+  }
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& L = W.layers[l];
+    if (!fused) x = rms_norm_aten(h, L.attn_norm, c.rms_norm_eps);
+    at::Tensor qkv = L.bqkv.defined() ? at::addmm(L.bqkv, x, L.wqkv.t()) : at::mm(x, L.wqkv.t());
+    const int32_t window = c.layer_sliding_window[l];
+    if (fused) {
+      cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
+                         rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), kv, layout, l);
+      cpu::paged_attention(qkv.data_ptr<float>(), qkv_dim, attn.data_ptr<float>(), kv, layout, l, ab, Hq, scale,
+                           window);
+    } else {
+      // RoPE as transformers writes it: x * cos + rotate_half(x) * sin, on q and k.
+      at::Tensor pos = i32_view(meta.positions).to(at::kLong);
+      at::Tensor cos = at::index_select(rope_cos_, 0, pos);
+      at::Tensor sin = at::index_select(rope_sin_, 0, pos);
+      cos = at::cat({cos, cos}, -1).unsqueeze(1);
+      sin = at::cat({sin, sin}, -1).unsqueeze(1);
+      at::Tensor qk = qkv.narrow(1, 0, (Hq + Hkv) * D).view({T, Hq + Hkv, D});
+      at::Tensor rot = at::cat({-qk.narrow(2, D / 2, D / 2), qk.narrow(2, 0, D / 2)}, -1);
+      qk.copy_(qk * cos + rot * sin);
+      cpu::write_kv(qkv.data_ptr<float>(), qkv_dim, meta.slot_mapping.data(), T, Hq, kv, layout, l);
+      attention_unfused(qkv, meta, kv, layout, l, attn);
+    }
+    at::Tensor o = L.bo.defined() ? at::addmm(L.bo, attn, L.wo.t()) : at::mm(attn, L.wo.t());
+    if (fused) {
+      cpu::add_rms_norm(h.data_ptr<float>(), o.data_ptr<float>(), L.ffn_norm.data_ptr<float>(), x.data_ptr<float>(),
+                        T, H, eps);
+    } else {
+      h = h + o;
+      x = rms_norm_aten(h, L.ffn_norm, c.rms_norm_eps);
+    }
+    at::Tensor gu = at::mm(x, L.w_gate_up.t());
+    if (fused) {
+      cpu::silu_mul(gu.data_ptr<float>(), act.data_ptr<float>(), T, I);
+    } else {
+      act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
+    }
+    at::Tensor d = at::mm(act, L.w_down.t());
+    if (fused && l + 1 < c.num_layers) {
+      cpu::add_rms_norm(h.data_ptr<float>(), d.data_ptr<float>(), W.layers[l + 1].attn_norm.data_ptr<float>(),
+                        x.data_ptr<float>(), T, H, eps);
+    } else if (fused) {
+      h.add_(d);
+    } else {
+      h = h + d;
+    }
+  }
+  if (meta.logits_rows.empty()) return at::empty({0, c.vocab_size}, h.options());
+  at::Tensor rows = at::index_select(h, 0, i32_view(meta.logits_rows));
+  at::Tensor xr;
+  if (fused) {
+    xr = at::empty_like(rows);
+    cpu::rms_norm(rows.data_ptr<float>(), H, W.final_norm.data_ptr<float>(), xr.data_ptr<float>(), H, rows.size(0),
+                  H, eps);
+  } else {
+    xr = rms_norm_aten(rows, W.final_norm, c.rms_norm_eps);
+  }
+  return at::mm(xr, W.lm_head.t());
+}
+
+void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, float* kv,
+                                   const KVLayout& layout, int32_t layer, at::Tensor& out) const {
+  const ModelConfig& c = config_;
+  const int64_t D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads, bs = layout.block_size;
+  const int32_t window = c.layer_sliding_window[layer];
+  const int64_t max_block = [&] {
+    int64_t m = 0;
+    for (int32_t b : meta.block_tables) m = std::max<int64_t>(m, b + 1);
+    return m;
+  }();
+  // [blocks, layers, K/V, heads, bs * D] over just the blocks this step touches.
+  at::Tensor pool = at::from_blob(kv, {max_block, layout.num_layers, 2, Hkv, bs * D}, at::kFloat).select(1, layer);
+  for (int32_t s = 0; s < meta.num_seqs(); ++s) {
+    const int64_t q0 = meta.query_start[s], q_len = meta.query_start[s + 1] - q0;
+    const int64_t ctx = meta.context_lens[s];
+    const int64_t nb = (ctx + bs - 1) / bs;
+    std::vector<int64_t> table(meta.block_tables.begin() + static_cast<int64_t>(s) * meta.max_blocks_per_seq,
+                               meta.block_tables.begin() + static_cast<int64_t>(s) * meta.max_blocks_per_seq + nb);
+    at::Tensor blocks = at::index_select(pool, 0, at::tensor(table, at::kLong));  // [nb, 2, Hkv, bs*D]
+    at::Tensor k = blocks.select(1, 0).view({nb, Hkv, D, bs}).permute({1, 0, 3, 2}).reshape({Hkv, nb * bs, D});
+    at::Tensor v = blocks.select(1, 1).view({nb, Hkv, bs, D}).permute({1, 0, 2, 3}).reshape({Hkv, nb * bs, D});
+    k = k.narrow(1, 0, ctx).repeat_interleave(Hq / Hkv, 0);
+    v = v.narrow(1, 0, ctx).repeat_interleave(Hq / Hkv, 0);
+    at::Tensor q = qkv.narrow(0, q0, q_len).narrow(1, 0, Hq * D).reshape({q_len, Hq, D}).transpose(0, 1);
+    at::Tensor qpos = at::arange(ctx - q_len, ctx, at::kLong).unsqueeze(1);
+    at::Tensor kpos = at::arange(0, ctx, at::kLong).unsqueeze(0);
+    at::Tensor mask = kpos <= qpos;
+    if (window > 0) mask = at::logical_and(mask, kpos > qpos - window);
+    at::Tensor o = at::scaled_dot_product_attention(q, k, v, mask);  // [Hq, q_len, D]
+    out.narrow(0, q0, q_len).copy_(o.transpose(0, 1).reshape({q_len, Hq * D}));
+  }
+}
+
+}  // namespace k25

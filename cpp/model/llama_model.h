@@ -1,0 +1,70 @@
+// The Llama-family decoder on ATen: weights and one forward pass over a BatchMeta.
+//
+// Linear layers go through ATen (MKL/oneDNN on CPU). The fused path uses the kernels of
+// cpp/ops (RoPE + KV write, residual add + RMSNorm, SiLU·mul, paged attention); the
+// unfused path (enable_kernel_fusion=False) uses plain ATen ops and SDPA over KV
+// gathered from the pages, so the two can be compared and timed.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "engine/executor.h"
+#include "model/model_config.h"
+#include "ops/kv_layout.h"
+
+namespace k25 {
+
+struct LayerWeights {
+  at::Tensor attn_norm;  // [H]
+  at::Tensor wqkv;       // [(Hq + 2 Hkv) D, H]: q rows, then k, then v
+  at::Tensor bqkv;       // [(Hq + 2 Hkv) D] or undefined
+  at::Tensor wo;         // [H, Hq D]
+  at::Tensor bo;         // [H] or undefined
+  at::Tensor ffn_norm;   // [H]
+  at::Tensor w_gate_up;  // [2 I, H]: gate rows, then up
+  at::Tensor w_down;     // [H, I]
+};
+
+struct LlamaWeights {
+  at::Tensor embed;       // [V, H]
+  at::Tensor final_norm;  // [H]
+  at::Tensor lm_head;     // [V, H]; the same storage as embed when tied
+  std::vector<LayerWeights> layers;
+  at::Tensor rope_freq_factors;  // [D / 2] divisors of the inverse frequencies, or undefined
+};
+
+class LlamaModel {
+ public:
+  LlamaModel(ModelConfig config, LlamaWeights weights, int32_t max_positions);
+
+  const ModelConfig& config() const { return config_; }
+  const LlamaWeights& weights() const { return weights_; }
+  int64_t weight_bytes() const;
+
+  // Runs every layer for the step's tokens, writing their K and V into `kv` (laid out
+  // as `layout`), and returns float32 logits [meta.logits_rows.size(), vocab].
+  at::Tensor forward(const BatchMeta& meta, float* kv, const KVLayout& layout, bool fused) const;
+
+ private:
+  void attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, float* kv,
+                         const KVLayout& layout, int32_t layer, at::Tensor& out) const;
+
+  ModelConfig config_;
+  LlamaWeights weights_;
+  at::Tensor rope_cos_;  // [max_positions, D / 2]
+  at::Tensor rope_sin_;
+};
+
+// Reads a GGUF file or a Hugging Face directory and builds float32 weights.
+struct LoadedModel {
+  ModelConfig config;
+  LlamaWeights weights;
+  std::string path;
+  std::string format;  // gguf | safetensors
+};
+LoadedModel load_llama_weights(const std::string& path, int32_t num_threads);
+
+}  // namespace k25

@@ -1,0 +1,425 @@
+#include "ops/cpu_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "ops/parallel.h"
+
+namespace k25::cpu {
+
+namespace {
+
+// exp(x) in float with ~1 ulp error, written so the compiler vectorises loops over it
+// (std::exp is not vectorised without -ffast-math). Inputs below -87 flush to 0.
+inline float vexp(float x) {
+  const float lo = -87.0f, hi = 88.0f;
+  const bool under = x < lo;
+  x = std::min(std::max(x, lo), hi);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return under ? 0.0f : p * scale;
+}
+
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  // 16 partial sums: vectorises, and keeps the rounding error of long rows small.
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
+  }
+  float s = 0.0f;
+  for (; i < n; ++i) s += x[i] * x[i];
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return 1.0f / std::sqrt(s / static_cast<float>(n) + eps);
+}
+
+int64_t grain_for(int64_t rows, int64_t work_per_row) {
+  // Below ~32K flops a task is not worth a thread.
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, work_per_row));
+}
+
+}  // namespace
+
+void rms_norm(const float* x, int64_t x_stride, const float* w, float* out, int64_t out_stride,
+              int64_t rows, int64_t n, float eps) {
+  parallel_for(0, rows, grain_for(rows, 3 * n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* xr = x + t * x_stride;
+      float* o = out + t * out_stride;
+      const float inv = inv_rms(xr, n, eps);
+      for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (xr[i] * inv);
+    }
+  });
+}
+
+void add_rms_norm(float* h, const float* delta, const float* w, float* out, int64_t rows,
+                  int64_t n, float eps) {
+  parallel_for(0, rows, grain_for(rows, 4 * n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float* hr = h + t * n;
+      const float* dr = delta + t * n;
+      for (int64_t i = 0; i < n; ++i) hr[i] += dr[i];
+      const float inv = inv_rms(hr, n, eps);
+      float* o = out + t * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (hr[i] * inv);
+    }
+  });
+}
+
+void silu_mul(const float* gu, float* out, int64_t rows, int64_t n) {
+  parallel_for(0, rows, grain_for(rows, 8 * n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* g = gu + t * 2 * n;
+      const float* u = g + n;
+      float* o = out + t * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + vexp(-g[i])) * u[i];
+    }
+  });
+}
+
+namespace {
+
+inline void rotate(float* x, const float* c, const float* s, int32_t half) {
+  for (int32_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c[i] - x2 * s[i];
+    x[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+inline void store_kv(const float* k, const float* v, int64_t slot, float* kv, const KVLayout& L,
+                     int32_t layer, int32_t head) {
+  const int64_t block = slot / L.block_size;
+  const int32_t off = static_cast<int32_t>(slot % L.block_size);
+  float* kd = kv + L.k_offset(block, layer, head);
+  float* vd = kv + L.v_offset(block, layer, head) + static_cast<int64_t>(off) * L.head_dim;
+  for (int32_t d = 0; d < L.head_dim; ++d) kd[static_cast<int64_t>(d) * L.block_size + off] = k[d];
+  std::memcpy(vd, v, sizeof(float) * L.head_dim);
+}
+
+}  // namespace
+
+void rope_inplace(float* qkv, int64_t row_stride, const int32_t* positions, int64_t rows,
+                  int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+                  const float* cos_table, const float* sin_table) {
+  const int32_t half = head_dim / 2;
+  parallel_for(0, rows, grain_for(rows, 6 * (num_heads + num_kv_heads) * head_dim), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cos_table + static_cast<int64_t>(positions[t]) * half;
+      const float* s = sin_table + static_cast<int64_t>(positions[t]) * half;
+      float* row = qkv + t * row_stride;
+      for (int32_t h = 0; h < num_heads + num_kv_heads; ++h) rotate(row + h * head_dim, c, s, half);
+    }
+  });
+}
+
+void write_kv(const float* qkv, int64_t row_stride, const int64_t* slot_mapping, int64_t rows,
+              int32_t num_heads, float* kv, const KVLayout& L, int32_t layer) {
+  const int32_t D = L.head_dim;
+  parallel_for(0, rows, grain_for(rows, 4 * L.num_kv_heads * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = qkv + t * row_stride;
+      for (int32_t h = 0; h < L.num_kv_heads; ++h) {
+        const float* k = row + (num_heads + h) * D;
+        const float* v = row + (num_heads + L.num_kv_heads + h) * D;
+        store_kv(k, v, slot_mapping[t], kv, L, layer, h);
+      }
+    }
+  });
+}
+
+void rope_write_kv(float* qkv, int64_t row_stride, const int32_t* positions,
+                   const int64_t* slot_mapping, int64_t rows, int32_t num_heads,
+                   const float* cos_table, const float* sin_table, float* kv, const KVLayout& L,
+                   int32_t layer) {
+  const int32_t D = L.head_dim, half = D / 2;
+  parallel_for(0, rows, grain_for(rows, 8 * (num_heads + L.num_kv_heads) * D), [&](int64_t b, int64_t e) {
+    std::vector<float> k(D);
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cos_table + static_cast<int64_t>(positions[t]) * half;
+      const float* s = sin_table + static_cast<int64_t>(positions[t]) * half;
+      float* row = qkv + t * row_stride;
+      for (int32_t h = 0; h < num_heads; ++h) rotate(row + h * D, c, s, half);
+      for (int32_t h = 0; h < L.num_kv_heads; ++h) {
+        std::memcpy(k.data(), row + (num_heads + h) * D, sizeof(float) * D);
+        rotate(k.data(), c, s, half);
+        store_kv(k.data(), row + (num_heads + L.num_kv_heads + h) * D, slot_mapping[t], kv, L, layer, h);
+      }
+    }
+  });
+}
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct WorkItem {
+  int32_t seq, kv_head, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence
+};
+
+// 16 floats as one vector (GCC/Clang vector extensions: AVX-512, 2x AVX2 or 4x NEON).
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned access
+
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+
+// exp of 16 floats; the same algorithm as vexp.
+inline v16 vexp16(v16 x) {
+  const v16 lo = v16{} - 87.0f, hi = v16{} + 88.0f;
+  const auto under = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // Round to nearest by the 1.5 * 2^23 trick (|x * log2 e| < 2^22 here).
+  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  const v16 out = p * (v16)e;  // same-size vector cast: reinterprets the bits
+  return under ? v16{} : out;
+}
+
+// Horizontal max and sum as log-depth shuffle trees (a scalar loop costs ~4x more).
+inline float hmax16(v16 x) {
+  const v16i s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const v16i s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const v16i s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const v16i s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  v16 y = __builtin_shuffle(x, s8);
+  x = x > y ? x : y;
+  y = __builtin_shuffle(x, s4);
+  x = x > y ? x : y;
+  y = __builtin_shuffle(x, s2);
+  x = x > y ? x : y;
+  y = __builtin_shuffle(x, s1);
+  x = x > y ? x : y;
+  return x[0];
+}
+
+inline float hsum16(v16 x) {
+  const v16i s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const v16i s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const v16i s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const v16i s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  x += __builtin_shuffle(x, s8);
+  x += __builtin_shuffle(x, s4);
+  x += __builtin_shuffle(x, s2);
+  x += __builtin_shuffle(x, s1);
+  return x[0];
+}
+
+// kR query rows (the heads of a GQA group for one or a few tokens of one sequence)
+// against every key they may see, 16 keys at a time, with an online softmax. One load
+// of each K/V vector serves all rows; the accumulators stay in vector registers.
+template <int kD, int kR>
+void attend_tile(const float* const* qrows, float* const* orows, const int32_t* pos, const int32_t* lo,
+                 const float* kv, const KVLayout& L, int32_t layer, int32_t kv_head, const int32_t* table,
+                 float scale) {
+  constexpr int kC = kD / 16;
+  const int32_t bs = L.block_size;
+  v16 acc[kR][kC];
+  float m[kR], l[kR];
+  int32_t lo_min = lo[0], pos_max = pos[0];
+  for (int r = 0; r < kR; ++r) {
+    for (int j = 0; j < kC; ++j) acc[r][j] = v16{};
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+    lo_min = std::min(lo_min, lo[r]);
+    pos_max = std::max(pos_max, pos[r]);
+  }
+  v16 iota;
+  for (int i = 0; i < 16; ++i) iota[i] = static_cast<float>(i);
+  for (int32_t blk = lo_min / bs; blk <= pos_max / bs; ++blk) {
+    const float* Kt = kv + L.k_offset(table[blk], layer, kv_head);  // [D][bs]
+    const float* V = kv + L.v_offset(table[blk], layer, kv_head);   // [bs][D]
+    for (int32_t c = 0; c < bs; c += 16) {
+      const int32_t base = blk * bs + c;
+      if (base > pos_max) break;
+      if (base + 16 <= lo_min) continue;
+      v16 s[kR];
+      for (int r = 0; r < kR; ++r) s[r] = v16{};
+      for (int d = 0; d < kD; ++d) {
+        const v16 k = load16(Kt + static_cast<int64_t>(d) * bs + c);
+        for (int r = 0; r < kR; ++r) s[r] += k * qrows[r][d];
+      }
+      const v16 kpos = iota + static_cast<float>(base);
+      v16 p[kR];
+      for (int r = 0; r < kR; ++r) {
+        // Slots past pos (not yet written) or before the window are masked; selecting
+        // -inf, not multiplying, keeps garbage in unwritten slots out of the result.
+        const auto ok = (kpos >= static_cast<float>(lo[r])) & (kpos <= static_cast<float>(pos[r]));
+        const v16 sr = ok ? s[r] * scale : v16{} + kNegInf;
+        const float bmax = hmax16(sr);
+        if (bmax == kNegInf) {
+          p[r] = v16{};
+          continue;
+        }
+        const float m_new = std::max(m[r], bmax);
+        const float alpha = vexp(m[r] - m_new);  // 0 while m is -inf
+        p[r] = vexp16(sr - m_new);
+        l[r] = l[r] * alpha + hsum16(p[r]);
+        m[r] = m_new;
+        for (int j = 0; j < kC; ++j) acc[r][j] *= alpha;
+      }
+      // Every slot in [lo_min, pos_max] holds written K/V, so p = 0 rows multiply finite data.
+      const int32_t t0 = std::max(0, lo_min - base), t1 = std::min(16, pos_max - base + 1);
+      for (int32_t t = t0; t < t1; ++t) {
+        const float* vt = V + static_cast<int64_t>(c + t) * kD;
+        v16 vv[kC];
+        for (int j = 0; j < kC; ++j) vv[j] = load16(vt + 16 * j);
+        for (int r = 0; r < kR; ++r) {
+          const float pt = p[r][t];
+          for (int j = 0; j < kC; ++j) acc[r][j] += vv[j] * pt;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kR; ++r) {
+    const float inv = 1.0f / l[r];
+    for (int j = 0; j < kC; ++j) *reinterpret_cast<v16u*>(orows[r] + 16 * j) = acc[r][j] * inv;
+  }
+}
+
+template <int kD>
+void attend_tile_rows(int rows, const float* const* q, float* const* o, const int32_t* pos, const int32_t* lo,
+                      const float* kv, const KVLayout& L, int32_t layer, int32_t kv_head, const int32_t* table,
+                      float scale) {
+  switch (rows) {
+    case 1: return attend_tile<kD, 1>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
+    case 2: return attend_tile<kD, 2>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
+    case 3: return attend_tile<kD, 3>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
+    case 4: return attend_tile<kD, 4>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
+    case 5: return attend_tile<kD, 5>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
+    case 6: return attend_tile<kD, 6>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
+    case 7: return attend_tile<kD, 7>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
+    default: return attend_tile<kD, 8>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
+  }
+}
+
+constexpr int kMaxTileRows = 8;
+
+// Any head_dim and block size: the same algorithm one key at a time.
+inline void attend_row_generic(const float* qr, float* out, const float* kv, const KVLayout& L, int32_t layer,
+                               int32_t kv_head, const int32_t* table, int32_t pos, int32_t lo, float scale,
+                               std::vector<float>& acc) {
+  const int32_t bs = L.block_size, D = L.head_dim;
+  acc.assign(D, 0.0f);
+  float m = kNegInf, l = 0.0f;
+  for (int32_t kp = lo; kp <= pos; ++kp) {
+    const int64_t block = table[kp / bs];
+    const int32_t off = kp % bs;
+    const float* Kt = kv + L.k_offset(block, layer, kv_head);
+    const float* v = kv + L.v_offset(block, layer, kv_head) + static_cast<int64_t>(off) * D;
+    float s = 0.0f;
+    for (int32_t d = 0; d < D; ++d) s += qr[d] * Kt[static_cast<int64_t>(d) * bs + off];
+    s *= scale;
+    const float m_new = std::max(m, s);
+    const float alpha = vexp(m - m_new), p = vexp(s - m_new);
+    l = l * alpha + p;
+    for (int32_t d = 0; d < D; ++d) acc[d] = acc[d] * alpha + p * v[d];
+    m = m_new;
+  }
+  for (int32_t d = 0; d < D; ++d) out[d] = acc[d] / l;
+}
+
+void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out, const float* kv,
+                 const KVLayout& L, int32_t layer, const AttentionBatch& B, int32_t num_heads, float scale,
+                 int32_t window, std::vector<float>& scratch) {
+  const int32_t D = L.head_dim;
+  const int32_t group = num_heads / L.num_kv_heads;
+  const int32_t q0 = B.query_start[w.seq];
+  const int32_t q_len = B.query_start[w.seq + 1] - q0;
+  const int32_t first_pos = B.context_lens[w.seq] - q_len;  // position of the first new token
+  const int32_t* table = B.block_tables + static_cast<int64_t>(w.seq) * B.max_blocks_per_seq;
+  const bool fast = L.block_size % 16 == 0 && (D == 64 || D == 128);
+  const float* qrows[kMaxTileRows];
+  float* orows[kMaxTileRows];
+  int32_t pos[kMaxTileRows], lo[kMaxTileRows];
+  int rows = 0;
+  auto flush = [&] {
+    if (rows == 0) return;
+    if (D == 64) {
+      attend_tile_rows<64>(rows, qrows, orows, pos, lo, kv, L, layer, w.kv_head, table, scale);
+    } else {
+      attend_tile_rows<128>(rows, qrows, orows, pos, lo, kv, L, layer, w.kv_head, table, scale);
+    }
+    rows = 0;
+  };
+  for (int32_t qi = w.q_begin; qi < w.q_end; ++qi) {
+    const int32_t p = first_pos + qi;
+    const int32_t l = window > 0 ? std::max(0, p - window + 1) : 0;
+    for (int32_t j = 0; j < group; ++j) {
+      const int32_t head = w.kv_head * group + j;
+      const float* qr = q + static_cast<int64_t>(q0 + qi) * q_stride + static_cast<int64_t>(head) * D;
+      float* o = out + static_cast<int64_t>(q0 + qi) * num_heads * D + static_cast<int64_t>(head) * D;
+      if (!fast) {
+        attend_row_generic(qr, o, kv, L, layer, w.kv_head, table, p, l, scale, scratch);
+        continue;
+      }
+      qrows[rows] = qr;
+      orows[rows] = o;
+      pos[rows] = p;
+      lo[rows] = l;
+      if (++rows == kMaxTileRows) flush();
+    }
+  }
+  flush();
+}
+
+}  // namespace
+
+void paged_attention(const float* q, int64_t q_stride, float* out, const float* kv,
+                     const KVLayout& L, int32_t layer, const AttentionBatch& B,
+                     int32_t num_heads, float scale, int32_t sliding_window) {
+  // Query tiles of a few tokens: one pass over the keys serves all rows (tokens x GQA
+  // heads) of a tile.
+  const int32_t kTile = std::max(1, kMaxTileRows / std::max(1, num_heads / L.num_kv_heads));
+  std::vector<WorkItem> items;
+  for (int32_t s = 0; s < B.num_seqs; ++s) {
+    const int32_t q_len = B.query_start[s + 1] - B.query_start[s];
+    for (int32_t h = 0; h < L.num_kv_heads; ++h) {
+      for (int32_t b = 0; b < q_len; b += kTile) items.push_back({s, h, b, std::min(q_len, b + kTile)});
+    }
+  }
+  // Later tiles see more keys: hand out the most expensive items first.
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
+    const int32_t ka = B.context_lens[a.seq] - (B.query_start[a.seq + 1] - B.query_start[a.seq]) + a.q_end;
+    const int32_t kb = B.context_lens[b.seq] - (B.query_start[b.seq + 1] - B.query_start[b.seq]) + b.q_end;
+    return ka > kb;
+  });
+  // parallel_for splits a range into contiguous chunks; deal the sorted items round-robin
+  // instead so that every thread gets a similar mix of long and short ones.
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(num_threads(), n));
+  parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
+    std::vector<float> scratch;
+    for (int64_t wid = wb; wid < we; ++wid) {
+      for (int64_t i = wid; i < n; i += workers) {
+        attend_item(items[i], q, q_stride, out, kv, L, layer, B, num_heads, scale, sliding_window, scratch);
+      }
+    }
+  });
+}
+
+}  // namespace k25::cpu

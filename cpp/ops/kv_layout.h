@@ -1,0 +1,31 @@
+// Layout of the paged KV storage on the CPU backend.
+//
+// One allocation indexed by block id: [num_blocks][num_layers][K, V][num_kv_heads][...].
+// A block id names the same slots in every layer, and one block across all layers is
+// contiguous, so a tier move copies a block in one transfer. Within a block and head,
+// K is stored transposed ([head_dim][block_size]) so that q·K over a block is a run of
+// vector FMAs with no horizontal sums; V is stored [block_size][head_dim].
+#pragma once
+
+#include <cstdint>
+
+namespace k25 {
+
+struct KVLayout {
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t block_size = 0;
+
+  int64_t head_elems() const { return static_cast<int64_t>(block_size) * head_dim; }
+  int64_t layer_elems() const { return 2 * num_kv_heads * head_elems(); }
+  int64_t block_elems() const { return num_layers * layer_elems(); }
+  int64_t k_offset(int64_t block, int32_t layer, int32_t head) const {
+    return block * block_elems() + layer * layer_elems() + head * head_elems();
+  }
+  int64_t v_offset(int64_t block, int32_t layer, int32_t head) const {
+    return k_offset(block, layer, head) + num_kv_heads * head_elems();
+  }
+};
+
+}  // namespace k25

