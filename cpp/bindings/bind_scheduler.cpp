@@ -1,8 +1,10 @@
 // The block pool and a model-free scheduler harness, for property tests of the policy.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
+#include "engine/sampler.h"
 #include "engine/scheduler.h"
 #include "k25/status.h"
 
@@ -80,6 +82,38 @@ class SchedulerSim {
 }  // namespace
 
 void bind_scheduler(py::module_& m) {
+  py::class_<Sampler>(m, "Sampler", "The engine's sampler on one logits row (for tests).")
+      .def(py::init<int32_t>())
+      .def("sample",
+           [](Sampler& s, py::array_t<float, py::array::c_style | py::array::forcecast> logits,
+              const SamplingParams& p, std::vector<int32_t> tokens, int32_t num_prompt_tokens, uint64_t seed,
+              std::vector<int32_t> banned) {
+             if (logits.ndim() != 1 || logits.shape(0) != s.vocab_size()) {
+               throw Error(ErrorCode::kInvalidArgument, "logits must be 1-D with vocab_size entries");
+             }
+             for (int32_t t : banned) {
+               if (t < 0 || t >= logits.shape(0)) throw Error(ErrorCode::kInvalidArgument, "banned id out of range");
+             }
+             validate_sampling_params(p, s.vocab_size());
+             for (int32_t t : tokens) {
+               if (t < 0 || t >= logits.shape(0)) throw Error(ErrorCode::kInvalidArgument, "token out of range");
+             }
+             std::vector<float> row(logits.data(), logits.data() + logits.shape(0));
+             SampleInput in;
+             in.params = &p;
+             in.tokens = &tokens;
+             in.num_prompt_tokens = num_prompt_tokens;
+             in.seed = seed;
+             in.banned = banned.empty() ? nullptr : &banned;
+             SampleResult r = s.sample(row.data(), in);
+             py::list top;
+             for (const TokenLogprob& t : r.top) top.append(py::make_tuple(t.token, t.logprob));
+             return py::make_tuple(r.token, r.logprob, top);
+           },
+           py::arg("logits"), py::arg("params"), py::arg("tokens"), py::arg("num_prompt_tokens"), py::arg("seed"),
+           py::arg("banned") = std::vector<int32_t>{});
+  m.def("validate_sampling_params", &validate_sampling_params);
+
   py::class_<BlockPool>(m, "BlockPool")
       .def(py::init<int32_t>())
       .def_property_readonly("num_total", &BlockPool::num_total)

@@ -37,6 +37,7 @@ class Sampler {
   explicit Sampler(int32_t vocab_size);
   // Samples one token. `logits` ([vocab_size]) is modified in place.
   SampleResult sample(float* logits, const SampleInput& in);
+  int32_t vocab_size() const { return vocab_size_; }
 
  private:
   int32_t vocab_size_;
