@@ -224,10 +224,24 @@ void Engine::loop() {
       std::lock_guard<std::mutex> lk(mu_);
       ++stats_.requests_aborted;
     }
+    // Aborts free blocks outside a successful step: refresh the gauges before anyone is
+    // told, and again after the step (whose failure paths also free blocks).
+    refresh_gauges();
     for (RequestOutput& o : outs) emit(std::move(o));
     if (stopping) break;
-    if (scheduler_->has_unfinished()) step();
+    if (scheduler_->has_unfinished()) {
+      step();
+      refresh_gauges();
+    }
   }
+}
+
+void Engine::refresh_gauges() {
+  std::lock_guard<std::mutex> lk(mu_);
+  stats_.running = scheduler_->num_running();
+  stats_.waiting = scheduler_->num_waiting();
+  stats_.blocks_used = pool_->num_used();
+  stats_.blocks_free = pool_->num_free();
 }
 
 void Engine::step() {

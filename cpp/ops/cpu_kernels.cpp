@@ -1,6 +1,7 @@
 #include "ops/cpu_kernels.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -169,6 +170,19 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct WorkItem {
   int32_t seq, kv_head, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence
+  int32_t key_begin = 0;                 // keys [key_begin, key_end) only (split-KV decode)
+  int32_t key_end = INT32_MAX;
+  int32_t partial = -1;                  // >= 0: write unnormalised partials to this slot
+};
+
+// Split-KV partial results of one row: the accumulator, then the running max and sum.
+struct Partials {
+  float* base = nullptr;
+  int32_t head_dim = 0;
+  int32_t rows = 0;  // rows per slot (the GQA group size)
+  float* row(int32_t slot, int32_t r) const {
+    return base + (static_cast<int64_t>(slot) * rows + r) * (head_dim + 2);
+  }
 };
 
 // 16 floats as one vector (GCC/Clang vector extensions: AVX-512, 2x AVX2 or 4x NEON).
@@ -232,10 +246,12 @@ inline float hsum16(v16 x) {
 // kR query rows (the heads of a GQA group for one or a few tokens of one sequence)
 // against every key they may see, 16 keys at a time, with an online softmax. One load
 // of each K/V vector serves all rows; the accumulators stay in vector registers.
+// With `partial`, rows write their unnormalised accumulator followed by (max, sum) for a
+// later merge, instead of the normalised output.
 template <int kD, int kR>
 void attend_tile(const float* const* qrows, float* const* orows, const int32_t* pos, const int32_t* lo,
                  const float* kv, const KVLayout& L, int32_t layer, int32_t kv_head, const int32_t* table,
-                 float scale) {
+                 float scale, bool partial) {
   constexpr int kC = kD / 16;
   const int32_t bs = L.block_size;
   v16 acc[kR][kC];
@@ -296,24 +312,28 @@ void attend_tile(const float* const* qrows, float* const* orows, const int32_t* 
     }
   }
   for (int r = 0; r < kR; ++r) {
-    const float inv = 1.0f / l[r];
+    const float inv = partial ? 1.0f : 1.0f / l[r];
     for (int j = 0; j < kC; ++j) *reinterpret_cast<v16u*>(orows[r] + 16 * j) = acc[r][j] * inv;
+    if (partial) {
+      orows[r][kD] = m[r];
+      orows[r][kD + 1] = l[r];
+    }
   }
 }
 
 template <int kD>
 void attend_tile_rows(int rows, const float* const* q, float* const* o, const int32_t* pos, const int32_t* lo,
                       const float* kv, const KVLayout& L, int32_t layer, int32_t kv_head, const int32_t* table,
-                      float scale) {
+                      float scale, bool partial) {
   switch (rows) {
-    case 1: return attend_tile<kD, 1>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
-    case 2: return attend_tile<kD, 2>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
-    case 3: return attend_tile<kD, 3>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
-    case 4: return attend_tile<kD, 4>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
-    case 5: return attend_tile<kD, 5>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
-    case 6: return attend_tile<kD, 6>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
-    case 7: return attend_tile<kD, 7>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
-    default: return attend_tile<kD, 8>(q, o, pos, lo, kv, L, layer, kv_head, table, scale);
+    case 1: return attend_tile<kD, 1>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 2: return attend_tile<kD, 2>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 3: return attend_tile<kD, 3>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 4: return attend_tile<kD, 4>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 5: return attend_tile<kD, 5>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 6: return attend_tile<kD, 6>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 7: return attend_tile<kD, 7>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    default: return attend_tile<kD, 8>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
   }
 }
 
@@ -322,7 +342,7 @@ constexpr int kMaxTileRows = 8;
 // Any head_dim and block size: the same algorithm one key at a time.
 inline void attend_row_generic(const float* qr, float* out, const float* kv, const KVLayout& L, int32_t layer,
                                int32_t kv_head, const int32_t* table, int32_t pos, int32_t lo, float scale,
-                               std::vector<float>& acc) {
+                               bool partial, std::vector<float>& acc) {
   const int32_t bs = L.block_size, D = L.head_dim;
   acc.assign(D, 0.0f);
   float m = kNegInf, l = 0.0f;
@@ -340,12 +360,19 @@ inline void attend_row_generic(const float* qr, float* out, const float* kv, con
     for (int32_t d = 0; d < D; ++d) acc[d] = acc[d] * alpha + p * v[d];
     m = m_new;
   }
+  if (partial) {
+    for (int32_t d = 0; d < D; ++d) out[d] = acc[d];
+    out[D] = m;
+    out[D + 1] = l;
+    return;
+  }
   for (int32_t d = 0; d < D; ++d) out[d] = acc[d] / l;
 }
 
 void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out, const float* kv,
                  const KVLayout& L, int32_t layer, const AttentionBatch& B, int32_t num_heads, float scale,
-                 int32_t window, std::vector<float>& scratch) {
+                 int32_t window, const Partials& partials, std::vector<float>& scratch) {
+  const bool partial = w.partial >= 0;
   const int32_t D = L.head_dim;
   const int32_t group = num_heads / L.num_kv_heads;
   const int32_t q0 = B.query_start[w.seq];
@@ -360,21 +387,22 @@ void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out
   auto flush = [&] {
     if (rows == 0) return;
     if (D == 64) {
-      attend_tile_rows<64>(rows, qrows, orows, pos, lo, kv, L, layer, w.kv_head, table, scale);
+      attend_tile_rows<64>(rows, qrows, orows, pos, lo, kv, L, layer, w.kv_head, table, scale, partial);
     } else {
-      attend_tile_rows<128>(rows, qrows, orows, pos, lo, kv, L, layer, w.kv_head, table, scale);
+      attend_tile_rows<128>(rows, qrows, orows, pos, lo, kv, L, layer, w.kv_head, table, scale, partial);
     }
     rows = 0;
   };
   for (int32_t qi = w.q_begin; qi < w.q_end; ++qi) {
-    const int32_t p = first_pos + qi;
-    const int32_t l = window > 0 ? std::max(0, p - window + 1) : 0;
+    const int32_t p = std::min(first_pos + qi, w.key_end - 1);
+    const int32_t l = std::max(window > 0 ? std::max(0, first_pos + qi - window + 1) : 0, w.key_begin);
     for (int32_t j = 0; j < group; ++j) {
       const int32_t head = w.kv_head * group + j;
       const float* qr = q + static_cast<int64_t>(q0 + qi) * q_stride + static_cast<int64_t>(head) * D;
-      float* o = out + static_cast<int64_t>(q0 + qi) * num_heads * D + static_cast<int64_t>(head) * D;
+      float* o = partial ? partials.row(w.partial, j)
+                         : out + static_cast<int64_t>(q0 + qi) * num_heads * D + static_cast<int64_t>(head) * D;
       if (!fast) {
-        attend_row_generic(qr, o, kv, L, layer, w.kv_head, table, p, l, scale, scratch);
+        attend_row_generic(qr, o, kv, L, layer, w.kv_head, table, p, l, scale, partial, scratch);
         continue;
       }
       qrows[rows] = qr;
@@ -402,24 +430,88 @@ void paged_attention(const float* q, int64_t q_stride, float* out, const float* 
       for (int32_t b = 0; b < q_len; b += kTile) items.push_back({s, h, b, std::min(q_len, b + kTile)});
     }
   }
+  // Split-KV (flash-decoding): with too few items to keep every thread busy, each long
+  // decode row is cut into key ranges computed in parallel and merged afterwards.
+  const int32_t threads = num_threads();
+  const int32_t group = num_heads / L.num_kv_heads;
+  constexpr int32_t kMinSplitKeys = 256;
+  std::vector<WorkItem> split_items;
+  std::vector<float> partial_buf;
+  Partials partials;
+  if (static_cast<int64_t>(items.size()) < 2 * threads) {
+    std::vector<WorkItem> kept;
+    const int32_t want = static_cast<int32_t>((2 * threads + items.size() - 1) / std::max<size_t>(1, items.size()));
+    for (const WorkItem& w : items) {
+      const int32_t q_len = B.query_start[w.seq + 1] - B.query_start[w.seq];
+      const int32_t ctx = B.context_lens[w.seq];
+      const int32_t key_lo = sliding_window > 0 ? std::max(0, ctx - sliding_window) : 0;
+      const int32_t span = ctx - key_lo;
+      const int32_t parts = std::min(want, span / kMinSplitKeys);
+      if (q_len != 1 || parts < 2) {
+        kept.push_back(w);
+        continue;
+      }
+      for (int32_t p = 0; p < parts; ++p) {
+        WorkItem piece = w;
+        piece.key_begin = key_lo + static_cast<int32_t>(static_cast<int64_t>(span) * p / parts);
+        piece.key_end = key_lo + static_cast<int32_t>(static_cast<int64_t>(span) * (p + 1) / parts);
+        piece.partial = static_cast<int32_t>(split_items.size());
+        split_items.push_back(piece);
+      }
+    }
+    if (!split_items.empty()) {
+      partial_buf.resize(split_items.size() * group * (L.head_dim + 2));
+      partials = Partials{partial_buf.data(), L.head_dim, group};
+      items = std::move(kept);
+      items.insert(items.end(), split_items.begin(), split_items.end());
+    }
+  }
   // Later tiles see more keys: hand out the most expensive items first.
-  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
-    const int32_t ka = B.context_lens[a.seq] - (B.query_start[a.seq + 1] - B.query_start[a.seq]) + a.q_end;
-    const int32_t kb = B.context_lens[b.seq] - (B.query_start[b.seq + 1] - B.query_start[b.seq]) + b.q_end;
-    return ka > kb;
-  });
+  auto cost = [&](const WorkItem& w) {
+    const int32_t first = B.context_lens[w.seq] - (B.query_start[w.seq + 1] - B.query_start[w.seq]);
+    return std::min(first + w.q_end, w.key_end) - w.key_begin;
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
   // parallel_for splits a range into contiguous chunks; deal the sorted items round-robin
   // instead so that every thread gets a similar mix of long and short ones.
   const int64_t n = static_cast<int64_t>(items.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(num_threads(), n));
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n));
   parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
     std::vector<float> scratch;
     for (int64_t wid = wb; wid < we; ++wid) {
       for (int64_t i = wid; i < n; i += workers) {
-        attend_item(items[i], q, q_stride, out, kv, L, layer, B, num_heads, scale, sliding_window, scratch);
+        attend_item(items[i], q, q_stride, out, kv, L, layer, B, num_heads, scale, sliding_window, partials, scratch);
       }
     }
   });
+  // Merge the pieces of each split row: rescale every partial to the global max.
+  const int32_t D = L.head_dim;
+  for (size_t i = 0; i < split_items.size();) {
+    size_t j = i;
+    while (j < split_items.size() && split_items[j].seq == split_items[i].seq &&
+           split_items[j].kv_head == split_items[i].kv_head) {
+      ++j;
+    }
+    const WorkItem& w = split_items[i];
+    const int32_t row = B.query_start[w.seq];
+    for (int32_t r = 0; r < group; ++r) {
+      float m = kNegInf;
+      for (size_t k = i; k < j; ++k) m = std::max(m, partials.row(split_items[k].partial, r)[D]);
+      float* o = out + static_cast<int64_t>(row) * num_heads * D + static_cast<int64_t>(w.kv_head * group + r) * D;
+      float l = 0.0f;
+      for (int32_t d = 0; d < D; ++d) o[d] = 0.0f;
+      for (size_t k = i; k < j; ++k) {
+        const float* pr = partials.row(split_items[k].partial, r);
+        if (pr[D + 1] == 0.0f) continue;  // a piece with no keys for this row
+        const float f = vexp(pr[D] - m);
+        l += pr[D + 1] * f;
+        for (int32_t d = 0; d < D; ++d) o[d] += pr[d] * f;
+      }
+      const float inv = 1.0f / l;
+      for (int32_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+    i = j;
+  }
 }
 
 }  // namespace k25::cpu

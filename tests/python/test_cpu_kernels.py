@@ -210,3 +210,20 @@ def test_paged_attention_random_shapes():
             seqs.append((ctx, qlen))
         group = [1, 3, 4][trial % 3]
         run_attention_case(seed=trial, Hq=2 * group, Hkv=2, D=[64, 128][trial % 2], bs=16, window=0, seqs=seqs)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,window", [(9, 3, 64, 0), (8, 1, 128, 0), (4, 2, 80, 0), (6, 2, 64, 700)])
+def test_paged_attention_split_kv_decode(Hq, Hkv, D, window):
+    # Few long decode rows: the kernel splits their keys across threads and merges.
+    run_attention_case(seed=D + window, Hq=Hq, Hkv=Hkv, D=D, bs=16, window=window, seqs=[(2100, 1)])
+    run_attention_case(seed=D + window + 1, Hq=Hq, Hkv=Hkv, D=D, bs=16, window=window, seqs=[(1500, 1), (613, 1)])
+
+
+def test_paged_attention_does_not_depend_on_thread_count():
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            run_attention_case(seed=99, Hq=6, Hkv=2, D=64, bs=16, window=0, seqs=[(1800, 1), (40, 7)])
+    finally:
+        torch.set_num_threads(before)

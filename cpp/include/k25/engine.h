@@ -98,6 +98,7 @@ class Engine {
   void loop();
   void step();
   void emit(RequestOutput out);
+  void refresh_gauges();
   void finish(Sequence* seq, int reason, const std::string& error, std::vector<RequestOutput>* outs);
   bool check_stop(Sequence* seq, int32_t token, std::string* matched);
 
