@@ -7,6 +7,7 @@
 #include "engine/cpu_executor.h"
 #include "k25/engine.h"
 #include "k25/status.h"
+#include "ops/parallel.h"
 
 namespace py = pybind11;
 
@@ -85,6 +86,10 @@ void bind_engine(py::module_& m) {
   m.def("kv_bytes_per_token", [](const std::string& path) {
           return kv_block_bytes(read_model_config(path), 1);
         }, py::arg("path"), "float32 KV bytes one token takes (all layers, K and V).");
+
+  m.def("set_num_threads", &set_num_threads, py::arg("n"),
+        "Threads of the default pool (kernels called outside an engine). Engines have their own.");
+  m.def("get_num_threads", &num_threads);
 
   m.def("load_model", &load_model, py::arg("path"), py::arg("max_positions"), py::arg("num_threads") = 0,
         py::call_guard<py::gil_scoped_release>(), "Loads a GGUF file or a Hugging Face directory (float32).");

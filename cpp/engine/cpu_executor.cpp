@@ -3,9 +3,12 @@
 #include <chrono>
 #include <cstring>
 
+#include <ATen/Parallel.h>
+
 #include "k25/status.h"
 #include "model/llama_model.h"
 #include "ops/parallel.h"
+#include "ops/thread_pool.h"
 
 namespace k25 {
 
@@ -45,7 +48,10 @@ class CpuExecutor : public ModelExecutor {
         model_(handle_->model().get()),
         fused_(fused),
         threads_(num_threads),
-        sampler_(handle_->config().vocab_size) {
+        sampler_(handle_->config().vocab_size),
+        // Workers call ATen (slices of the GEMMs): single-threaded there, the pool is
+        // the only source of parallelism.
+        pool_(std::make_unique<ThreadPool>(num_threads > 0 ? num_threads : 1, [] { at::set_num_threads(1); })) {
     const ModelConfig& c = model_->config();
     layout_ = KVLayout{c.num_layers, c.num_kv_heads, c.head_dim, block_size};
     // Uninitialised on purpose: pages are touched as blocks are first written, and the
@@ -54,7 +60,10 @@ class CpuExecutor : public ModelExecutor {
     kv_ = at::empty({static_cast<int64_t>(num_blocks) * layout_.block_elems()}, at::kFloat);
   }
 
-  void prepare_thread() override { set_num_threads(threads_); }
+  void prepare_thread() override {
+    at::set_num_threads(1);
+    set_thread_pool(pool_.get());
+  }
   int32_t vocab_size() const override { return model_->config().vocab_size; }
 
   void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
@@ -76,6 +85,7 @@ class CpuExecutor : public ModelExecutor {
   KVLayout layout_;
   at::Tensor kv_;
   Sampler sampler_;
+  std::unique_ptr<ThreadPool> pool_;
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include "k25/status.h"
 #include "ops/cpu_kernels.h"
+#include "ops/parallel.h"
 
 namespace k25 {
 
@@ -37,6 +38,25 @@ at::Tensor rope_inv_freq(const ModelConfig& c, const at::Tensor& freq_factors) {
 at::Tensor rms_norm_aten(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor var = x.pow(2).mean(-1, true);
   return w * (x * at::rsqrt(var + eps));
+}
+
+// y = x w^T (+ b), split by output features over the thread pool; each slice is one
+// single-threaded BLAS call writing its columns of y in place.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  const int64_t N = w.size(0);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  // Slices of >= 64 rows keep each BLAS call efficient; multiples of 16 keep them aligned.
+  const int64_t grain = std::max<int64_t>(64, (N / std::max(1, num_threads()) + 15) / 16 * 16);
+  parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    at::Tensor out = y.narrow(1, n0, n1 - n0);
+    at::Tensor ws = w.narrow(0, n0, n1 - n0).t();
+    if (b.defined()) {
+      at::addmm_out(out, b.narrow(0, n0, n1 - n0), x, ws);
+    } else {
+      at::mm_out(out, x, ws);
+    }
+  });
+  return y;
 }
 
 at::Tensor i32_view(const std::vector<int32_t>& v) {
@@ -98,7 +118,7 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, float* kv, const KVLayout&
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& L = W.layers[l];
     if (!fused) x = rms_norm_aten(h, L.attn_norm, c.rms_norm_eps);
-    at::Tensor qkv = L.bqkv.defined() ? at::addmm(L.bqkv, x, L.wqkv.t()) : at::mm(x, L.wqkv.t());
+    at::Tensor qkv = linear(x, L.wqkv, L.bqkv);
     const int32_t window = c.layer_sliding_window[l];
     if (fused) {
       cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
@@ -118,7 +138,7 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, float* kv, const KVLayout&
       cpu::write_kv(qkv.data_ptr<float>(), qkv_dim, meta.slot_mapping.data(), T, Hq, kv, layout, l);
       attention_unfused(qkv, meta, kv, layout, l, attn);
     }
-    at::Tensor o = L.bo.defined() ? at::addmm(L.bo, attn, L.wo.t()) : at::mm(attn, L.wo.t());
+    at::Tensor o = linear(attn, L.wo, L.bo);
     if (fused) {
       cpu::add_rms_norm(h.data_ptr<float>(), o.data_ptr<float>(), L.ffn_norm.data_ptr<float>(), x.data_ptr<float>(),
                         T, H, eps);
@@ -126,13 +146,13 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, float* kv, const KVLayout&
       h = h + o;
       x = rms_norm_aten(h, L.ffn_norm, c.rms_norm_eps);
     }
-    at::Tensor gu = at::mm(x, L.w_gate_up.t());
+    at::Tensor gu = linear(x, L.w_gate_up, at::Tensor());
     if (fused) {
       cpu::silu_mul(gu.data_ptr<float>(), act.data_ptr<float>(), T, I);
     } else {
       act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
     }
-    at::Tensor d = at::mm(act, L.w_down.t());
+    at::Tensor d = linear(act, L.w_down, at::Tensor());
     if (fused && l + 1 < c.num_layers) {
       cpu::add_rms_norm(h.data_ptr<float>(), d.data_ptr<float>(), W.layers[l + 1].attn_norm.data_ptr<float>(),
                         x.data_ptr<float>(), T, H, eps);
@@ -152,7 +172,7 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, float* kv, const KVLayout&
   } else {
     xr = rms_norm_aten(rows, W.final_norm, c.rms_norm_eps);
   }
-  return at::mm(xr, W.lm_head.t());
+  return linear(xr, W.lm_head, at::Tensor());
 }
 
 void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, float* kv,

@@ -266,9 +266,21 @@ void attend_tile(const float* const* qrows, float* const* orows, const int32_t* 
   }
   v16 iota;
   for (int i = 0; i < 16; ++i) iota[i] = static_cast<float>(i);
-  for (int32_t blk = lo_min / bs; blk <= pos_max / bs; ++blk) {
+  const int32_t last_blk = pos_max / bs;
+  const int64_t head_bytes = L.head_elems() * static_cast<int64_t>(sizeof(float));
+  for (int32_t blk = lo_min / bs; blk <= last_blk; ++blk) {
     const float* Kt = kv + L.k_offset(table[blk], layer, kv_head);  // [D][bs]
     const float* V = kv + L.v_offset(table[blk], layer, kv_head);   // [bs][D]
+    if (blk < last_blk) {
+      // Blocks of one sequence are scattered in the pool, so the hardware prefetcher
+      // cannot follow; fetch the next block's K and V while this one is computed.
+      const char* nk = reinterpret_cast<const char*>(kv + L.k_offset(table[blk + 1], layer, kv_head));
+      const char* nv = reinterpret_cast<const char*>(kv + L.v_offset(table[blk + 1], layer, kv_head));
+      for (int64_t off = 0; off < head_bytes; off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
     for (int32_t c = 0; c < bs; c += 16) {
       const int32_t base = blk * bs + c;
       if (base > pos_max) break;

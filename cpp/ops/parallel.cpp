@@ -1,18 +1,64 @@
 #include "ops/parallel.h"
 
-#include <ATen/Parallel.h>
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "ops/thread_pool.h"
 
 namespace k25 {
 
+namespace {
+
+thread_local ThreadPool* t_pool = nullptr;
+
+std::mutex g_default_mu;
+std::unique_ptr<ThreadPool> g_default_pool;
+int g_default_size = 0;
+
+ThreadPool* default_pool() {
+  std::lock_guard<std::mutex> lk(g_default_mu);
+  if (!g_default_pool) {
+    int n = g_default_size > 0 ? g_default_size : static_cast<int>(std::thread::hardware_concurrency());
+    g_default_pool = std::make_unique<ThreadPool>(std::max(1, n));
+  }
+  return g_default_pool.get();
+}
+
+ThreadPool* current_pool() { return t_pool ? t_pool : default_pool(); }
+
+}  // namespace
+
 void parallel_for(int64_t begin, int64_t end, int64_t grain,
                   const std::function<void(int64_t, int64_t)>& fn) {
-  at::parallel_for(begin, end, grain, fn);
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  grain = std::max<int64_t>(1, grain);
+  ThreadPool* pool = current_pool();
+  const int64_t chunks = std::min<int64_t>(pool->size(), (n + grain - 1) / grain);
+  if (chunks <= 1) {
+    fn(begin, end);
+    return;
+  }
+  pool->run(static_cast<int>(chunks), [&](int i) {
+    const int64_t b = begin + n * i / chunks;
+    const int64_t e = begin + n * (i + 1) / chunks;
+    if (b < e) fn(b, e);
+  });
 }
 
-int num_threads() { return at::get_num_threads(); }
+int num_threads() { return current_pool()->size(); }
 
 void set_num_threads(int n) {
-  if (n > 0) at::set_num_threads(n);
+  std::lock_guard<std::mutex> lk(g_default_mu);
+  g_default_size = std::max(1, n);
+  g_default_pool.reset();  // rebuilt at the next use
 }
+
+void set_thread_pool(ThreadPool* pool) { t_pool = pool; }
+
+ScopedPool::ScopedPool(ThreadPool* pool) : previous_(t_pool) { t_pool = pool; }
+ScopedPool::~ScopedPool() { t_pool = previous_; }
 
 }  // namespace k25

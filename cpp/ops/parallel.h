@@ -1,7 +1,8 @@
-// A parallel-for over an index range that runs on torch's intra-op thread pool.
+// parallel_for over an index range, on a k25::ThreadPool.
 //
-// Kernels in cpp/ops/ are plain C++ on raw pointers; they parallelise through this seam so
-// that the process has one OpenMP runtime (torch's) and one thread count.
+// The engine thread binds its executor's pool with ScopedPool; any other caller (the
+// kernel tests, a C++ host calling kernels directly) gets a process-wide default pool
+// sized by set_num_threads() (default: the hardware concurrency).
 #pragma once
 
 #include <cstdint>
@@ -9,13 +10,28 @@
 
 namespace k25 {
 
-// Calls fn(begin_chunk, end_chunk) over [begin, end) in chunks of at least `grain` indices.
+class ThreadPool;
+
+// Calls fn(b, e) over [begin, end) split into at most pool-size chunks of >= grain.
 void parallel_for(int64_t begin, int64_t end, int64_t grain,
                   const std::function<void(int64_t, int64_t)>& fn);
 
-// Number of threads parallel_for uses from the calling thread.
+// Participants of the pool parallel_for uses from the calling thread.
 int num_threads();
-// Sets the intra-op thread count for the calling thread (OpenMP ICVs are per thread).
+// Resizes the default pool (threads without a bound pool use it).
 void set_num_threads(int n);
+
+// Makes `pool` the one parallel_for uses on the calling thread (nullptr: the default).
+void set_thread_pool(ThreadPool* pool);
+
+// Makes `pool` the one parallel_for uses on this thread while in scope.
+class ScopedPool {
+ public:
+  explicit ScopedPool(ThreadPool* pool);
+  ~ScopedPool();
+
+ private:
+  ThreadPool* previous_;
+};
 
 }  // namespace k25

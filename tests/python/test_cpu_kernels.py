@@ -220,10 +220,11 @@ def test_paged_attention_split_kv_decode(Hq, Hkv, D, window):
 
 
 def test_paged_attention_does_not_depend_on_thread_count():
-    before = torch.get_num_threads()
+    before = _C.get_num_threads()
     try:
         for n in (1, 2, 3):
-            torch.set_num_threads(n)
+            _C.set_num_threads(n)
+            assert _C.get_num_threads() == n
             run_attention_case(seed=99, Hq=6, Hkv=2, D=64, bs=16, window=0, seqs=[(1800, 1), (40, 7)])
     finally:
-        torch.set_num_threads(before)
+        _C.set_num_threads(before)
