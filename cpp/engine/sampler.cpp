@@ -116,42 +116,48 @@ SampleResult Sampler::sample(float* logits, const SampleInput& in) {
   } else {
     const float inv_t = 1.0f / p.temperature;
     for (int32_t i = 0; i < V; ++i) logits[i] *= inv_t;
-    // Candidates in descending logit order (ties: lower id first) when a filter needs order.
-    int32_t n = V;
-    std::iota(order_.begin(), order_.end(), 0);
+    // Candidates in descending logit order (ties: lower id first) where a filter needs it.
     auto desc = [logits](int32_t a, int32_t b) {
       return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
     };
-    const bool need_order = p.top_k > 0 || p.top_p < 1.0f;
+    std::iota(order_.begin(), order_.end(), 0);
+    int32_t n = V;
+    bool sorted = false;
     if (p.top_k > 0 && p.top_k < V) {
       n = p.top_k;
       std::partial_sort(order_.begin(), order_.begin() + n, order_.end(), desc);
-    } else if (need_order) {
-      std::sort(order_.begin(), order_.end(), desc);
+      sorted = true;
     }
     float m = kNegInf;
     for (int32_t k = 0; k < n; ++k) m = std::max(m, logits[order_[k]]);
     if (!std::isfinite(m)) fail(ErrorCode::kInternal, "sampler: no finite logit");
+    // Unnormalised probabilities, indexed by token. min-p is relative to the most likely
+    // candidate, whose unnormalised probability is 1.
     double total = 0.0;
     for (int32_t k = 0; k < n; ++k) {
-      probs_[k] = std::exp(logits[order_[k]] - m);
-      total += probs_[k];
-    }
-    if (p.min_p > 0.0f) {
-      // Relative to the most likely candidate, whose unnormalised probability is 1.
-      for (int32_t k = 0; k < n; ++k) {
-        if (probs_[k] < p.min_p) {
-          total -= probs_[k];
-          probs_[k] = 0.0f;
-        }
-      }
+      const int32_t t = order_[k];
+      float q = std::exp(logits[t] - m);
+      if (q < p.min_p) q = 0.0f;
+      probs_[t] = q;
+      total += q;
     }
     if (p.top_p < 1.0f) {
-      double cum = 0.0;
       const double target = static_cast<double>(p.top_p) * total;
+      if (!sorted) {
+        // Sort only as far as the nucleus reaches: usually a small part of the vocabulary.
+        int32_t k = std::min<int32_t>(n, 64);
+        while (true) {
+          std::partial_sort(order_.begin(), order_.begin() + k, order_.begin() + n, desc);
+          double c = 0.0;
+          for (int32_t j = 0; j < k; ++j) c += probs_[order_[j]];
+          if (c >= target || k == n) break;
+          k = static_cast<int32_t>(std::min<int64_t>(n, 4LL * k));
+        }
+      }
+      double cum = 0.0;
       int32_t keep = 0;
       while (keep < n) {
-        cum += probs_[keep];
+        cum += probs_[order_[keep]];
         ++keep;
         if (cum >= target) break;
       }
@@ -162,9 +168,10 @@ SampleResult Sampler::sample(float* logits, const SampleInput& in) {
     double cum = 0.0;
     out.token = -1;
     for (int32_t k = 0; k < n; ++k) {
-      if (probs_[k] <= 0.0f) continue;
-      out.token = order_[k];
-      cum += probs_[k];
+      const int32_t t = order_[k];
+      if (probs_[t] <= 0.0f) continue;
+      out.token = t;
+      cum += probs_[t];
       if (u < cum) break;
     }
     if (out.token < 0) fail(ErrorCode::kInternal, "sampler: empty candidate set");
