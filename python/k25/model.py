@@ -92,6 +92,59 @@ class _Sink:
             self.done.set()
 
 
+class _Router:
+    """Routes the engine's outputs to the sink of each request, on its own thread.
+
+    It holds the engine, not the model, so a K25Model that is dropped without close()
+    can still be garbage-collected (its __del__ closes the engine)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.sinks: Dict[int, _Sink] = {}
+        self.orphans: Dict[int, List[Any]] = {}  # outputs that beat their sink's registration
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="k25-dispatch", daemon=True)
+        self.thread.start()
+
+    def register(self, rid: int, sink: _Sink) -> None:
+        with self.lock:
+            self.sinks[rid] = sink
+            early = self.orphans.pop(rid, [])
+        for out in early:
+            self._deliver(rid, sink, out)
+
+    def _deliver(self, rid: int, sink: _Sink, out) -> None:
+        if out.finished:
+            with self.lock:
+                self.sinks.pop(rid, None)
+        sink.push(out)
+
+    def _run(self) -> None:
+        while not self.closed:
+            try:
+                outs = self.engine.wait_outputs(0.05)
+            except Exception:  # the engine is gone (closing)
+                return
+            for out in outs:
+                with self.lock:
+                    sink = self.sinks.get(out.id)
+                    if sink is None:
+                        self.orphans.setdefault(out.id, []).append(out)
+                        continue
+                self._deliver(out.id, sink, out)
+
+    def close(self) -> None:
+        self.closed = True
+        self.thread.join(timeout=5)
+        # Wake anybody still waiting on a request that ended with the shutdown.
+        for out in self.engine.wait_outputs(0):
+            with self.lock:
+                sink = self.sinks.pop(out.id, None)
+            if sink:
+                sink.push(out)
+
+
 _LIVE_MODELS: "weakref.WeakSet[K25Model]" = weakref.WeakSet()
 
 
@@ -110,7 +163,7 @@ class K25Model:
         elif overrides:
             config = config.replace(**overrides)
         self.config = config
-        self._closed = False
+        self._closed = True  # until the engine and its router exist
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model_path)
         threads = config.resolved_threads()
@@ -145,11 +198,8 @@ class K25Model:
         self.engine_config = ec
         self.load_seconds = time.perf_counter() - t0
 
-        self._lock = threading.Lock()
-        self._sinks: Dict[int, _Sink] = {}
-        self._orphans: Dict[int, List[Any]] = {}
-        self._dispatcher = threading.Thread(target=self._dispatch, name="k25-dispatch", daemon=True)
-        self._dispatcher.start()
+        self._router = _Router(self._engine)
+        self._closed = False
         _LIVE_MODELS.add(self)
 
     # ---- setup ---------------------------------------------------------------------
@@ -249,27 +299,8 @@ class K25Model:
                 "hold the prompt plus one generated token")
         self._check_open()
         rid = self._engine.add_request(ids, params, PRIORITIES[priority], want_logits)
-        with self._lock:
-            self._sinks[rid] = sink
-            for out in self._orphans.pop(rid, []):
-                sink.push(out)
+        self._router.register(rid, sink)
         return rid
-
-    def _dispatch(self) -> None:
-        while not self._closed:
-            try:
-                outs = self._engine.wait_outputs(0.05)
-            except Exception:  # the engine is gone (closing)
-                return
-            for out in outs:
-                with self._lock:
-                    sink = self._sinks.get(out.id)
-                    if sink is None:
-                        self._orphans.setdefault(out.id, []).append(out)
-                        continue
-                    if out.finished:
-                        del self._sinks[out.id]
-                sink.push(out)
 
     def _result(self, ids: List[int], outs: List[Any], skip_special_tokens: bool) -> GenerationOutput:
         tokens: List[int] = []
@@ -429,16 +460,14 @@ class K25Model:
 
     def close(self) -> None:
         """Aborts what is still running and stops the engine. Idempotent."""
-        if self._closed:
+        if getattr(self, "_closed", True):
             return
         self._engine.shutdown()
         self._closed = True
-        self._dispatcher.join(timeout=5)
-        # Wake anybody still waiting on a request that ended with the shutdown.
-        for out in self._engine.wait_outputs(0):
-            sink = self._sinks.pop(out.id, None)
-            if sink:
-                sink.push(out)
+        self._router.close()
+
+    def __del__(self):
+        self.close()
 
     def __enter__(self):
         return self

@@ -715,3 +715,22 @@ def test_hf_dir_missing_tensor(tmp_path):
     with pytest.raises(errors.ModelNotFoundError) as ei:
         _load(tmp_path)
     assert "k_proj" in str(ei.value)
+
+
+def test_a_dropped_model_is_collected_and_its_engine_stops():
+    import gc
+    import threading
+    import time
+    import weakref
+    from k25 import K25Config, K25Model
+    before = threading.active_count()
+    m = K25Model(K25Config(num_threads=2, kv_cache_bytes=64 << 20))
+    m.generate("Hi", max_new_tokens=2, temperature=0.0)
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None, "something still holds the model"
+    deadline = time.time() + 5
+    while threading.active_count() > before and time.time() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before  # the dispatcher thread ended
