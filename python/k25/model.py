@@ -207,6 +207,8 @@ class K25Model:
         path = self.model_path
         if self._handle.format == "gguf":
             meta = _C.read_gguf(str(path))["metadata"]
+            if "tokenizer.ggml.model" not in meta:
+                return None  # a GGUF without a vocabulary: token ids only
             return Tokenizer.from_gguf_metadata(meta)
         d = path if path.is_dir() else path.parent
         if (d / "tokenizer.json").is_file():
