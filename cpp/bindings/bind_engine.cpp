@@ -4,7 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
-#include "engine/cpu_executor.h"
+#include "engine/torch_executor.h"
 #include "k25/engine.h"
 #include "k25/status.h"
 #include "ops/parallel.h"
@@ -73,7 +73,13 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("weight_bytes", &ModelHandle::weight_bytes)
       .def_property_readonly("load_seconds", &ModelHandle::load_seconds)
       .def_property_readonly("max_positions", &ModelHandle::max_positions)
-      .def("kv_block_bytes", [](const ModelHandle& h, int32_t bs) { return kv_block_bytes(h.config(), bs); });
+      .def_property_readonly("device", [](const ModelHandle& h) { return h.spec().device; })
+      .def_property_readonly("dtype", [](const ModelHandle& h) { return h.spec().dtype; })
+      .def_property_readonly("device_allocated_bytes",
+                             [](const ModelHandle& h) { return device_allocated_bytes(h.spec()); })
+      .def("kv_block_bytes", [](const ModelHandle& h, int32_t bs) {
+        return kv_block_bytes(h.config(), bs, dtype_bytes(h.spec().dtype));
+      });
 
   m.def("read_model_config", [](const std::string& path) {
           ModelConfig c;
@@ -83,16 +89,28 @@ void bind_engine(py::module_& m) {
           }
           return config_dict(c);
         }, py::arg("path"), "The architecture of a GGUF file or HF directory, without loading weights.");
-  m.def("kv_bytes_per_token", [](const std::string& path) {
-          return kv_block_bytes(read_model_config(path), 1);
-        }, py::arg("path"), "float32 KV bytes one token takes (all layers, K and V).");
+  m.def("kv_bytes_per_token", [](const std::string& path, const std::string& dtype) {
+          return kv_block_bytes(read_model_config(path), 1, dtype_bytes(dtype));
+        }, py::arg("path"), py::arg("dtype") = "float32", "KV bytes one token takes (all layers, K and V).");
+  m.def("cuda_available", &cuda_available, "Built with CUDA and a device is visible.");
+  m.def("cuda_memory", [](int device) {
+          int64_t f = 0, t = 0;
+          cuda_memory(device, &f, &t);
+          return py::make_tuple(f, t);
+        }, py::arg("device") = 0, "(free, total) bytes of a CUDA device.");
 
   m.def("set_num_threads", &set_num_threads, py::arg("n"),
         "Threads of the default pool (kernels called outside an engine). Engines have their own.");
   m.def("get_num_threads", &num_threads);
 
-  m.def("load_model", &load_model, py::arg("path"), py::arg("max_positions"), py::arg("num_threads") = 0,
-        py::call_guard<py::gil_scoped_release>(), "Loads a GGUF file or a Hugging Face directory (float32).");
+  m.def("load_model",
+        [](const std::string& path, int32_t max_positions, int32_t num_threads, const std::string& device,
+           const std::string& dtype) {
+          py::gil_scoped_release release;
+          return load_model(path, max_positions, num_threads, DeviceSpec{device, dtype});
+        },
+        py::arg("path"), py::arg("max_positions"), py::arg("num_threads") = 0, py::arg("device") = "cpu",
+        py::arg("dtype") = "float32", "Loads a GGUF file or a Hugging Face directory onto a device.");
 
   py::class_<EngineConfig>(m, "EngineConfig")
       .def(py::init<>())
@@ -157,7 +175,7 @@ void bind_engine(py::module_& m) {
              tb.reserve(token_bytes.size());
              for (const py::bytes& b : token_bytes) tb.emplace_back(b);
              py::gil_scoped_release release;
-             auto exec = make_cpu_executor(model, cfg.block_size, cfg.num_kv_blocks, fused, cfg.num_threads);
+             auto exec = make_executor(model, cfg.block_size, cfg.num_kv_blocks, fused, cfg.num_threads);
              return std::make_unique<Engine>(cfg, std::move(exec), std::move(tb), std::move(eos));
            }),
            py::arg("model"), py::arg("config"), py::arg("fused"), py::arg("token_bytes"), py::arg("eos_token_ids"))

@@ -4,7 +4,12 @@
 
 #include "bindings/bindings.h"
 #include "k25/status.h"
+#include "ops/attention_plan.h"
 #include "ops/cpu_kernels.h"
+
+#ifdef K25_WITH_CUDA
+#include "model/cuda_glue.h"
+#endif
 
 namespace py = pybind11;
 
@@ -28,9 +33,74 @@ KVLayout layout_of(py::tuple l) {
   return KVLayout{l[0].cast<int32_t>(), l[1].cast<int32_t>(), l[2].cast<int32_t>(), l[3].cast<int32_t>()};
 }
 
+#ifdef K25_WITH_CUDA
+void bind_cuda_ops(py::module_& m) {
+  py::module_ cu = m.def_submodule("cuda_ops", "CUDA kernels on CUDA tensors (for tests)");
+  cu.def("rms_norm", [](const at::Tensor& x, const at::Tensor& w, double eps) {
+    at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+    cuda_glue::rms_norm(x, w, out, eps);
+    return out;
+  });
+  cu.def("add_rms_norm", [](at::Tensor h, const at::Tensor& delta, const at::Tensor& w, double eps) {
+    at::Tensor out = at::empty_like(h);
+    cuda_glue::add_rms_norm(h, delta, w, out, eps);
+    return out;
+  });
+  cu.def("silu_mul", [](const at::Tensor& gu) {
+    at::Tensor out = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+    cuda_glue::silu_mul(gu, out);
+    return out;
+  });
+  cu.def("rope_write_kv", [](at::Tensor qkv, const at::Tensor& positions, const at::Tensor& slots, int32_t num_heads,
+                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv, py::tuple layout,
+                             int32_t layer) {
+    KVLayout L = layout_of(layout);
+    L.k_transposed = false;
+    cuda_glue::rope_write_kv(qkv, positions, slots, num_heads, cos, sin, kv, L, layer);
+  });
+  cu.def("rope_inplace", [](at::Tensor qkv, const at::Tensor& positions, int32_t num_heads, int32_t num_kv_heads,
+                            const at::Tensor& cos, const at::Tensor& sin) {
+    cuda_glue::rope_inplace(qkv, positions, num_heads, num_kv_heads, cos, sin);
+  });
+  cu.def("write_kv", [](const at::Tensor& qkv, const at::Tensor& slots, int32_t num_heads, at::Tensor kv,
+                        py::tuple layout, int32_t layer) {
+    KVLayout L = layout_of(layout);
+    L.k_transposed = false;
+    cuda_glue::write_kv(qkv, slots, num_heads, kv, L, layer);
+  });
+  // query_start, context_lens, block_tables: int32 CPU tensors (the plan is made on the host).
+  cu.def("paged_attention", [](const at::Tensor& q, const at::Tensor& kv, py::tuple layout, int32_t layer,
+                               const at::Tensor& query_start, const at::Tensor& context_lens,
+                               const at::Tensor& block_tables, int32_t num_heads, double scale, int32_t window,
+                               int32_t parallelism) {
+    KVLayout L = layout_of(layout);
+    L.k_transposed = false;
+    at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous();
+    AttentionPlanParams pp;
+    pp.num_kv_heads = L.num_kv_heads;
+    pp.group = num_heads / L.num_kv_heads;
+    pp.max_rows = 16;
+    pp.parallelism = parallelism;
+    pp.sliding_window = window;
+    const AttentionPlan plan =
+        plan_attention(qs.data_ptr<int32_t>(), cl.data_ptr<int32_t>(), static_cast<int32_t>(cl.size(0)), pp);
+    const at::Device dev = q.device();
+    cuda_glue::DeviceBatch db = cuda_glue::make_batch(qs.to(dev), cl.to(dev), bt.to(dev), plan, pp.group,
+                                                      L.head_dim, dev);
+    at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * L.head_dim}, q.options());
+    cuda_glue::paged_attention(q, out, kv, L, layer, db, num_heads, scale, window);
+    return py::make_tuple(out, static_cast<int>(plan.merges.size() / 4));
+  });
+  cu.def("argmax_rows", [](const at::Tensor& x) { return cuda_glue::argmax_rows(x); });
+}
+#endif
+
 }  // namespace
 
 void bind_ops(py::module_& m) {
+#ifdef K25_WITH_CUDA
+  bind_cuda_ops(m);
+#endif
   py::module_ ops = m.def_submodule("ops", "CPU kernels on float32 tensors (for tests)");
   ops.def("rms_norm", [](const at::Tensor& x, const at::Tensor& w, double eps) {
     check_rows(x, "x");

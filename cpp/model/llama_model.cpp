@@ -3,8 +3,13 @@
 #include <cmath>
 
 #include "k25/status.h"
+#include "ops/attention_plan.h"
 #include "ops/cpu_kernels.h"
 #include "ops/parallel.h"
+
+#ifdef K25_WITH_CUDA
+#include "model/cuda_glue.h"
+#endif
 
 namespace k25 {
 
@@ -35,14 +40,17 @@ at::Tensor rope_inv_freq(const ModelConfig& c, const at::Tensor& freq_factors) {
   return inv.contiguous();
 }
 
+// As transformers computes it: the norm in float32, the weight in the model dtype.
 at::Tensor rms_norm_aten(const at::Tensor& x, const at::Tensor& w, double eps) {
-  at::Tensor var = x.pow(2).mean(-1, true);
-  return w * (x * at::rsqrt(var + eps));
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor var = xf.pow(2).mean(-1, true);
+  return w * (xf * at::rsqrt(var + eps)).to(x.scalar_type());
 }
 
 // y = x w^T (+ b), split by output features over the thread pool; each slice is one
 // single-threaded BLAS call writing its columns of y in place.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  if (x.is_cuda()) return b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t());  // cuBLAS
   const int64_t N = w.size(0);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   // Slices of >= 64 rows keep each BLAS call efficient; multiples of 16 keep them aligned.
@@ -63,6 +71,15 @@ at::Tensor i32_view(const std::vector<int32_t>& v) {
   return at::from_blob(const_cast<int32_t*>(v.data()), {static_cast<int64_t>(v.size())}, at::kInt);
 }
 
+// A host vector as a tensor on `device` (a copy there, a view on the CPU).
+template <typename T>
+at::Tensor on_device(const std::vector<T>& v, at::ScalarType type, const at::Device& device,
+                     std::vector<int64_t> shape = {}) {
+  if (shape.empty()) shape = {static_cast<int64_t>(v.size())};
+  at::Tensor t = at::from_blob(const_cast<T*>(v.data()), shape, type);
+  return device.is_cpu() ? t : t.to(device, /*non_blocking=*/false, /*copy=*/true);
+}
+
 }  // namespace
 
 LlamaModel::LlamaModel(ModelConfig config, LlamaWeights weights, int32_t max_positions)
@@ -72,6 +89,25 @@ LlamaModel::LlamaModel(ModelConfig config, LlamaWeights weights, int32_t max_pos
   at::Tensor freqs = at::outer(pos, inv);
   rope_cos_ = freqs.cos().contiguous();
   rope_sin_ = freqs.sin().contiguous();
+}
+
+void LlamaModel::to(at::Device device, at::ScalarType dtype) {
+  auto move = [&](at::Tensor& t) {
+    if (t.defined()) t = t.to(dtype).to(device);  // convert first: half the bytes to copy
+  };
+  const bool tied = weights_.lm_head.is_same(weights_.embed);
+  move(weights_.embed);
+  move(weights_.final_norm);
+  if (tied) {
+    weights_.lm_head = weights_.embed;
+  } else {
+    move(weights_.lm_head);
+  }
+  for (LayerWeights& l : weights_.layers) {
+    for (at::Tensor* t : {&l.attn_norm, &l.wqkv, &l.bqkv, &l.wo, &l.bo, &l.ffn_norm, &l.w_gate_up, &l.w_down}) move(*t);
+  }
+  rope_cos_ = rope_cos_.to(device);
+  rope_sin_ = rope_sin_.to(device);
 }
 
 int64_t LlamaModel::weight_bytes() const {
@@ -85,10 +121,11 @@ int64_t LlamaModel::weight_bytes() const {
   return n;
 }
 
-at::Tensor LlamaModel::forward(const BatchMeta& meta, float* kv, const KVLayout& layout,
-                               bool fused) const {
+at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused) const {
   const ModelConfig& c = config_;
   const LlamaWeights& W = weights_;
+  const at::Device dev = device();
+  const bool cuda = dev.is_cuda();
   const int64_t T = meta.num_tokens();
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int32_t Hq = c.num_heads, Hkv = c.num_kv_heads;
@@ -98,8 +135,13 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, float* kv, const KVLayout&
   if (meta.positions.back() >= rope_cos_.size(0)) {
     fail(ErrorCode::kInvalidArgument, "position beyond the RoPE table (max_seq_len)");
   }
+  if (kv.device() != dev) fail(ErrorCode::kInternal, "the KV pool is not on the model's device");
+  if (!cuda && kv.scalar_type() != at::kFloat) fail(ErrorCode::kUnsupported, "the CPU backend keeps KV in float32");
 
-  at::Tensor ids = i32_view(meta.token_ids);
+  // The step's metadata on the device.
+  const at::Tensor ids = on_device(meta.token_ids, at::kInt, dev);
+  const at::Tensor positions = on_device(meta.positions, at::kInt, dev);
+  const at::Tensor slots = on_device(meta.slot_mapping, at::kLong, dev);
   at::Tensor h = at::index_select(W.embed, 0, ids);  // residual stream [T, H]
   at::Tensor x = at::empty({T, H}, h.options());
   at::Tensor attn = at::empty({T, Hq * D}, h.options());
@@ -111,96 +153,139 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, float* kv, const KVLayout&
   ab.block_tables = meta.block_tables.data();
   ab.max_blocks_per_seq = meta.max_blocks_per_seq;
   ab.num_seqs = meta.num_seqs();
-
-  if (fused) {
-    cpu::rms_norm(h.data_ptr<float>(), H, W.layers[0].attn_norm.data_ptr<float>(), x.data_ptr<float>(), H, T, H, eps);
+#ifdef K25_WITH_CUDA
+  cuda_glue::DeviceBatch db;
+  if (cuda && fused) {
+    AttentionPlanParams pp;
+    pp.num_kv_heads = Hkv;
+    pp.group = Hq / Hkv;
+    pp.max_rows = 16;
+    pp.parallelism = 2 * 132;  // ~2 CTAs per SM on an H100/H200
+    pp.min_split_keys = 256;
+    int32_t window = 0;
+    for (int32_t w : c.layer_sliding_window) window = std::max(window, w);
+    // One plan for all layers; a window only shortens key ranges, so plan without it
+    // unless every layer has the same one.
+    bool uniform = true;
+    for (int32_t w : c.layer_sliding_window) uniform = uniform && w == c.layer_sliding_window[0];
+    pp.sliding_window = uniform ? window : 0;
+    const AttentionPlan plan = plan_attention(meta.query_start.data(), meta.context_lens.data(), meta.num_seqs(), pp);
+    db = cuda_glue::make_batch(on_device(meta.query_start, at::kInt, dev), on_device(meta.context_lens, at::kInt, dev),
+                               on_device(meta.block_tables, at::kInt, dev, {meta.num_seqs(), meta.max_blocks_per_seq}),
+                               plan, Hq / Hkv, static_cast<int32_t>(D), dev);
   }
+#endif
+
+  // The fused kernels of this device.
+  auto norm = [&](const at::Tensor& in, const at::Tensor& w, at::Tensor& out) {
+#ifdef K25_WITH_CUDA
+    if (cuda) return cuda_glue::rms_norm(in, w, out, c.rms_norm_eps);
+#endif
+    cpu::rms_norm(in.data_ptr<float>(), in.stride(0), w.data_ptr<float>(), out.data_ptr<float>(), out.stride(0),
+                  in.size(0), in.size(1), eps);
+  };
+  auto add_norm = [&](at::Tensor& hh, const at::Tensor& delta, const at::Tensor& w, at::Tensor& out) {
+#ifdef K25_WITH_CUDA
+    if (cuda) return cuda_glue::add_rms_norm(hh, delta, w, out, c.rms_norm_eps);
+#endif
+    cpu::add_rms_norm(hh.data_ptr<float>(), delta.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(),
+                      hh.size(0), hh.size(1), eps);
+  };
+
+  if (fused) norm(h, W.layers[0].attn_norm, x);
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& L = W.layers[l];
     if (!fused) x = rms_norm_aten(h, L.attn_norm, c.rms_norm_eps);
     at::Tensor qkv = linear(x, L.wqkv, L.bqkv);
     const int32_t window = c.layer_sliding_window[l];
-    if (fused) {
+    if (fused && cuda) {
+#ifdef K25_WITH_CUDA
+      cuda_glue::rope_write_kv(qkv, positions, slots, Hq, rope_cos_, rope_sin_, kv, layout, l);
+      cuda_glue::paged_attention(qkv, attn, kv, layout, l, db, Hq, scale, window);
+#endif
+    } else if (fused) {
       cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
-                         rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), kv, layout, l);
-      cpu::paged_attention(qkv.data_ptr<float>(), qkv_dim, attn.data_ptr<float>(), kv, layout, l, ab, Hq, scale,
-                           window);
+                         rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), kv.data_ptr<float>(), layout, l);
+      cpu::paged_attention(qkv.data_ptr<float>(), qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l,
+                           ab, Hq, scale, window);
     } else {
-      // RoPE as transformers writes it: x * cos + rotate_half(x) * sin, on q and k.
-      at::Tensor pos = i32_view(meta.positions).to(at::kLong);
-      at::Tensor cos = at::index_select(rope_cos_, 0, pos);
-      at::Tensor sin = at::index_select(rope_sin_, 0, pos);
-      cos = at::cat({cos, cos}, -1).unsqueeze(1);
-      sin = at::cat({sin, sin}, -1).unsqueeze(1);
+      // RoPE as transformers writes it: x * cos + rotate_half(x) * sin, in the model dtype.
+      at::Tensor cos = at::index_select(rope_cos_, 0, positions);
+      at::Tensor sin = at::index_select(rope_sin_, 0, positions);
+      cos = at::cat({cos, cos}, -1).unsqueeze(1).to(h.scalar_type());
+      sin = at::cat({sin, sin}, -1).unsqueeze(1).to(h.scalar_type());
       at::Tensor qk = qkv.narrow(1, 0, (Hq + Hkv) * D).view({T, Hq + Hkv, D});
       at::Tensor rot = at::cat({-qk.narrow(2, D / 2, D / 2), qk.narrow(2, 0, D / 2)}, -1);
       qk.copy_(qk * cos + rot * sin);
-      cpu::write_kv(qkv.data_ptr<float>(), qkv_dim, meta.slot_mapping.data(), T, Hq, kv, layout, l);
+#ifdef K25_WITH_CUDA
+      if (cuda) cuda_glue::write_kv(qkv, slots, Hq, kv, layout, l);
+#endif
+      if (!cuda) cpu::write_kv(qkv.data_ptr<float>(), qkv_dim, meta.slot_mapping.data(), T, Hq, kv.data_ptr<float>(),
+                               layout, l);
       attention_unfused(qkv, meta, kv, layout, l, attn);
     }
     at::Tensor o = linear(attn, L.wo, L.bo);
     if (fused) {
-      cpu::add_rms_norm(h.data_ptr<float>(), o.data_ptr<float>(), L.ffn_norm.data_ptr<float>(), x.data_ptr<float>(),
-                        T, H, eps);
+      add_norm(h, o, L.ffn_norm, x);
     } else {
       h = h + o;
       x = rms_norm_aten(h, L.ffn_norm, c.rms_norm_eps);
     }
     at::Tensor gu = linear(x, L.w_gate_up, at::Tensor());
-    if (fused) {
+    if (fused && cuda) {
+#ifdef K25_WITH_CUDA
+      cuda_glue::silu_mul(gu, act);
+#endif
+    } else if (fused) {
       cpu::silu_mul(gu.data_ptr<float>(), act.data_ptr<float>(), T, I);
     } else {
       act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
     }
     at::Tensor d = linear(act, L.w_down, at::Tensor());
     if (fused && l + 1 < c.num_layers) {
-      cpu::add_rms_norm(h.data_ptr<float>(), d.data_ptr<float>(), W.layers[l + 1].attn_norm.data_ptr<float>(),
-                        x.data_ptr<float>(), T, H, eps);
+      add_norm(h, d, W.layers[l + 1].attn_norm, x);
     } else if (fused) {
       h.add_(d);
     } else {
       h = h + d;
     }
   }
-  if (meta.logits_rows.empty()) return at::empty({0, c.vocab_size}, h.options());
-  at::Tensor rows = at::index_select(h, 0, i32_view(meta.logits_rows));
+  if (meta.logits_rows.empty()) return at::empty({0, c.vocab_size}, h.options().dtype(at::kFloat));
+  at::Tensor rows = at::index_select(h, 0, on_device(meta.logits_rows, at::kInt, dev));
   at::Tensor xr;
   if (fused) {
     xr = at::empty_like(rows);
-    cpu::rms_norm(rows.data_ptr<float>(), H, W.final_norm.data_ptr<float>(), xr.data_ptr<float>(), H, rows.size(0),
-                  H, eps);
+    norm(rows, W.final_norm, xr);
   } else {
     xr = rms_norm_aten(rows, W.final_norm, c.rms_norm_eps);
   }
-  return linear(xr, W.lm_head, at::Tensor());
+  return linear(xr, W.lm_head, at::Tensor()).to(at::kFloat);
 }
 
-void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, float* kv,
+void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, const at::Tensor& kv,
                                    const KVLayout& layout, int32_t layer, at::Tensor& out) const {
   const ModelConfig& c = config_;
   const int64_t D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads, bs = layout.block_size;
   const int32_t window = c.layer_sliding_window[layer];
-  const int64_t max_block = [&] {
-    int64_t m = 0;
-    for (int32_t b : meta.block_tables) m = std::max<int64_t>(m, b + 1);
-    return m;
-  }();
-  // [blocks, layers, K/V, heads, bs * D] over just the blocks this step touches.
-  at::Tensor pool = at::from_blob(kv, {max_block, layout.num_layers, 2, Hkv, bs * D}, at::kFloat).select(1, layer);
+  const int64_t num_blocks = kv.numel() / layout.block_elems();
+  // [blocks, layers, K/V, heads, bs * D]
+  at::Tensor pool = kv.view({num_blocks, layout.num_layers, 2, Hkv, bs * D}).select(1, layer);
   for (int32_t s = 0; s < meta.num_seqs(); ++s) {
     const int64_t q0 = meta.query_start[s], q_len = meta.query_start[s + 1] - q0;
     const int64_t ctx = meta.context_lens[s];
     const int64_t nb = (ctx + bs - 1) / bs;
     std::vector<int64_t> table(meta.block_tables.begin() + static_cast<int64_t>(s) * meta.max_blocks_per_seq,
                                meta.block_tables.begin() + static_cast<int64_t>(s) * meta.max_blocks_per_seq + nb);
-    at::Tensor blocks = at::index_select(pool, 0, at::tensor(table, at::kLong));  // [nb, 2, Hkv, bs*D]
-    at::Tensor k = blocks.select(1, 0).view({nb, Hkv, D, bs}).permute({1, 0, 3, 2}).reshape({Hkv, nb * bs, D});
+    at::Tensor blocks = at::index_select(pool, 0, at::tensor(table, at::kLong).to(kv.device()));  // [nb, 2, Hkv, bs*D]
+    at::Tensor k = layout.k_transposed
+                       ? blocks.select(1, 0).view({nb, Hkv, D, bs}).permute({1, 0, 3, 2}).reshape({Hkv, nb * bs, D})
+                       : blocks.select(1, 0).view({nb, Hkv, bs, D}).permute({1, 0, 2, 3}).reshape({Hkv, nb * bs, D});
     at::Tensor v = blocks.select(1, 1).view({nb, Hkv, bs, D}).permute({1, 0, 2, 3}).reshape({Hkv, nb * bs, D});
     k = k.narrow(1, 0, ctx).repeat_interleave(Hq / Hkv, 0);
     v = v.narrow(1, 0, ctx).repeat_interleave(Hq / Hkv, 0);
     at::Tensor q = qkv.narrow(0, q0, q_len).narrow(1, 0, Hq * D).reshape({q_len, Hq, D}).transpose(0, 1);
-    at::Tensor qpos = at::arange(ctx - q_len, ctx, at::kLong).unsqueeze(1);
-    at::Tensor kpos = at::arange(0, ctx, at::kLong).unsqueeze(0);
+    at::Tensor qpos = at::arange(ctx - q_len, ctx, at::TensorOptions().dtype(at::kLong).device(kv.device())).unsqueeze(1);
+    at::Tensor kpos = at::arange(0, ctx, at::TensorOptions().dtype(at::kLong).device(kv.device())).unsqueeze(0);
     at::Tensor mask = kpos <= qpos;
     if (window > 0) mask = at::logical_and(mask, kpos > qpos - window);
     at::Tensor o = at::scaled_dot_product_attention(q, k, v, mask);  // [Hq, q_len, D]

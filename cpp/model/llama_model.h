@@ -43,13 +43,19 @@ class LlamaModel {
   const ModelConfig& config() const { return config_; }
   const LlamaWeights& weights() const { return weights_; }
   int64_t weight_bytes() const;
+  at::Device device() const { return weights_.embed.device(); }
+  at::ScalarType dtype() const { return weights_.embed.scalar_type(); }
 
-  // Runs every layer for the step's tokens, writing their K and V into `kv` (laid out
-  // as `layout`), and returns float32 logits [meta.logits_rows.size(), vocab].
-  at::Tensor forward(const BatchMeta& meta, float* kv, const KVLayout& layout, bool fused) const;
+  // Moves the weights to `device` in `dtype` (the RoPE tables stay float32).
+  void to(at::Device device, at::ScalarType dtype);
+
+  // Runs every layer for the step's tokens, writing their K and V into `kv` (a pool on
+  // the model's device laid out as `layout`), and returns float32 logits
+  // [meta.logits_rows.size(), vocab] on the model's device.
+  at::Tensor forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused) const;
 
  private:
-  void attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, float* kv,
+  void attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, const at::Tensor& kv,
                          const KVLayout& layout, int32_t layer, at::Tensor& out) const;
 
   ModelConfig config_;

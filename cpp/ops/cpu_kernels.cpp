@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops/attention_plan.h"
 #include "ops/parallel.h"
 
 namespace k25::cpu {
@@ -168,12 +169,7 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-struct WorkItem {
-  int32_t seq, kv_head, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence
-  int32_t key_begin = 0;                 // keys [key_begin, key_end) only (split-KV decode)
-  int32_t key_end = INT32_MAX;
-  int32_t partial = -1;                  // >= 0: write unnormalised partials to this slot
-};
+using WorkItem = AttnWorkItem;
 
 // Split-KV partial results of one row: the accumulator, then the running max and sum.
 struct Partials {
@@ -433,57 +429,19 @@ void paged_attention(const float* q, int64_t q_stride, float* out, const float* 
                      const KVLayout& L, int32_t layer, const AttentionBatch& B,
                      int32_t num_heads, float scale, int32_t sliding_window) {
   // Query tiles of a few tokens: one pass over the keys serves all rows (tokens x GQA
-  // heads) of a tile.
-  const int32_t kTile = std::max(1, kMaxTileRows / std::max(1, num_heads / L.num_kv_heads));
-  std::vector<WorkItem> items;
-  for (int32_t s = 0; s < B.num_seqs; ++s) {
-    const int32_t q_len = B.query_start[s + 1] - B.query_start[s];
-    for (int32_t h = 0; h < L.num_kv_heads; ++h) {
-      for (int32_t b = 0; b < q_len; b += kTile) items.push_back({s, h, b, std::min(q_len, b + kTile)});
-    }
-  }
-  // Split-KV (flash-decoding): with too few items to keep every thread busy, each long
-  // decode row is cut into key ranges computed in parallel and merged afterwards.
+  // heads) of a tile; long single-token rows are split over the threads (split-KV).
   const int32_t threads = num_threads();
   const int32_t group = num_heads / L.num_kv_heads;
-  constexpr int32_t kMinSplitKeys = 256;
-  std::vector<WorkItem> split_items;
-  std::vector<float> partial_buf;
-  Partials partials;
-  if (static_cast<int64_t>(items.size()) < 2 * threads) {
-    std::vector<WorkItem> kept;
-    const int32_t want = static_cast<int32_t>((2 * threads + items.size() - 1) / std::max<size_t>(1, items.size()));
-    for (const WorkItem& w : items) {
-      const int32_t q_len = B.query_start[w.seq + 1] - B.query_start[w.seq];
-      const int32_t ctx = B.context_lens[w.seq];
-      const int32_t key_lo = sliding_window > 0 ? std::max(0, ctx - sliding_window) : 0;
-      const int32_t span = ctx - key_lo;
-      const int32_t parts = std::min(want, span / kMinSplitKeys);
-      if (q_len != 1 || parts < 2) {
-        kept.push_back(w);
-        continue;
-      }
-      for (int32_t p = 0; p < parts; ++p) {
-        WorkItem piece = w;
-        piece.key_begin = key_lo + static_cast<int32_t>(static_cast<int64_t>(span) * p / parts);
-        piece.key_end = key_lo + static_cast<int32_t>(static_cast<int64_t>(span) * (p + 1) / parts);
-        piece.partial = static_cast<int32_t>(split_items.size());
-        split_items.push_back(piece);
-      }
-    }
-    if (!split_items.empty()) {
-      partial_buf.resize(split_items.size() * group * (L.head_dim + 2));
-      partials = Partials{partial_buf.data(), L.head_dim, group};
-      items = std::move(kept);
-      items.insert(items.end(), split_items.begin(), split_items.end());
-    }
-  }
-  // Later tiles see more keys: hand out the most expensive items first.
-  auto cost = [&](const WorkItem& w) {
-    const int32_t first = B.context_lens[w.seq] - (B.query_start[w.seq + 1] - B.query_start[w.seq]);
-    return std::min(first + w.q_end, w.key_end) - w.key_begin;
-  };
-  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
+  AttentionPlanParams pp;
+  pp.num_kv_heads = L.num_kv_heads;
+  pp.group = group;
+  pp.max_rows = std::max(kMaxTileRows, group);
+  pp.parallelism = threads;
+  pp.sliding_window = sliding_window;
+  const AttentionPlan plan = plan_attention(B.query_start, B.context_lens, B.num_seqs, pp);
+  const std::vector<WorkItem>& items = plan.work;
+  std::vector<float> partial_buf(static_cast<size_t>(plan.num_partials) * group * (L.head_dim + 2));
+  const Partials partials{partial_buf.data(), L.head_dim, group};
   // parallel_for splits a range into contiguous chunks; deal the sorted items round-robin
   // instead so that every thread gets a similar mix of long and short ones.
   const int64_t n = static_cast<int64_t>(items.size());
@@ -498,22 +456,18 @@ void paged_attention(const float* q, int64_t q_stride, float* out, const float* 
   });
   // Merge the pieces of each split row: rescale every partial to the global max.
   const int32_t D = L.head_dim;
-  for (size_t i = 0; i < split_items.size();) {
-    size_t j = i;
-    while (j < split_items.size() && split_items[j].seq == split_items[i].seq &&
-           split_items[j].kv_head == split_items[i].kv_head) {
-      ++j;
-    }
-    const WorkItem& w = split_items[i];
-    const int32_t row = B.query_start[w.seq];
+  for (size_t mi = 0; mi < plan.merges.size(); mi += 4) {
+    const int32_t seq = plan.merges[mi], kv_head = plan.merges[mi + 1];
+    const int32_t first = plan.merges[mi + 2], count = plan.merges[mi + 3];
+    const int32_t row = B.query_start[seq];
     for (int32_t r = 0; r < group; ++r) {
       float m = kNegInf;
-      for (size_t k = i; k < j; ++k) m = std::max(m, partials.row(split_items[k].partial, r)[D]);
-      float* o = out + static_cast<int64_t>(row) * num_heads * D + static_cast<int64_t>(w.kv_head * group + r) * D;
+      for (int32_t k = first; k < first + count; ++k) m = std::max(m, partials.row(k, r)[D]);
+      float* o = out + static_cast<int64_t>(row) * num_heads * D + static_cast<int64_t>(kv_head * group + r) * D;
       float l = 0.0f;
       for (int32_t d = 0; d < D; ++d) o[d] = 0.0f;
-      for (size_t k = i; k < j; ++k) {
-        const float* pr = partials.row(split_items[k].partial, r);
+      for (int32_t k = first; k < first + count; ++k) {
+        const float* pr = partials.row(k, r);
         if (pr[D + 1] == 0.0f) continue;  // a piece with no keys for this row
         const float f = vexp(pr[D] - m);
         l += pr[D + 1] * f;
@@ -522,7 +476,6 @@ void paged_attention(const float* q, int64_t q_stride, float* out, const float* 
       const float inv = 1.0f / l;
       for (int32_t d = 0; d < D; ++d) o[d] *= inv;
     }
-    i = j;
   }
 }
 

@@ -3,8 +3,9 @@
 // One allocation indexed by block id: [num_blocks][num_layers][K, V][num_kv_heads][...].
 // A block id names the same slots in every layer, and one block across all layers is
 // contiguous, so a tier move copies a block in one transfer. Within a block and head,
-// K is stored transposed ([head_dim][block_size]) so that q·K over a block is a run of
-// vector FMAs with no horizontal sums; V is stored [block_size][head_dim].
+// V is [block_size][head_dim]. K is the same on CUDA; on the CPU it is stored transposed
+// ([head_dim][block_size]) so that q·K over a block is a run of vector FMAs with no
+// horizontal sums (k_transposed).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,7 @@ struct KVLayout {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   int32_t block_size = 0;
+  bool k_transposed = true;
 
   int64_t head_elems() const { return static_cast<int64_t>(block_size) * head_dim; }
   int64_t layer_elems() const { return 2 * num_kv_heads * head_elems(); }

@@ -4,6 +4,10 @@
     model = K25Model(K25Config())            # the default model, smollm2-135m-instruct
     print(model.generate(["Hello"], max_new_tokens=32, temperature=0.0)[0].text)
 """
+# k25._C links libtorch (and libtorch_python for the tensor bindings): torch's own
+# Python module must initialise first, or a CUDA build crashes when torch is imported later.
+import torch as _torch  # noqa: F401
+
 from . import errors
 from .config import DEFAULT_MODEL, K25Config
 from .model import GenerationOutput, K25Model, TokenLogprob

@@ -22,8 +22,8 @@ _CACHE_MODES = ("standard", "hierarchical")
 @dataclass
 class K25Config:
     model_path: Optional[str] = None  # None: the default model (smollm2-135m-instruct)
-    device: str = "auto"              # auto | cpu | cuda
-    dtype: str = "auto"               # compute dtype; auto = float32 on CPU
+    device: str = "auto"              # auto (cuda when available, else cpu) | cpu | cuda[:N]
+    dtype: str = "auto"               # compute dtype; auto = float32 on CPU, bfloat16 on CUDA
     max_seq_len: Optional[int] = None  # None: min(8192, the model's context length)
     max_batch_size: int = 64
     max_num_batched_tokens: int = 2048
@@ -67,15 +67,19 @@ class K25Config:
 
         need(self.model_path is None or isinstance(self.model_path, (str, os.PathLike)),
              f"model_path must be a path or a model name, got {self.model_path!r}")
-        need(self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
-             f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if str(self.device).startswith("cuda"):
-            raise ConfigError(
-                f"device={self.device!r}: this build has no CUDA backend yet; use device='cpu' "
-                "or 'auto'")
-        need(self.dtype in ("auto", "float32"),
-             f"dtype={self.dtype!r} is not available on the CPU backend yet (use 'auto' or "
-             "'float32')")
+        need(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
+                                               or (self.device.startswith("cuda:") and self.device[5:].isdigit())),
+             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        device = self.resolved_device()
+        if device.startswith("cuda"):
+            from . import _C
+            if not _C.cuda_available():
+                raise ConfigError(f"device={self.device!r}: this build of k25 has no CUDA backend or no CUDA "
+                                  "device is visible; use device='cpu' or 'auto'")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        need(device.startswith("cuda") or self.dtype in ("auto", "float32"),
+             f"dtype={self.dtype!r} needs the CUDA backend; the CPU backend computes in float32")
         positive_int("max_seq_len", allow_none=True)
         positive_int("max_batch_size")
         positive_int("max_num_batched_tokens")
@@ -86,13 +90,16 @@ class K25Config:
         positive_int("kv_cache_bytes", allow_none=True)
         positive_int("num_threads", allow_none=True)
         if self.gpu_memory_utilization is not None:
-            raise ConfigError("gpu_memory_utilization applies to the CUDA backend; on the CPU "
-                              "set kv_cache_bytes")
+            need(device.startswith("cuda"), "gpu_memory_utilization applies to the CUDA backend; on the "
+                                            "CPU set kv_cache_bytes")
+            need(isinstance(self.gpu_memory_utilization, (int, float))
+                 and 0.0 < self.gpu_memory_utilization <= 1.0,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         need(self.kv_cache_dtype in _KV_DTYPES,
              f"kv_cache_dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
-        need(self.kv_cache_dtype in ("auto", "float32"),
-             f"kv_cache_dtype={self.kv_cache_dtype!r} is not implemented yet; the CPU backend "
-             "stores KV in float32 ('auto' or 'float32')")
+        need(self.kv_cache_dtype in ("auto", self.resolved_dtype()),
+             f"kv_cache_dtype={self.kv_cache_dtype!r} is not implemented yet; KV is stored in the compute "
+             f"dtype ('auto' = {self.resolved_dtype()})")
         need(self.cache_mode in _CACHE_MODES,
              f"cache_mode must be one of {_CACHE_MODES}, got {self.cache_mode!r}")
         need(isinstance(self.max_sparsity_ratio, (int, float))
@@ -115,6 +122,17 @@ class K25Config:
                 raise ConfigError(f"{name} applies to cache_mode='hierarchical', which is not "
                                   "implemented yet")
         need(isinstance(self.enable_kernel_fusion, bool), "enable_kernel_fusion must be a bool")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        from . import _C
+        return "cuda" if _C.cuda_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
 
     def resolved_threads(self) -> int:
         if self.num_threads:

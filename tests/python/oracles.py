@@ -55,14 +55,18 @@ def check_greedy_against_reference(prompt, generated, ref_logits, near_tie=1e-3)
     return len(generated)
 
 
-def write_random_checkpoint(path: Path, arch: str, dtype=torch.float32, shard_bytes=None, seed=0):
-    """A small random-weight HF checkpoint of the given architecture, written by transformers."""
+def write_random_checkpoint(path: Path, arch: str, dtype=torch.float32, shard_bytes=None, seed=0, **overrides):
+    """A small random-weight HF checkpoint of the given architecture, written by transformers.
+
+    `overrides` replace config fields (e.g. hidden_size=256 for head_dim 64 on the GPU)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM)
     torch.manual_seed(seed)
     common = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                   num_attention_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-5,
                   initializer_range=0.25, bos_token_id=1, eos_token_id=2)
+    head_dim = overrides.pop("head_dim", 32)
+    common.update(overrides)
     if arch == "llama3":
         cfg = LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -77,7 +81,7 @@ def write_random_checkpoint(path: Path, arch: str, dtype=torch.float32, shard_by
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     elif arch == "mistral":
-        cfg = MistralConfig(num_key_value_heads=2, head_dim=32, sliding_window=24, tie_word_embeddings=False,
+        cfg = MistralConfig(num_key_value_heads=2, head_dim=head_dim, sliding_window=24, tie_word_embeddings=False,
                             rope_theta=10000.0, **common)
         model = MistralForCausalLM(cfg)
     else:

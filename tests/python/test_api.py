@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from k25 import K25Config, K25Model, errors
+from k25 import K25Config, K25Model, _C, errors
 from k25.model import resolve_model_path
 
 PROMPT = "The capital of France is"
@@ -599,13 +599,17 @@ def test_close_while_generating_unblocks_the_caller():
 # ---------------------------------------------------------------------------------------
 # K25Config validation
 
+_NEEDS_NO_CUDA = pytest.mark.skipif(_C.cuda_available(), reason="valid where a CUDA device exists")
+
+
 @pytest.mark.parametrize("kw", [
-    dict(device="cuda"), dict(device="cuda:0"), dict(device="tpu"),
-    dict(dtype="bfloat16"), dict(dtype="float16"),
+    pytest.param(dict(device="cuda"), marks=_NEEDS_NO_CUDA), pytest.param(dict(device="cuda:0"), marks=_NEEDS_NO_CUDA),
+    dict(device="tpu"), dict(device="cuda:x"),
+    dict(device="cpu", dtype="bfloat16"), dict(device="cpu", dtype="float16"), dict(dtype="float64"),
     dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="fp8"),
     dict(enable_prefix_caching=True), dict(enable_dynamic_sparsity=True),
     dict(cache_mode="hierarchical"), dict(cache_mode="bogus"), dict(enable_async_offload=True),
-    dict(l2_bytes=1 << 30), dict(l3_path="/tmp/x"), dict(gpu_memory_utilization=0.9),
+    dict(l2_bytes=1 << 30), dict(l3_path="/tmp/x"), dict(device="cpu", gpu_memory_utilization=0.9),
     dict(block_size=0), dict(block_size=300), dict(max_batch_size=0), dict(max_batch_size=-1),
     dict(max_sparsity_ratio=0.9), dict(max_sparsity_ratio=0.05), dict(max_seq_len=0),
     dict(kv_cache_bytes=0), dict(num_threads=0), dict(prefill_chunk_size=0),

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build k25 with CUDA once, run tests/cuda, then the GPU
+# benchmarks. Results and logs go to $OUT. Extra arguments go to pytest.
+#   bash bench/gpu/run_all.sh [-k expr]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/k25-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# Wheels carried in .whl/ (packages the GPU image lacks, e.g. gguf).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+# The default model, carried in parts that fit the working-tree limit.
+if ls .devcache/smollm2.part* >/dev/null 2>&1; then
+  cat .devcache/smollm2.part* > /tmp/smollm2.gguf && export K25_DEFAULT_MODEL_PATH=/tmp/smollm2.gguf
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+start=$(date +%s)
+K25_CUDA=on K25_BUILD_JOBS=$(nproc) K25_CUDA_ARCHS=90a \
+  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1
+rc=$?
+echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
+if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit $rc; fi
+python3 -m pytest -q -p no:cacheprovider tests/cuda "$@" 2>&1 | tee "$OUT/tests.log" | tail -40

@@ -1,0 +1,40 @@
+// ATen glue for the CUDA kernels of cuda/: checks tensors, passes raw pointers and the
+// current stream, and turns launch errors into k25::Error. Built only with CUDA.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "ops/attention_plan.h"
+#include "ops/kv_layout.h"
+
+namespace k25::cuda_glue {
+
+bool available();                         // built with CUDA and a device is visible
+void device_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
+
+// The per-step attention batch on the device.
+struct DeviceBatch {
+  at::Tensor query_start, context_lens, block_tables;  // int32
+  at::Tensor work, merges;                             // int32 [N, 7], [M, 4]
+  at::Tensor partials;                                 // float32
+  int32_t num_work = 0, num_merges = 0, max_blocks = 0;
+};
+DeviceBatch make_batch(const at::Tensor& query_start, const at::Tensor& context_lens, const at::Tensor& block_tables,
+                       const AttentionPlan& plan, int32_t group, int32_t head_dim, const at::Device& device);
+
+void rms_norm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps);
+void add_rms_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, at::Tensor& out, double eps);
+void silu_mul(const at::Tensor& gu, at::Tensor& out);
+void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& slots, int32_t num_heads,
+                   const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv, const KVLayout& layout, int32_t layer);
+void rope_inplace(at::Tensor& qkv, const at::Tensor& positions, int32_t num_heads, int32_t num_kv_heads,
+                  const at::Tensor& cos, const at::Tensor& sin);
+void write_kv(const at::Tensor& qkv, const at::Tensor& slots, int32_t num_heads, at::Tensor& kv,
+              const KVLayout& layout, int32_t layer);
+void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& kv, const KVLayout& layout,
+                     int32_t layer, const DeviceBatch& batch, int32_t num_heads, double scale, int32_t window);
+at::Tensor argmax_rows(const at::Tensor& logits);  // float32 [R, V] -> int32 [R]
+
+}  // namespace k25::cuda_glue

@@ -1,0 +1,65 @@
+#include "ops/attention_plan.h"
+
+#include <algorithm>
+
+#include "k25/status.h"
+
+namespace k25 {
+
+AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_lens, int32_t num_seqs,
+                             const AttentionPlanParams& p) {
+  if (p.group > p.max_rows) {
+    fail(ErrorCode::kUnsupported, "attention: " + std::to_string(p.group) +
+                                      " query heads per KV head exceed the kernel's " +
+                                      std::to_string(p.max_rows) + " rows per work item");
+  }
+  const int32_t tile = std::max(1, p.max_rows / p.group);
+  AttentionPlan plan;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const int32_t q_len = query_start[s + 1] - query_start[s];
+    for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+      for (int32_t b = 0; b < q_len; b += tile) {
+        plan.work.push_back({s, h, b, std::min(q_len, b + tile), 0, INT32_MAX, -1});
+      }
+    }
+  }
+  // Split-KV (flash-decoding): with too few items to keep every worker busy, long
+  // single-token rows are cut into key ranges and merged afterwards.
+  const int64_t base = static_cast<int64_t>(plan.work.size());
+  if (base > 0 && base < 2LL * p.parallelism) {
+    const int32_t want = static_cast<int32_t>((2LL * p.parallelism + base - 1) / base);
+    std::vector<AttnWorkItem> kept;
+    std::vector<AttnWorkItem> pieces;
+    for (const AttnWorkItem& w : plan.work) {
+      const int32_t q_len = query_start[w.seq + 1] - query_start[w.seq];
+      const int32_t ctx = context_lens[w.seq];
+      const int32_t key_lo = p.sliding_window > 0 ? std::max(0, ctx - p.sliding_window) : 0;
+      const int32_t span = ctx - key_lo;
+      const int32_t parts = std::min(want, span / std::max(1, p.min_split_keys));
+      if (q_len != 1 || parts < 2) {
+        kept.push_back(w);
+        continue;
+      }
+      plan.merges.insert(plan.merges.end(), {w.seq, w.kv_head, plan.num_partials, parts});
+      for (int32_t i = 0; i < parts; ++i) {
+        AttnWorkItem piece = w;
+        piece.key_begin = key_lo + static_cast<int32_t>(static_cast<int64_t>(span) * i / parts);
+        piece.key_end = key_lo + static_cast<int32_t>(static_cast<int64_t>(span) * (i + 1) / parts);
+        piece.partial = plan.num_partials++;
+        pieces.push_back(piece);
+      }
+    }
+    kept.insert(kept.end(), pieces.begin(), pieces.end());
+    plan.work = std::move(kept);
+  }
+  // Longest first: later tiles of a prefill and long contexts see the most keys.
+  auto cost = [&](const AttnWorkItem& w) {
+    const int32_t first = context_lens[w.seq] - (query_start[w.seq + 1] - query_start[w.seq]);
+    return std::min(first + w.q_end, w.key_end) - w.key_begin;
+  };
+  std::stable_sort(plan.work.begin(), plan.work.end(),
+                   [&](const AttnWorkItem& a, const AttnWorkItem& b) { return cost(a) > cost(b); });
+  return plan;
+}
+
+}  // namespace k25

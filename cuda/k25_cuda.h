@@ -1,0 +1,67 @@
+// CUDA kernels of k25: host launchers on raw device pointers (no torch types).
+//
+// Each launcher enqueues on `stream` and returns; errors surface through
+// cudaGetLastError(), which the ATen glue checks after every launch. Element types are
+// float, __half or __nv_bfloat16 (DType); arithmetic is float32 and each result is
+// rounded to the element type where PyTorch's eager ops would round it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace k25::cuda {
+
+enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// Paged KV storage: [blocks][layers][K, V][kv heads][block_size][head_dim].
+struct KVCache {
+  void* data = nullptr;
+  int32_t num_layers = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;
+};
+
+// One unit of attention work: query tokens [q_begin, q_end) of sequence `seq` for the
+// query heads of KV head `kv_head`, against keys [key_begin, key_end); partial >= 0
+// writes an unnormalised partial result to that slot (split-KV) for a later merge.
+struct AttnWork {
+  int32_t seq, kv_head, q_begin, q_end, key_begin, key_end, partial;
+};
+
+struct AttnBatch {
+  const int32_t* query_start;   // [S + 1]
+  const int32_t* context_lens;  // [S]
+  const int32_t* block_tables;  // [S * max_blocks]
+  int32_t max_blocks;
+  const AttnWork* work;         // [num_work]
+  int32_t num_work;
+  float* partials;              // [num_partials][group][head_dim + 2] or null
+  const int32_t* merge;         // [num_merges * 4]: seq, kv_head, first slot, slot count
+  int32_t num_merges;
+};
+
+// Rows of at most this many (tokens x GQA heads) share one CTA's K/V tiles.
+constexpr int32_t kAttnMaxRows = 16;
+
+void rms_norm(DType t, const void* x, int64_t x_stride, const void* w, void* out, int64_t out_stride,
+              int64_t rows, int32_t n, float eps, cudaStream_t stream);
+void add_rms_norm(DType t, void* h, const void* delta, const void* w, void* out, int64_t rows, int32_t n,
+                  float eps, cudaStream_t stream);
+void silu_mul(DType t, const void* gu, void* out, int64_t rows, int32_t n, cudaStream_t stream);
+// RoPE (rotate-half) on q in place and on k, with the k/v cache write fused.
+void rope_write_kv(DType t, void* qkv, int64_t row_stride, const int32_t* positions, const int64_t* slots,
+                   int64_t rows, int32_t num_heads, const float* cos, const float* sin, KVCache kv,
+                   int32_t layer, cudaStream_t stream);
+// The unfused pair: RoPE on q and k in place, then the cache write of k and v.
+void rope_inplace(DType t, void* qkv, int64_t row_stride, const int32_t* positions, int64_t rows,
+                  int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, const float* cos, const float* sin,
+                  cudaStream_t stream);
+void write_kv(DType t, const void* qkv, int64_t row_stride, const int64_t* slots, int64_t rows, int32_t num_heads,
+              KVCache kv, int32_t layer, cudaStream_t stream);
+// Causal attention of each work item's queries over the paged KV; q rows have stride
+// q_stride, out is [T][num_heads * head_dim] contiguous.
+void paged_attention(DType t, const void* q, int64_t q_stride, void* out, KVCache kv, int32_t layer,
+                     const AttnBatch& batch, int32_t num_heads, float scale, int32_t window, cudaStream_t stream);
+// Index of the largest value of each row of a float32 [rows][n] matrix (lowest on ties).
+void argmax_rows(const float* x, int64_t rows, int32_t n, int32_t* out, cudaStream_t stream);
+
+}  // namespace k25::cuda

@@ -1,0 +1,195 @@
+"""CUDA kernels against PyTorch references (float64 for attention).
+
+Fresh random inputs per case; ragged batches mixing prefill chunks and decodes, permuted
+block tables, GQA ratios 1-8, head dims 64 and 128, float32/float16/bfloat16, sliding
+windows, split-KV decode, and NaN in every KV slot that must not be read.
+"""
+import math
+
+import pytest
+import torch
+
+from k25 import _C
+
+cu = getattr(_C, "cuda_ops", None)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_add(dtype):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(37, 1000, device="cuda", generator=g).to(dtype)
+    w = (torch.rand(1000, device="cuda", generator=g) + 0.5).to(dtype)
+    # transformers: norm in float32, then the weight in the model dtype
+    xf = x.float()
+    ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out = cu.rms_norm(x, w, 1e-5)
+    assert rel_err(out, ref) < TOL[dtype] / 4
+    d = torch.randn_like(x)
+    h = x.clone()
+    out = cu.add_rms_norm(h, d, w, 1e-5)
+    hs = x + d
+    assert torch.equal(h, hs)
+    hf = hs.float()
+    ref = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert rel_err(out, ref) < TOL[dtype] / 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gu = (torch.randn(19, 2 * 700, device="cuda") * 4).to(dtype)
+    ref = torch.nn.functional.silu(gu[:, :700]) * gu[:, 700:]
+    assert rel_err(cu.silu_mul(gu), ref) < TOL[dtype] / 4
+
+
+def rope_tables(max_pos, D):
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    f = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
+    return f.cos().float().cuda(), f.sin().float().cuda()
+
+
+def pool(num_blocks, layout, dtype):
+    L, Hkv, D, bs = layout
+    return torch.full((num_blocks * L * 2 * Hkv * bs * D,), float("nan"), device="cuda", dtype=dtype)
+
+
+def pool_view(kv, layout):
+    L, Hkv, D, bs = layout
+    return kv.view(-1, L, 2, Hkv, bs, D)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq,Hkv,D,bs", [(8, 2, 64, 16), (4, 4, 128, 32)])
+def test_rope_write_kv(dtype, Hq, Hkv, D, bs):
+    L, layer, nb, T = 3, 2, 9, 23
+    layout = (L, Hkv, D, bs)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device="cuda").to(dtype)
+    pos = torch.randint(0, 400, (T,), dtype=torch.int32, device="cuda")
+    slots = torch.randperm(nb * bs, device="cuda")[:T].to(torch.int64)
+    cos, sin = rope_tables(512, D)
+    c = torch.cat([cos[pos.long()], cos[pos.long()]], -1).to(dtype)[:, None]
+    s = torch.cat([sin[pos.long()], sin[pos.long()]], -1).to(dtype)[:, None]
+
+    def ref_rope(x):  # transformers, in the model dtype
+        rot = torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1)
+        return x * c + rot * s
+
+    q_ref = ref_rope(qkv[:, :Hq * D].view(T, Hq, D))
+    k_ref = ref_rope(qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D))
+    v_ref = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    kv = pool(nb, layout, dtype)
+    work = qkv.clone()
+    cu.rope_write_kv(work, pos, slots, Hq, cos, sin, kv, layout, layer)
+    assert rel_err(work[:, :Hq * D].view(T, Hq, D), q_ref) < TOL[dtype] / 4
+    pv = pool_view(kv, layout)
+    b, off = slots // bs, slots % bs
+    assert rel_err(pv[b, layer, 0][torch.arange(T), :, off], k_ref) < TOL[dtype] / 4
+    assert torch.equal(pv[b, layer, 1][torch.arange(T), :, off], v_ref)
+    assert torch.isnan(pv[:, layer - 1]).all()
+    # unfused pair: same results
+    kv2 = pool(nb, layout, dtype)
+    work2 = qkv.clone()
+    cu.rope_inplace(work2, pos, Hq, Hkv, cos, sin)
+    cu.write_kv(work2, slots, Hq, kv2, layout, layer)
+    assert torch.equal(work2[:, :Hq * D], work[:, :Hq * D])
+    assert torch.equal(kv2.nan_to_num(3.0), kv.nan_to_num(3.0))
+
+
+def ref_attention(q, k, v, positions, window):
+    n, Hq, D = q.shape
+    ctx, Hkv, _ = k.shape
+    kk = k.double().repeat_interleave(Hq // Hkv, 1)
+    vv = v.double().repeat_interleave(Hq // Hkv, 1)
+    s = torch.einsum("nhd,chd->hnc", q.double(), kk) / math.sqrt(D)
+    kpos = torch.arange(ctx, device=q.device)[None, :]
+    qpos = positions[:, None]
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
+    s = s.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hnc,chd->nhd", torch.softmax(s, -1), vv)
+
+
+def run_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264):
+    g = torch.Generator().manual_seed(seed)
+    L, layer = 2, 1
+    layout = (L, Hkv, D, bs)
+    nb = sum(-(-c // bs) for c, _ in seqs) + 3
+    kv = pool(nb, layout, dtype)
+    pv = pool_view(kv, layout)
+    free = torch.randperm(nb, generator=g).tolist()
+    maxb = max(-(-c // bs) for c, _ in seqs)
+    tables = torch.full((len(seqs), maxb), -1, dtype=torch.int32)
+    qs, cl, qrows, refs = [0], [], [], []
+    for i, (ctx, qlen) in enumerate(seqs):
+        n = -(-ctx // bs)
+        table = [free.pop() for _ in range(n)]
+        tables[i, :n] = torch.tensor(table, dtype=torch.int32)
+        k = torch.randn(ctx, Hkv, D, generator=g).to(dtype).cuda()
+        v = torch.randn(ctx, Hkv, D, generator=g).to(dtype).cuda()
+        p = torch.arange(ctx)
+        blocks = torch.tensor(table)[p // bs].cuda()
+        pv[blocks, layer, 0, :, (p % bs).cuda()] = k
+        pv[blocks, layer, 1, :, (p % bs).cuda()] = v
+        q = torch.randn(qlen, Hq, D, generator=g).to(dtype).cuda()
+        refs.append(ref_attention(q, k, v, torch.arange(ctx - qlen, ctx, device="cuda"), window))
+        qrows.append(q.reshape(qlen, Hq * D))
+        qs.append(qs[-1] + qlen)
+        cl.append(ctx)
+    qcat = torch.cat(qrows)
+    buf = torch.randn(qcat.shape[0], qcat.shape[1] + 2 * Hkv * D, device="cuda").to(dtype)
+    buf[:, :Hq * D] = qcat
+    out, merges = cu.paged_attention(buf, kv, layout, layer, torch.tensor(qs, dtype=torch.int32),
+                                     torch.tensor(cl, dtype=torch.int32), tables, Hq, 1.0 / math.sqrt(D), window,
+                                     parallelism)
+    ref = torch.cat(refs).reshape(out.shape)
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < TOL[dtype] / 2, f"relative error {err}"
+    return merges
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("D", [64, 128])
+def test_paged_attention_mixed_batches(dtype, group, D):
+    Hkv = 2
+    seqs = [(37, 37), (70, 19), (33, 1), (16, 1), (1, 1), (129, 5), (300, 64)]
+    run_case(group * 7 + D, dtype, Hkv * group, Hkv, D, 16, 0, seqs)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_paged_attention_sliding_window(window):
+    run_case(window, torch.bfloat16, 8, 2, 128, 16, window, [(90, 30), (64, 1), (17, 17), (1000, 1)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_split_kv_decode(dtype):
+    merges = run_case(5, dtype, 32, 8, 128, 16, 0, [(5000, 1), (1200, 1)], parallelism=264)
+    assert merges > 0, "the plan was meant to split these decodes"
+    assert run_case(6, dtype, 32, 8, 128, 16, 0, [(5000, 1)], parallelism=1) == 0
+
+
+def test_paged_attention_random_shapes():
+    g = torch.Generator().manual_seed(77)
+    for trial in range(8):
+        seqs = []
+        for _ in range(int(torch.randint(1, 7, (1,), generator=g))):
+            ctx = int(torch.randint(1, 700, (1,), generator=g))
+            seqs.append((ctx, int(torch.randint(1, ctx + 1, (1,), generator=g))))
+        run_case(trial, DTYPES[trial % 3], 4 * [1, 2, 4, 8][trial % 4], 4, [64, 128][trial % 2], [16, 32][trial % 2],
+                 0, seqs)
+
+
+def test_argmax_rows_lowest_index_on_ties():
+    x = torch.randn(9, 50000, device="cuda")
+    x[3, 100] = x[3, 200] = 1e9
+    ids = cu.argmax_rows(x)
+    expect = x.argmax(-1).to(torch.int32)
+    expect[3] = 100
+    assert torch.equal(ids, expect)

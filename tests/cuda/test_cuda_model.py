@@ -1,0 +1,151 @@
+"""End to end on the GPU: float32 on CUDA against the CPU path, bf16 against transformers
+in bf16 on the same GPU, batch invariance, fused against unfused.
+
+Models: small random-weight checkpoints written by transformers here, and the default
+GGUF model when it is installed (or K25_DEFAULT_MODEL_PATH points at it).
+"""
+import numpy as np
+import pytest
+import torch
+
+from k25 import K25Config, K25Model
+from k25.errors import ModelNotFoundError
+from k25.model import resolve_model_path
+
+from oracles import write_random_checkpoint
+
+BF16_NEAR_TIE = 0.15  # bf16 logits of magnitude ~10-30 are spaced 0.06-0.12 apart
+
+
+def default_model_path():
+    try:
+        return str(resolve_model_path(None))
+    except ModelNotFoundError:
+        return None
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen2", "mistral", "default"])
+def model_dir(request, tmp_path_factory):
+    if request.param == "default":
+        path = default_model_path()
+        if path is None:
+            pytest.skip("the default model is not on this machine")
+        return path
+    d = tmp_path_factory.mktemp(request.param)
+    # head_dim 64 (the CUDA kernels take 64 and 128), GQA 8/2 or 8/1
+    write_random_checkpoint(d, request.param, hidden_size=512, num_attention_heads=8, intermediate_size=1024,
+                            head_dim=64, initializer_range=0.15)
+    return str(d)
+
+
+def prompt_for(model, n=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.model_config["vocab_size"]
+    return torch.randint(3, min(vocab, 30000), (n,), generator=g).tolist()
+
+
+def greedy_agrees(prompt, tokens, ref_logits, near_tie):
+    """Each token is the reference's argmax given the same prefix, or a near-tie there
+    (after which the sequences may part). Returns how many tokens were checked."""
+    P = len(prompt)
+    for i, t in enumerate(tokens):
+        row = ref_logits[P - 1 + i]
+        best = int(np.argmax(row))
+        if t == best:
+            continue
+        top2 = np.sort(row)[-2:]
+        assert top2[1] - top2[0] <= near_tie and row[t] >= top2[0] - 1e-6, (i, t, best, top2)
+        return i
+    return len(tokens)
+
+
+def test_float32_on_gpu_gives_the_cpu_tokens(model_dir):
+    cpu = K25Model(K25Config(model_path=model_dir, device="cpu", kv_cache_bytes=256 << 20))
+    gpu = K25Model(K25Config(model_path=model_dir, device="cuda", dtype="float32", kv_cache_bytes=1 << 30))
+    try:
+        prompt = prompt_for(cpu)
+        a, b = cpu.score(prompt), gpu.score(prompt)
+        assert np.abs(a - b).max() < 2e-3 * max(1.0, np.abs(a).max())
+        ta = cpu.generate([prompt], max_new_tokens=32, temperature=0.0, min_new_tokens=32)[0].token_ids
+        tb = gpu.generate([prompt], max_new_tokens=32, temperature=0.0, min_new_tokens=32)[0].token_ids
+        full = cpu.score(prompt + tb)
+        full[:, cpu.eos_token_ids] = -np.inf
+        assert greedy_agrees(prompt, tb, full, near_tie=1e-3) >= 16
+        assert ta[:8] == tb[:8]
+    finally:
+        cpu.close()
+        gpu.close()
+
+
+def test_bf16_on_gpu_agrees_with_transformers_bf16(model_dir):
+    from transformers import AutoModelForCausalLM
+    import os
+    if os.path.isfile(model_dir):  # GGUF: transformers dequantises it
+        ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_dir), gguf_file=os.path.basename(model_dir),
+                                                   dtype=torch.bfloat16)
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    ref = ref.cuda().eval()
+    m = K25Model(K25Config(model_path=model_dir, device="cuda", dtype="bfloat16", kv_cache_bytes=1 << 30))
+    try:
+        prompt = prompt_for(m, seed=1)
+        ours = m.score(prompt)
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt], device="cuda")).logits[0].float().cpu().numpy()
+        rel = np.linalg.norm(ours - theirs) / np.linalg.norm(theirs)
+        assert rel < 3e-2, f"relative logit error {rel}"
+        out = m.generate([prompt], max_new_tokens=32, temperature=0.0, min_new_tokens=32)[0].token_ids
+        with torch.no_grad():
+            full = ref(torch.tensor([prompt + out], device="cuda")).logits[0].float().cpu().numpy()
+        full[:, m.eos_token_ids] = -np.inf
+        assert greedy_agrees(prompt, out, full, near_tie=BF16_NEAR_TIE) >= 4
+    finally:
+        m.close()
+        del ref
+        torch.cuda.empty_cache()
+
+
+def test_fused_matches_unfused_on_gpu(model_dir):
+    kw = dict(model_path=model_dir, device="cuda", dtype="bfloat16", kv_cache_bytes=512 << 20)
+    a = K25Model(K25Config(**kw))
+    b = K25Model(K25Config(enable_kernel_fusion=False, **kw))
+    try:
+        prompt = prompt_for(a, seed=2)
+        la, lb = a.score(prompt), b.score(prompt)
+        assert np.linalg.norm(la - lb) / np.linalg.norm(lb) < 2e-2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_batch_invariance_on_gpu(model_dir):
+    solo = K25Model(K25Config(model_path=model_dir, device="cuda", dtype="float32", kv_cache_bytes=1 << 30))
+    prompts = [prompt_for(solo, n, seed=n) for n in (5, 40, 300, 700, 120)]
+    alone = [solo.generate([p], max_new_tokens=16, temperature=0.0, ignore_eos=True)[0].token_ids for p in prompts]
+    per_block = solo.kv_block_bytes
+    solo.close()
+    blocks = -(-(700 + 16) // 16) + 6  # the longest request and a little: forces preemption
+    batch = K25Model(K25Config(model_path=model_dir, device="cuda", dtype="float32",
+                               kv_cache_bytes=blocks * per_block, prefill_chunk_size=64, max_num_batched_tokens=96,
+                               max_batch_size=4))
+    try:
+        outs = batch.generate(prompts, max_new_tokens=16, temperature=0.0, ignore_eos=True)
+        stats = batch.stats()
+    finally:
+        batch.close()
+    assert stats["preemptions"] > 0
+    for i, (x, y) in enumerate(zip(alone, outs)):
+        assert y.token_ids == x, f"prompt {i}"
+
+
+def test_gpu_memory_usage_is_real(model_dir):
+    before = torch.cuda.memory_allocated()
+    m = K25Model(K25Config(model_path=model_dir, device="cuda", kv_cache_bytes=256 << 20))
+    try:
+        used = m.get_gpu_memory_usage()
+        s = m.stats()
+        assert used >= s["weight_bytes"] + s["kv_cache_bytes"]
+        assert used - before < s["weight_bytes"] + s["kv_cache_bytes"] + (1 << 30)
+        assert s["device"] == "cuda" and s["dtype"] == "bfloat16"
+    finally:
+        m.close()
