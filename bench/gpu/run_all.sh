@@ -23,4 +23,9 @@ K25_CUDA=on K25_BUILD_JOBS=$(nproc) K25_CUDA_ARCHS=90a \
 rc=$?
 echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit $rc; fi
-python3 -m pytest -q -p no:cacheprovider tests/cuda "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+if [ "${K25_SKIP_TESTS:-0}" != "1" ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/cuda "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+fi
+if [ "${K25_BENCH:-0}" = "1" ]; then
+  python3 bench/gpu/model_bench.py --json "$OUT/model_bench.json" 2>&1 | grep -v Warning | tee "$OUT/model_bench.log"
+fi

@@ -162,6 +162,9 @@ void bind_engine(py::module_& m) {
       .def_readonly("num_preemptions", &RequestOutput::num_preemptions)
       .def("take_prompt_logits", [](RequestOutput& o, int64_t vocab) -> py::object {
         if (o.prompt_logits.empty()) return py::none();
+        if (vocab <= 0 || o.prompt_logits.size() % static_cast<size_t>(vocab) != 0) {
+          throw Error(ErrorCode::kInvalidArgument, "take_prompt_logits: vocab does not divide the logits");
+        }
         auto* owned = new std::vector<float>(std::move(o.prompt_logits));
         py::capsule free_it(owned, [](void* p) { delete static_cast<std::vector<float>*>(p); });
         const int64_t rows = static_cast<int64_t>(owned->size()) / vocab;

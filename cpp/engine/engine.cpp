@@ -30,6 +30,11 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
   if (!executor_) fail(ErrorCode::kInvalidArgument, "engine needs a model executor");
   if (config_.max_seq_len <= 0) fail(ErrorCode::kInvalidArgument, "max_seq_len must be positive");
   vocab_size_ = executor_->vocab_size();
+  if (config_.max_seq_len > executor_->max_positions()) {
+    fail(ErrorCode::kInvalidArgument, "max_seq_len " + std::to_string(config_.max_seq_len) +
+                                          " exceeds the positions the model was loaded for (" +
+                                          std::to_string(executor_->max_positions()) + ")");
+  }
   if (!token_bytes_.empty() && static_cast<int32_t>(token_bytes_.size()) < vocab_size_) {
     // Padded model vocabularies have ids the tokenizer does not know; they add no text.
     token_bytes_.resize(vocab_size_);
@@ -47,10 +52,11 @@ Engine::~Engine() { shutdown(); }
 void Engine::shutdown() {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (stop_ && !thread_.joinable()) return;
     stop_ = true;
   }
   cv_.notify_all();
+  // Concurrent callers all return after the thread has ended; only one joins it.
+  std::lock_guard<std::mutex> join(join_mu_);
   if (thread_.joinable()) thread_.join();
 }
 
@@ -68,6 +74,9 @@ int64_t Engine::add_request(RequestSpec spec) {
   validate_sampling_params(p, vocab_size_);
   if (!p.stop.empty() && token_bytes_.empty()) {
     bad("stop strings need a tokenizer; this model has none (use stop_token_ids)");
+  }
+  if (spec.want_prompt_logits && P * static_cast<int64_t>(vocab_size_) > (int64_t{1} << 31)) {
+    bad("the prompt logits of " + std::to_string(P) + " tokens would take over 8 GB; score shorter pieces");
   }
   if (config_.decode_max_tokens > 0) p.max_new_tokens = std::min(p.max_new_tokens, config_.decode_max_tokens);
   const int64_t needed = P + (p.max_new_tokens > 0 ? 1 : 0);
@@ -124,7 +133,9 @@ void Engine::abort(int64_t id) {
 std::vector<RequestOutput> Engine::wait_outputs(double timeout_s) {
   std::unique_lock<std::mutex> lk(out_mu_);
   if (outbox_.empty() && timeout_s > 0) {
-    out_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return !outbox_.empty(); });
+    // Clamped: a huge duration overflows the clock arithmetic and would not wait at all.
+    const double t = std::min(timeout_s, 86400.0);
+    out_cv_.wait_for(lk, std::chrono::duration<double>(t), [&] { return !outbox_.empty(); });
   }
   std::vector<RequestOutput> out(std::make_move_iterator(outbox_.begin()),
                                  std::make_move_iterator(outbox_.end()));
@@ -175,12 +186,15 @@ bool Engine::check_stop(Sequence* seq, int32_t token, std::string* matched) {
   }
   if (!p.stop.empty()) {
     const std::string& piece = token_bytes_[token];
+    // Like EOS, stop strings cannot end a request before min_new_tokens (vLLM's rule);
+    // the bytes still enter the tail so that a later match can span them.
     std::string& tail = seq->output_bytes_tail;
     tail += piece;
     size_t longest = 0;
     for (const std::string& s : p.stop) longest = std::max(longest, s.size());
     // Only matches that end inside the new bytes are new.
-    for (const std::string& s : p.stop) {
+    for (size_t i = 0; may_stop && i < p.stop.size(); ++i) {
+      const std::string& s = p.stop[i];
       size_t from = tail.size() > piece.size() + s.size() - 1 ? tail.size() - piece.size() - s.size() + 1 : 0;
       if (tail.find(s, from) != std::string::npos) {
         *matched = s;
@@ -230,10 +244,29 @@ void Engine::loop() {
     for (RequestOutput& o : outs) emit(std::move(o));
     if (stopping) break;
     if (scheduler_->has_unfinished()) {
-      step();
+      try {
+        step();
+      } catch (const std::exception& e) {
+        // Outside the model call (which step() handles itself) a failure means the
+        // engine's own state is in doubt: end every request with the error, stay up.
+        fail_all(std::string("engine step failed: ") + e.what());
+      }
       refresh_gauges();
     }
   }
+}
+
+void Engine::fail_all(const std::string& error) {
+  std::vector<Sequence*> left(scheduler_->running());
+  left.insert(left.end(), scheduler_->waiting().begin(), scheduler_->waiting().end());
+  std::vector<RequestOutput> outs;
+  for (Sequence* s : left) finish(s, static_cast<int>(FinishReason::kError), error, &outs);
+  for (RequestOutput& o : outs) scheduler_->release(o.id);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_.requests_failed += static_cast<int64_t>(outs.size());
+  }
+  for (RequestOutput& o : outs) emit(std::move(o));
 }
 
 void Engine::refresh_gauges() {
@@ -358,6 +391,11 @@ void Engine::step() {
       continue;
     }
     const SampleResult& r = results[sample_of_seq[i]];
+    if (r.token < 0) {
+      finish(seq, static_cast<int>(FinishReason::kError), "sampling failed: " + r.error, &outs);
+      ++failed;
+      continue;
+    }
     seq->tokens.push_back(r.token);
     ++generated;
     if (seq->first_token_time < 0) seq->first_token_time = t_done;
@@ -393,7 +431,7 @@ void Engine::step() {
   for (RequestOutput& o : outs) {
     if (o.finished) {
       scheduler_->release(o.id);
-      ++finished;
+      if (o.finish_reason != "error") ++finished;
     }
   }
   const double t1 = now_s();
@@ -405,6 +443,7 @@ void Engine::step() {
     stats_.generated_tokens += generated;
     stats_.preemptions += scheduler_->num_preemptions() - preempt_before;
     stats_.requests_finished += finished;
+    stats_.requests_failed += failed;
     stats_.running = scheduler_->num_running();
     stats_.waiting = scheduler_->num_waiting();
     stats_.blocks_used = pool_->num_used();

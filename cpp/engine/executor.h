@@ -48,6 +48,8 @@ class ModelExecutor {
   // Called once on the engine thread before the first step.
   virtual void prepare_thread() {}
   virtual int32_t vocab_size() const = 0;
+  // Positions the model has RoPE tables for: the longest sequence it can run.
+  virtual int32_t max_positions() const = 0;
   // Runs one step: writes KV for the new tokens, fills results[i] for samples[i], and
   // copies the logits rows named in copies.
   virtual void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,

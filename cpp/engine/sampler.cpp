@@ -111,7 +111,7 @@ SampleResult Sampler::sample(float* logits, const SampleInput& in) {
     for (int32_t t : *in.banned) logits[t] = kNegInf;
   }
 
-  if (p.temperature == 0.0f || p.top_k == 1) {
+  if (p.temperature < kGreedyTemperature || p.top_k == 1) {
     out.token = argmax(logits, V);
   } else {
     const float inv_t = 1.0f / p.temperature;

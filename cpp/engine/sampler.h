@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "k25/sampling.h"
@@ -22,6 +23,7 @@ struct SampleResult {
   int32_t token = -1;
   float logprob = 0.0f;            // of the sampled token under the raw model distribution
   std::vector<TokenLogprob> top;   // the top-n raw logprobs, best first (when asked)
+  std::string error;               // set (and token -1) when this row could not be sampled
 };
 
 struct SampleInput {

@@ -76,15 +76,28 @@ StepPlan Scheduler::schedule() {
   int32_t budget = config_.max_num_batched_tokens;
   const int32_t chunk = config_.prefill_chunk_size;
 
-  // Phase 0: a waiting sequence of a higher class takes room from lower classes.
+  // Phase 0: a waiting sequence of a higher class takes room from lower classes. It
+  // must pass the same test as Phase 2's admission, after the blocks that the running
+  // sequences are about to take in Phase 1, or it would be refused there again.
+  const int32_t watermark_blocks =
+      static_cast<int32_t>(std::ceil(config_.admission_watermark * pool_->num_total()));
   if (!waiting_.empty()) {
     Sequence* w = waiting_.front();
-    int32_t first = std::min({w->num_tokens() - w->num_computed, chunk, budget});
+    const int32_t first = std::min({w->num_tokens() - w->num_computed, chunk, budget});
+    auto fits = [&] {
+      int32_t reserved = 0, left = budget;
+      for (Sequence* r : running_) {
+        const int32_t n = std::min({r->num_tokens() - r->num_computed, chunk, left});
+        if (n <= 0) break;
+        reserved += blocks_missing(*r, n);
+        left -= n;
+      }
+      const int32_t watermark = running_.empty() ? 0 : watermark_blocks;
+      return num_running() < config_.max_batch_size &&
+             blocks_missing(*w, first) + watermark + reserved <= pool_->num_free();
+    };
     bool preempted = false;
-    while (!running_.empty() && running_.back()->priority > w->priority) {
-      bool slot_ok = num_running() < config_.max_batch_size;
-      bool blocks_ok = blocks_missing(*w, first) <= pool_->num_free();
-      if (slot_ok && blocks_ok) break;
+    while (!running_.empty() && running_.back()->priority > w->priority && !fits()) {
       Sequence* victim = running_.back();
       plan.preempted.push_back(victim->id);
       preempt(victim);
@@ -124,10 +137,7 @@ StepPlan Scheduler::schedule() {
   // long prompt is not starved by shorter ones behind it. No admissions in a step that
   // had to preempt for running sequences: the pool is already short.
   if (!preempted_for_running) {
-    const int32_t watermark =
-        running_.empty() ? 0
-                         : static_cast<int32_t>(std::ceil(config_.admission_watermark *
-                                                          pool_->num_total()));
+    const int32_t watermark = running_.empty() ? 0 : watermark_blocks;
     size_t admitted = 0;
     while (admitted < waiting_.size() && budget > 0 && num_running() < config_.max_batch_size) {
       Sequence* s = waiting_[admitted];

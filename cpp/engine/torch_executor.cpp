@@ -18,9 +18,25 @@
 #include "model/cuda_glue.h"
 #endif
 
+// Weak: present with torch's OpenMP runtime and MKL; absent (null) in other builds.
+extern "C" {
+void omp_set_num_threads(int) __attribute__((weak));
+// The C entry point; the lower-case symbol is the Fortran one (it takes a pointer).
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+}
+
 namespace k25 {
 
 namespace {
+
+// ATen and BLAS calls of this thread run single-threaded: the engine's pool is its
+// parallelism. Thread-local on purpose: at::set_num_threads(1) would change the default of
+// every thread the host application starts later.
+void single_threaded_here() {
+  (void)at::get_num_threads();  // ATen's lazy per-thread init first, or it resets what follows
+  if (omp_set_num_threads) omp_set_num_threads(1);
+  if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(1);
+}
 
 at::ScalarType scalar_type(const std::string& dtype) {
   if (dtype == "float32") return at::kFloat;
@@ -139,7 +155,7 @@ class TorchExecutor : public ModelExecutor {
     if (device.is_cpu()) {
       // Workers call ATen (slices of the GEMMs): single-threaded there, the pool is the
       // only source of parallelism.
-      pool_ = std::make_unique<ThreadPool>(num_threads > 0 ? num_threads : 1, [] { at::set_num_threads(1); });
+      pool_ = std::make_unique<ThreadPool>(num_threads > 0 ? num_threads : 1, [] { single_threaded_here(); });
     }
     // Uninitialised on purpose: the kernels never read a slot before it is written
     // (masked keys are selected away, not multiplied by zero), and on the CPU pages are
@@ -153,10 +169,11 @@ class TorchExecutor : public ModelExecutor {
   }
 
   void prepare_thread() override {
-    at::set_num_threads(1);
+    single_threaded_here();
     if (pool_) set_thread_pool(pool_.get());
   }
   int32_t vocab_size() const override { return model_->config().vocab_size; }
+  int32_t max_positions() const override { return handle_->max_positions(); }
 
   void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
                std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) override {
@@ -172,7 +189,7 @@ class TorchExecutor : public ModelExecutor {
  private:
   static bool plain_greedy(const SampleRequest& s) {
     const SamplingParams& p = *s.input.params;
-    return (p.temperature == 0.0f || p.top_k == 1) && p.logprobs < 0 && p.repetition_penalty == 1.0f &&
+    return (p.temperature < kGreedyTemperature || p.top_k == 1) && p.logprobs < 0 && p.repetition_penalty == 1.0f &&
            p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f && s.input.banned == nullptr;
   }
 
@@ -198,7 +215,13 @@ class TorchExecutor : public ModelExecutor {
     float* base = host.data_ptr<float>();
     for (const LogitsCopy& c : copies) std::memcpy(c.dst, base + c.logits_row * V, sizeof(float) * V);
     for (size_t i = 0; i < samples.size(); ++i) {
-      (*results)[i] = sampler_.sample(base + samples[i].logits_row * V, samples[i].input);
+      // One request's bad numbers (e.g. penalties that overflow) fail that request only.
+      try {
+        (*results)[i] = sampler_.sample(base + samples[i].logits_row * V, samples[i].input);
+      } catch (const std::exception& e) {
+        (*results)[i] = SampleResult{};
+        (*results)[i].error = e.what();
+      }
     }
   }
 

@@ -1,5 +1,6 @@
 #include "model/llama_model.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "k25/status.h"
@@ -132,7 +133,8 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   const int64_t qkv_dim = (Hq + 2 * Hkv) * D;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  if (meta.positions.back() >= rope_cos_.size(0)) {
+  // Sequences are ordered by priority, not length: check every position.
+  if (*std::max_element(meta.positions.begin(), meta.positions.end()) >= rope_cos_.size(0)) {
     fail(ErrorCode::kInvalidArgument, "position beyond the RoPE table (max_seq_len)");
   }
   if (kv.device() != dev) fail(ErrorCode::kInternal, "the KV pool is not on the model's device");

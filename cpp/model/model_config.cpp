@@ -1,5 +1,6 @@
 #include "model/model_config.h"
 
+#include <climits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -32,11 +33,23 @@ void ModelConfig::validate() const {
   if (!(rms_norm_eps > 0)) bad("rms_norm_eps must be positive");
   if (!(rope.theta > 0)) bad("rope theta must be positive");
   if (static_cast<int32_t>(layer_sliding_window.size()) != num_layers) bad("per-layer window list");
+  if (max_position_embeddings <= 0) bad("the context length must be positive");
+  if (!(rope.factor > 0)) bad("rope scaling factor must be positive");
   if (hidden_size > (1 << 20) || intermediate_size > (1 << 22) || num_layers > 4096 ||
       vocab_size > (1 << 24) || head_dim > 1024) {
     bad("sizes are implausibly large");
   }
 }
+
+namespace {
+
+// GGUF stores sizes as 64-bit; anything past int32 cannot describe a real model.
+int32_t gguf_i32(uint64_t v, const std::string& key) {
+  if (v > static_cast<uint64_t>(INT32_MAX)) fail(ErrorCode::kCorruptFile, "GGUF: " + key + " is out of range");
+  return static_cast<int32_t>(v);
+}
+
+}  // namespace
 
 ModelConfig model_config_from_gguf(const GgufFile& g) {
   ModelConfig c;
@@ -47,13 +60,13 @@ ModelConfig model_config_from_gguf(const GgufFile& g) {
   }
   c.architecture = arch;
   const std::string a = arch + ".";
-  c.num_layers = static_cast<int32_t>(g.get_uint(a + "block_count"));
-  c.hidden_size = static_cast<int32_t>(g.get_uint(a + "embedding_length"));
-  c.intermediate_size = static_cast<int32_t>(g.get_uint(a + "feed_forward_length"));
-  c.num_heads = static_cast<int32_t>(g.get_uint(a + "attention.head_count"));
-  c.num_kv_heads = static_cast<int32_t>(g.get_uint_or(a + "attention.head_count_kv", c.num_heads));
+  c.num_layers = gguf_i32(g.get_uint(a + "block_count"), "block_count");
+  c.hidden_size = gguf_i32(g.get_uint(a + "embedding_length"), "embedding_length");
+  c.intermediate_size = gguf_i32(g.get_uint(a + "feed_forward_length"), "feed_forward_length");
+  c.num_heads = gguf_i32(g.get_uint(a + "attention.head_count"), "attention.head_count");
+  c.num_kv_heads = gguf_i32(g.get_uint_or(a + "attention.head_count_kv", c.num_heads), "attention.head_count_kv");
   c.head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;
-  c.head_dim = static_cast<int32_t>(g.get_uint_or(a + "attention.key_length", c.head_dim));
+  c.head_dim = gguf_i32(g.get_uint_or(a + "attention.key_length", c.head_dim), "attention.key_length");
   if (g.get_uint_or(a + "attention.value_length", c.head_dim) != static_cast<uint64_t>(c.head_dim)) {
     unsupported("GGUF: key and value head sizes differ");
   }
@@ -68,9 +81,9 @@ ModelConfig model_config_from_gguf(const GgufFile& g) {
   } else if (scaling != "none") {
     unsupported("GGUF: rope scaling '" + scaling + "' is not supported (none, linear)");
   }
-  c.max_position_embeddings = static_cast<int32_t>(g.get_uint_or(a + "context_length", 4096));
+  c.max_position_embeddings = gguf_i32(g.get_uint_or(a + "context_length", 4096), "context_length");
   if (const GgufValue* v = g.find(a + "vocab_size")) {
-    c.vocab_size = static_cast<int32_t>(v->as_uint());
+    c.vocab_size = gguf_i32(v->as_uint(), "vocab_size");
   } else if (const GgufTensorInfo* t = g.find_tensor("token_embd.weight")) {
     c.vocab_size = t->ne.size() == 2 ? static_cast<int32_t>(t->ne[1]) : 0;
   }

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "k25/status.h"
@@ -172,7 +173,13 @@ class JobList {
       }
     };
     std::vector<std::thread> pool;
-    for (int32_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+    for (int32_t t = 1; t < threads; ++t) {
+      try {
+        pool.emplace_back(worker);
+      } catch (const std::system_error&) {
+        break;  // fewer threads than asked: the ones we have do all the jobs
+      }
+    }
     worker();
     for (auto& th : pool) th.join();
     if (err) std::rethrow_exception(err);

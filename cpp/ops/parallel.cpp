@@ -14,19 +14,19 @@ namespace {
 thread_local ThreadPool* t_pool = nullptr;
 
 std::mutex g_default_mu;
-std::unique_ptr<ThreadPool> g_default_pool;
+std::shared_ptr<ThreadPool> g_default_pool;
 int g_default_size = 0;
 
-ThreadPool* default_pool() {
+// A snapshot: set_num_threads() may replace the default pool while a caller still runs
+// on the old one, which then lives until that caller is done.
+std::shared_ptr<ThreadPool> default_pool() {
   std::lock_guard<std::mutex> lk(g_default_mu);
   if (!g_default_pool) {
     int n = g_default_size > 0 ? g_default_size : static_cast<int>(std::thread::hardware_concurrency());
-    g_default_pool = std::make_unique<ThreadPool>(std::max(1, n));
+    g_default_pool = std::make_shared<ThreadPool>(std::max(1, n));
   }
-  return g_default_pool.get();
+  return g_default_pool;
 }
-
-ThreadPool* current_pool() { return t_pool ? t_pool : default_pool(); }
 
 }  // namespace
 
@@ -35,7 +35,12 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
   const int64_t n = end - begin;
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
-  ThreadPool* pool = current_pool();
+  std::shared_ptr<ThreadPool> held;
+  ThreadPool* pool = t_pool;
+  if (!pool) {
+    held = default_pool();
+    pool = held.get();
+  }
   const int64_t chunks = std::min<int64_t>(pool->size(), (n + grain - 1) / grain);
   if (chunks <= 1) {
     fn(begin, end);
@@ -48,7 +53,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
   });
 }
 
-int num_threads() { return current_pool()->size(); }
+int num_threads() { return t_pool ? t_pool->size() : default_pool()->size(); }
 
 void set_num_threads(int n) {
   std::lock_guard<std::mutex> lk(g_default_mu);

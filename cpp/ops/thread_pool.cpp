@@ -1,6 +1,10 @@
 #include "ops/thread_pool.h"
 
 #include <chrono>
+#include <string>
+#include <system_error>
+
+#include "k25/status.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -28,16 +32,29 @@ int64_t now_ns() {
 ThreadPool::ThreadPool(int size, std::function<void()> on_worker_start) {
   if (size < 1) size = 1;
   workers_.reserve(size - 1);
-  for (int i = 1; i < size; ++i) workers_.emplace_back([this, i, on_worker_start] { worker_loop(i, on_worker_start); });
+  try {
+    for (int i = 1; i < size; ++i) {
+      workers_.emplace_back([this, i, on_worker_start] { worker_loop(i, on_worker_start); });
+    }
+  } catch (const std::system_error& e) {
+    stop_workers();  // joinable threads must not be destroyed
+    fail(ErrorCode::kResourceExhausted, std::string("cannot start worker threads: ") + e.what());
+  }
 }
 
 ThreadPool::~ThreadPool() {
+  std::lock_guard<std::mutex> submit(submit_mu_);  // a run in progress finishes first
+  stop_workers();
+}
+
+void ThreadPool::stop_workers() {
   {
     std::lock_guard<std::mutex> lk(sleep_mu_);
     stop_.store(true);
   }
   sleep_cv_.notify_all();
   for (std::thread& t : workers_) t.join();
+  workers_.clear();
 }
 
 void ThreadPool::worker_loop(int id, std::function<void()> on_start) {

@@ -23,6 +23,7 @@ class ThreadPool {
  public:
   // `size` participants: the calling thread plus size - 1 workers. `on_worker_start`
   // runs once on each worker (e.g. to make a BLAS library single-threaded there).
+  // Throws kResourceExhausted when the OS refuses a thread.
   explicit ThreadPool(int size, std::function<void()> on_worker_start = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -40,6 +41,7 @@ class ThreadPool {
 
  private:
   void worker_loop(int id, std::function<void()> on_start);
+  void stop_workers();
 
   std::vector<std::thread> workers_;
   std::mutex submit_mu_;

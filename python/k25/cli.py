@@ -78,6 +78,10 @@ def cmd_generate(a) -> int:
 
 def cmd_chat(a) -> int:
     model = _load(a)
+    if model.tokenizer is None:
+        model.close()
+        print("k25: error: this model has no tokenizer, so it cannot chat", file=sys.stderr)
+        return 2
     history = [{"role": "system", "content": a.system}] if a.system else []
     interactive = sys.stdin.isatty()
     try:

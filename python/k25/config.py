@@ -89,6 +89,8 @@ class K25Config:
         need(self.block_size <= 256, f"block_size must be at most 256, got {self.block_size}")
         positive_int("kv_cache_bytes", allow_none=True)
         positive_int("num_threads", allow_none=True)
+        need(self.num_threads is None or self.num_threads <= 1024,
+             f"num_threads must be at most 1024, got {self.num_threads}")
         if self.gpu_memory_utilization is not None:
             need(device.startswith("cuda"), "gpu_memory_utilization applies to the CUDA backend; on the "
                                             "CPU set kv_cache_bytes")

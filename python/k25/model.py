@@ -113,17 +113,17 @@ class _Router:
         self.thread = threading.Thread(target=self._run, name="k25-dispatch", daemon=True)
         self.thread.start()
 
+    # Every push happens under the lock (a push never blocks), so a request's outputs
+    # reach its sink in order even when early ones wait in `orphans`.
     def register(self, rid: int, sink: _Sink) -> None:
         with self.lock:
             self.sinks[rid] = sink
-            early = self.orphans.pop(rid, [])
-        for out in early:
-            self._deliver(rid, sink, out)
+            for out in self.orphans.pop(rid, []):
+                self._deliver(rid, sink, out)
 
     def _deliver(self, rid: int, sink: _Sink, out) -> None:
         if out.finished:
-            with self.lock:
-                self.sinks.pop(rid, None)
+            self.sinks.pop(rid, None)
         sink.push(out)
 
     def _run(self) -> None:
@@ -132,23 +132,25 @@ class _Router:
                 outs = self.engine.wait_outputs(0.05)
             except Exception:  # the engine is gone (closing)
                 return
-            for out in outs:
-                with self.lock:
+            with self.lock:
+                for out in outs:
                     sink = self.sinks.get(out.id)
                     if sink is None:
                         self.orphans.setdefault(out.id, []).append(out)
-                        continue
-                self._deliver(out.id, sink, out)
+                    else:
+                        self._deliver(out.id, sink, out)
 
     def close(self) -> None:
         self.closed = True
         self.thread.join(timeout=5)
         # Wake anybody still waiting on a request that ended with the shutdown.
-        for out in self.engine.wait_outputs(0):
-            with self.lock:
-                sink = self.sinks.pop(out.id, None)
-            if sink:
-                sink.push(out)
+        with self.lock:
+            for out in self.engine.wait_outputs(0):
+                sink = self.sinks.get(out.id)
+                if sink is None:
+                    self.orphans.setdefault(out.id, []).append(out)
+                else:
+                    self._deliver(out.id, sink, out)
 
 
 _LIVE_MODELS: "weakref.WeakSet[K25Model]" = weakref.WeakSet()
@@ -175,15 +177,14 @@ class K25Model:
         threads = config.resolved_threads()
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
+        context = _C.read_model_config(str(self.model_path))["max_position_embeddings"]
+        if config.max_seq_len is not None and config.max_seq_len > context:
+            raise ConfigError(f"max_seq_len={config.max_seq_len} exceeds the model's context length ({context})")
         self._handle = _C.load_model(str(self.model_path), config.max_seq_len or 0, threads, self.device,
                                      self.dtype)
         info = self._handle.config
         self.model_config: Dict[str, Any] = dict(info)
         self.max_seq_len = self._handle.max_positions
-        if config.max_seq_len is not None and config.max_seq_len > info["max_position_embeddings"]:
-            raise ConfigError(
-                f"max_seq_len={config.max_seq_len} exceeds the model's context length "
-                f"({info['max_position_embeddings']})")
         self.tokenizer = self._load_tokenizer()
         eos = list(info["eos_token_ids"])
         if self.tokenizer is not None:
@@ -208,6 +209,7 @@ class K25Model:
         self.load_seconds = time.perf_counter() - t0
 
         self._router = _Router(self._engine)
+        self._close_lock = threading.Lock()
         self._closed = False
         _LIVE_MODELS.add(self)
 
@@ -294,6 +296,10 @@ class K25Model:
             raise RequestError("a prompt is a string or a list of token ids")
         if not ids:
             raise RequestError("the prompt is empty")
+        vocab = self.model_config["vocab_size"]
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
         return ids
 
     def _params(self, max_new_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -410,7 +416,11 @@ class K25Model:
         emitted = 0   # how much of it was yielded
         try:
             while True:
-                out = await sink.queue.get()
+                try:
+                    out = await asyncio.wait_for(sink.queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    self._check_open()  # a close() racing with this request ends the wait
+                    continue
                 if out.finish_reason == "error":
                     finished = True
                     raise EngineError(f"request failed: {out.error}")
@@ -497,10 +507,14 @@ class K25Model:
 
     def close(self) -> None:
         """Aborts what is still running and stops the engine. Idempotent."""
-        if getattr(self, "_closed", True):
+        lock = getattr(self, "_close_lock", None)
+        if lock is None:  # __init__ did not get far enough to start anything
             return
-        self._engine.shutdown()
-        self._closed = True
+        with lock:
+            if self._closed:
+                return
+            self._closed = True  # before shutdown: new requests are refused from here on
+        self._engine.shutdown()  # concurrent closers both wait for the engine thread
         self._router.close()
 
     def __del__(self):

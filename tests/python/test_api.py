@@ -493,14 +493,44 @@ def test_bad_input_raises_typed_error_and_model_keeps_working(default_model, pro
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
 
 
-def test_bad_prompt_later_in_batch_aborts_the_earlier_ones(default_model):
+def test_bad_prompt_later_in_batch_queues_nothing(default_model):
+    # Every prompt of a batch is checked before the first is queued.
     m = default_model
     before = m.stats()
     with pytest.raises(errors.InvalidArgumentError):
         m.generate([m.tokenize(PROMPT), [1, 10 ** 6]], max_new_tokens=50, temperature=0.0, ignore_eos=True)
+    assert m.stats()["requests_added"] == before["requests_added"]
+    assert idle(m)
+    assert m.generate(PROMPT, max_new_tokens=2, temperature=0.0)[0].token_ids
+
+
+def test_a_failure_after_queueing_aborts_the_earlier_prompts(default_model, monkeypatch):
+    # If submitting a later prompt fails (here: the engine refuses it), the ones already
+    # queued are aborted, not left running.
+    m = default_model
+    before = m.stats()
+    real = m._engine.add_request
+    calls = {"n": 0}
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(m._engine_real, name)
+
+        def add_request(self, *a, **kw):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise errors.ResourceExhaustedError("refused for the test")
+            return real(*a, **kw)
+
+    m._engine_real = m._engine
+    monkeypatch.setattr(m, "_engine", Refusing())
+    try:
+        with pytest.raises(errors.ResourceExhaustedError):
+            m.generate([m.tokenize(PROMPT), m.tokenize(PROMPT)], max_new_tokens=50, temperature=0.0, ignore_eos=True)
+    finally:
+        monkeypatch.setattr(m, "_engine", m._engine_real)
     assert wait_until(lambda: m.stats()["requests_aborted"] + m.stats()["requests_finished"]
                       == before["requests_aborted"] + before["requests_finished"] + 1 and idle(m))
-    assert m.generate(PROMPT, max_new_tokens=2, temperature=0.0)[0].token_ids
 
 
 def test_bad_stream_request_raises(default_model):
@@ -738,3 +768,112 @@ def test_a_dropped_model_is_collected_and_its_engine_stops():
     while threading.active_count() > before and time.time() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= before  # the dispatcher thread ended
+
+
+def test_concurrent_close_does_not_hang():
+    m = K25Model(K25Config(num_threads=2, kv_cache_bytes=64 << 20))
+    box = {}
+
+    def gen():
+        try:
+            box["r"] = m.generate([list(range(10, 3000))], max_new_tokens=4, temperature=0.0)
+        except errors.K25Error as e:
+            box["r"] = e
+    worker = threading.Thread(target=gen, daemon=True)
+    worker.start()
+    time.sleep(0.3)  # the long prefill is running
+    closers = [threading.Thread(target=m.close, daemon=True) for _ in range(3)]
+    for t in closers:
+        t.start()
+    for t in closers + [worker]:
+        t.join(timeout=30)
+        assert not t.is_alive(), "close() hung"
+
+
+def test_tiny_temperature_is_greedy_and_fails_nobody(default_model):
+    ids = default_model.tokenize("The weather today is")
+    greedy = default_model.generate([ids], max_new_tokens=6, temperature=0.0)[0].token_ids
+    outs = default_model.generate([ids, ids], max_new_tokens=6, temperature=1e-30)
+    assert [o.token_ids for o in outs] == [greedy, greedy]
+
+
+def test_a_bad_sampling_row_fails_only_its_own_request(default_model):
+    ids = default_model.tokenize("Once upon a time")
+    # A repetition penalty this small overflows the logits it divides: that request
+    # fails, the other request of the same steps finishes normally.
+    box = {}
+
+    def bad():
+        try:
+            box["bad"] = default_model.generate([ids], max_new_tokens=8, temperature=0.7, seed=1,
+                                                repetition_penalty=1e-38)
+        except errors.K25Error as e:
+            box["bad"] = e
+    t = threading.Thread(target=bad)
+    t.start()
+    good = default_model.generate([ids], max_new_tokens=8, temperature=0.0)[0]
+    t.join(timeout=60)
+    assert good.finish_reason in ("length", "stop") and len(good.token_ids) > 0
+    assert isinstance(box["bad"], (errors.EngineError, list))
+
+
+def test_engine_refuses_max_seq_len_beyond_its_rope_table():
+    path = str(resolve_model_path(None))
+    h = _C.load_model(path, 64, 2)
+    ec = _C.EngineConfig()
+    ec.num_kv_blocks = 64
+    ec.max_seq_len = 512
+    with pytest.raises(errors.InvalidArgumentError):
+        _C.Engine(h, ec, True, [], [2])
+
+
+def test_engine_threads_leave_the_host_torch_settings_alone(default_model):
+    before = torch.get_num_threads()
+    default_model.generate("hi", max_new_tokens=2, temperature=0.0)
+    seen = {}
+    t = threading.Thread(target=lambda: seen.setdefault("n", torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == before and seen["n"] == before
+
+
+def test_min_new_tokens_holds_back_stop_strings(default_model):
+    ids = default_model.tokenize("List: apples, pears, plums, figs, dates, limes, kiwis,")
+    free = default_model.generate([ids], max_new_tokens=24, temperature=0.0)[0]
+    text = free.text
+    if "," not in text:
+        pytest.skip("the reference output has no comma to stop at")
+    early = default_model.generate([ids], max_new_tokens=24, temperature=0.0, stop=[","])[0]
+    held = default_model.generate([ids], max_new_tokens=24, temperature=0.0, stop=[","], min_new_tokens=10)[0]
+    assert len(held.token_ids) >= 10
+    assert len(held.token_ids) >= len(early.token_ids)
+
+
+def test_huge_token_ids_are_request_errors(default_model):
+    with pytest.raises(errors.RequestError):
+        default_model.generate([[1, 2, 2 ** 40]], max_new_tokens=2)
+
+
+def test_default_pool_resizes_safely_while_kernels_run():
+    import math
+    q = torch.randn(1, 8 * 64)
+    kv = torch.randn(200 * 2 * 2 * 16 * 64)
+    layout = (1, 2, 64, 16)
+    qs = torch.tensor([0, 1], dtype=torch.int32)
+    cl = torch.tensor([3000], dtype=torch.int32)
+    bt = torch.arange(188, dtype=torch.int32)[None]
+    stop = threading.Event()
+
+    def attend():
+        while not stop.is_set():
+            _C.ops.paged_attention(q, kv, layout, 0, qs, cl, bt, 8, 1 / math.sqrt(64), 0)
+
+    before = _C.get_num_threads()
+    t = threading.Thread(target=attend, daemon=True)
+    t.start()
+    for i in range(200):
+        _C.set_num_threads(1 + i % 3)
+    stop.set()
+    t.join(timeout=30)
+    _C.set_num_threads(before)
+    assert not t.is_alive(), "a kernel hung while the pool was replaced"

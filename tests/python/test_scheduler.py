@@ -166,3 +166,21 @@ def test_chunked_prefill_shares_the_budget_with_decodes():
     plan = {s[0]: s[2] for s in out["seqs"]}
     assert plan == {a: 1, b: 8}
     assert out["num_tokens"] == 9
+
+
+def test_waiting_gold_is_admitted_next_step_despite_the_watermark():
+    # A long bronze request holds nearly the whole pool; a small gold request arrives.
+    # Phase 0 must preempt with the same test Phase 2 admits by (watermark included),
+    # so gold runs at once instead of after many bronze decode steps.
+    c = _C.EngineConfig()
+    c.num_kv_blocks, c.block_size = 1000, 16
+    c.max_num_batched_tokens = c.prefill_chunk_size = 16384
+    c.admission_watermark = 0.01
+    sim = _C.SchedulerSim(c)
+    bronze = sim.add(16 * 985, 200, 2)
+    sim.step()
+    gold = sim.add(160, 1, 0)
+    out = sim.step()
+    assert gold in [s[0] for s in out["seqs"]]
+    assert bronze in out["preempted"]
+    sim.check_invariants()

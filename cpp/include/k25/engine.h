@@ -99,6 +99,7 @@ class Engine {
   void step();
   void emit(RequestOutput out);
   void refresh_gauges();
+  void fail_all(const std::string& error);
   void finish(Sequence* seq, int reason, const std::string& error, std::vector<RequestOutput>* outs);
   bool check_stop(Sequence* seq, int32_t token, std::string* matched);
 
@@ -125,6 +126,7 @@ class Engine {
   std::condition_variable out_cv_;
   std::deque<RequestOutput> outbox_;
 
+  std::mutex join_mu_;
   std::thread thread_;
 };
 

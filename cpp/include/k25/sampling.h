@@ -8,8 +8,11 @@
 
 namespace k25 {
 
+// Temperatures below this are greedy (as in vLLM): 1/T would overflow the logits.
+constexpr float kGreedyTemperature = 1e-5f;
+
 struct SamplingParams {
-  float temperature = 1.0f;         // 0 selects greedy decoding
+  float temperature = 1.0f;         // < kGreedyTemperature selects greedy decoding
   int32_t top_k = 0;                // 0 disables
   float top_p = 1.0f;               // 1 disables
   float min_p = 0.0f;               // 0 disables; keeps tokens with p >= min_p * p_max

@@ -1,0 +1,148 @@
+"""GPU model benchmark: decode and prefill throughput of a Llama-3.1-8B-shape model with
+random bf16 weights (real checkpoint layout, written here), next to the physical floor
+(weight + KV bytes over the measured device-to-device copy bandwidth).
+
+    python3 bench/gpu/model_bench.py [--layers 32] [--json out.json]
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def copy_bandwidth():
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / n
+    del x, y
+    return 2 * (2 << 30) / dt  # bytes read + written per second
+
+
+def write_checkpoint(path, layers):
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    cfg.architectures = ["LlamaForCausalLM"]
+    os.makedirs(path, exist_ok=True)
+    cfg.save_pretrained(path)
+    from safetensors.torch import save_file
+    H, I, V, D = 4096, 14336, 128256, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, scale=0.02):
+        return (torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16) * scale).cpu()
+
+    shard, n_shard, index = {}, 0, {}
+
+    def flush():
+        nonlocal shard, n_shard
+        if shard:
+            name = f"model-{n_shard:05d}.safetensors"
+            save_file(shard, os.path.join(path, name))
+            for k in shard:
+                index[k] = name
+            shard, n_shard = {}, n_shard + 1
+
+    shard["model.embed_tokens.weight"] = rnd(V, H)
+    shard["lm_head.weight"] = rnd(V, H)
+    shard["model.norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+    flush()
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shard[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+        shard[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+        shard[p + "self_attn.q_proj.weight"] = rnd(32 * D, H)
+        shard[p + "self_attn.k_proj.weight"] = rnd(8 * D, H)
+        shard[p + "self_attn.v_proj.weight"] = rnd(8 * D, H)
+        shard[p + "self_attn.o_proj.weight"] = rnd(H, 32 * D)
+        shard[p + "mlp.gate_proj.weight"] = rnd(I, H)
+        shard[p + "mlp.up_proj.weight"] = rnd(I, H)
+        shard[p + "mlp.down_proj.weight"] = rnd(H, I)
+        if i % 4 == 3:
+            flush()
+    flush()
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": index}, f)
+
+
+def decode_rate(model, batch, ctx, new_tokens):
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(10, 100000, (ctx,), generator=g).tolist() for _ in range(batch)]
+    model.generate(prompts, max_new_tokens=1, temperature=0.0)  # warm-up, and prefill time
+    t = time.perf_counter()
+    model.generate(prompts, max_new_tokens=1, temperature=0.0)
+    t_prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    outs = model.generate(prompts, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    total = time.perf_counter() - t
+    n = sum(len(o.token_ids) - 1 for o in outs)
+    return n / (total - t_prefill), total - t_prefill
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--path", default="/tmp/llama8b-random")
+    ap.add_argument("--json")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,8,32,128")
+    args = ap.parse_args()
+    res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name()}
+    bw = copy_bandwidth()
+    res["copy_TBps"] = bw / 1e12
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    t = time.perf_counter()
+    if not os.path.exists(os.path.join(args.path, "config.json")):
+        write_checkpoint(args.path, args.layers)
+    res["write_s"] = time.perf_counter() - t
+    from k25 import K25Config, K25Model
+    t = time.perf_counter()
+    m = K25Model(K25Config(model_path=args.path, device="cuda", dtype="bfloat16", max_seq_len=8192,
+                           max_batch_size=128, max_num_batched_tokens=8192, prefill_chunk_size=4096))
+    res["load_s"] = time.perf_counter() - t
+    s = m.stats()
+    wbytes = s["weight_bytes"]
+    res["weight_GB"] = wbytes / 1e9
+    print(f"loaded {wbytes / 1e9:.2f} GB of weights in {res['load_s']:.1f} s; KV pool {s['kv_cache_bytes'] / 1e9:.1f} GB",
+          flush=True)
+    kv_per_token = m.kv_block_bytes / m.engine_config.block_size
+    res["decode"] = {}
+    for b in [int(x) for x in args.batches.split(",")]:
+        rate, dt = decode_rate(m, b, 1024, args.new_tokens)
+        # Floor (the issue's definition): every step reads the weights and each sequence's KV
+        # once, at the measured copy bandwidth (bytes read + written per second).
+        step_bytes = wbytes + b * (1024 + args.new_tokens / 2) * kv_per_token
+        floor_rate = b / (step_bytes / bw)
+        res["decode"][b] = {"tok_s": rate, "floor_tok_s": floor_rate, "frac_of_floor": rate / floor_rate}
+        print(f"decode batch {b:4d} @1K: {rate:9.1f} tok/s   floor {floor_rate:9.1f} tok/s   "
+              f"{100 * rate / floor_rate:5.1f}% of floor", flush=True)
+    g = torch.Generator().manual_seed(4096)
+    prompt = torch.randint(10, 100000, (4096,), generator=g).tolist()
+    m.generate([prompt], max_new_tokens=1, temperature=0.0)
+    t = time.perf_counter()
+    for _ in range(3):
+        m.generate([prompt], max_new_tokens=1, temperature=0.0)
+    dt = (time.perf_counter() - t) / 3
+    res["prefill_4k_tok_s"] = 4096 / dt
+    print(f"prefill 4K: {4096 / dt:9.1f} tok/s", flush=True)
+    m.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
