@@ -41,7 +41,24 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const T* q, int64_t
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<T, D>& sm = *reinterpret_cast<Smem<T, D>*>(smem_raw);
 
-  const AttnWork w = batch.work[blockIdx.x];
+  AttnWork w;
+  if (batch.decode_splits > 0) {
+    const int S = batch.decode_splits;
+    const int per_seq = kv.num_kv_heads * S;
+    w.seq = blockIdx.x / per_seq;
+    w.kv_head = (blockIdx.x % per_seq) / S;
+    const int split = blockIdx.x % S;
+    const int ctx = batch.context_lens[w.seq];
+    const int first = window > 0 ? max(0, ctx - window) : 0;
+    const int64_t span = ctx - first;
+    w.q_begin = 0;
+    w.q_end = 1;
+    w.key_begin = first + static_cast<int>(span * split / S);
+    w.key_end = first + static_cast<int>(span * (split + 1) / S);
+    w.partial = S > 1 ? static_cast<int>(blockIdx.x) : -1;
+  } else {
+    w = batch.work[blockIdx.x];
+  }
   const int group = num_heads / kv.num_kv_heads;
   const int q0 = batch.query_start[w.seq];
   const int q_len = batch.query_start[w.seq + 1] - q0;
@@ -154,8 +171,20 @@ __global__ void merge_kernel(T* out, AttnBatch batch, int num_heads, int group) 
   constexpr int kSlice = D / 32;
   const int mi = blockIdx.x, r = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (r >= group) return;
-  const int* mg = batch.merge + 4 * mi;
-  const int seq = mg[0], kv_head = mg[1], first = mg[2], count = mg[3];
+  int seq, kv_head, first, count;
+  if (batch.decode_splits > 0) {
+    const int hkv = num_heads / group;
+    seq = mi / hkv;
+    kv_head = mi % hkv;
+    first = mi * batch.decode_splits;
+    count = batch.decode_splits;
+  } else {
+    const int* mg = batch.merge + 4 * mi;
+    seq = mg[0];
+    kv_head = mg[1];
+    first = mg[2];
+    count = mg[3];
+  }
   float m = -FLT_MAX;
   for (int k = 0; k < count; ++k) {
     const float* pr = batch.partials + (static_cast<int64_t>(first + k) * group + r) * (D + 2);
@@ -186,14 +215,17 @@ void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, c
     cudaFuncSetAttribute(attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     configured = true;
   }
-  if (b.num_work > 0) {
-    attention_kernel<T, D><<<b.num_work, kThreads, smem, stream>>>(static_cast<const T*>(q), q_stride,
+  const int num_work = b.decode_splits > 0 ? b.num_seqs * kv.num_kv_heads * b.decode_splits : b.num_work;
+  const int num_merges =
+      b.decode_splits > 0 ? (b.decode_splits > 1 ? b.num_seqs * kv.num_kv_heads : 0) : b.num_merges;
+  if (num_work > 0) {
+    attention_kernel<T, D><<<num_work, kThreads, smem, stream>>>(static_cast<const T*>(q), q_stride,
                                                                    static_cast<T*>(out), kv, layer, b, num_heads,
                                                                    scale, window);
   }
-  if (b.num_merges > 0) {
+  if (num_merges > 0) {
     const int group = num_heads / kv.num_kv_heads;
-    merge_kernel<T, D><<<b.num_merges, 32 * group, 0, stream>>>(static_cast<T*>(out), b, num_heads, group);
+    merge_kernel<T, D><<<num_merges, 32 * group, 0, stream>>>(static_cast<T*>(out), b, num_heads, group);
   }
 }
 

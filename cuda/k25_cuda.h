@@ -37,6 +37,11 @@ struct AttnBatch {
   float* partials;              // [num_partials][group][head_dim + 2] or null
   const int32_t* merge;         // [num_merges * 4]: seq, kv_head, first slot, slot count
   int32_t num_merges;
+  // > 0: a decode-only batch of num_seqs sequences (one token each) whose work is derived
+  // on the device: each (sequence, KV head) split into this many key ranges from
+  // context_lens, so the launch shape does not depend on the lengths (CUDA graphs).
+  int32_t decode_splits = 0;
+  int32_t num_seqs = 0;
 };
 
 // Rows of at most this many (tokens x GQA heads) share one CTA's K/V tiles.

@@ -12,8 +12,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 # The default model, carried in parts that fit the working-tree limit.
-if ls .devcache/smollm2.part* >/dev/null 2>&1; then
+if [ "$(ls .devcache/smollm2.part* 2>/dev/null | wc -l)" -ge 2 ]; then
   cat .devcache/smollm2.part* > /tmp/smollm2.gguf && export K25_DEFAULT_MODEL_PATH=/tmp/smollm2.gguf
+  ls -la /tmp/smollm2.gguf
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
@@ -28,4 +29,5 @@ if [ "${K25_SKIP_TESTS:-0}" != "1" ]; then
 fi
 if [ "${K25_BENCH:-0}" = "1" ]; then
   python3 bench/gpu/model_bench.py --json "$OUT/model_bench.json" 2>&1 | grep -v Warning | tee "$OUT/model_bench.log"
+  K25_DISABLE_CUDA_GRAPHS=1 python3 bench/gpu/model_bench.py --batches 1,32 --json "$OUT/model_bench_eager.json" 2>&1 | grep -E "decode|prefill" | sed "s/^/eager: /" | tee -a "$OUT/model_bench.log"
 fi

@@ -2,8 +2,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 
 #include "k25/status.h"
 #include "model/llama_model.h"
@@ -11,6 +14,7 @@
 #include "ops/thread_pool.h"
 
 #ifdef K25_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -164,8 +168,15 @@ class TorchExecutor : public ModelExecutor {
     std::unique_ptr<c10::cuda::CUDAGuard> guard;
     if (device.is_cuda()) guard = std::make_unique<c10::cuda::CUDAGuard>(device);
 #endif
-    kv_ = at::empty({static_cast<int64_t>(num_blocks) * layout_.block_elems()},
+    // One block more than the scheduler owns: the scratch block that padded rows of a
+    // CUDA-graph batch write to and read from.
+    num_blocks_ = num_blocks;
+    kv_ = at::empty({static_cast<int64_t>(num_blocks + (device.is_cuda() ? 1 : 0)) * layout_.block_elems()},
                     at::TensorOptions().dtype(model_->dtype()).device(device));
+#ifdef K25_WITH_CUDA
+    const char* off = std::getenv("K25_DISABLE_CUDA_GRAPHS");
+    use_graphs_ = device.is_cuda() && fused_ && !(off && std::string(off) == "1");
+#endif
   }
 
   void prepare_thread() override {
@@ -182,6 +193,7 @@ class TorchExecutor : public ModelExecutor {
     c10::cuda::CUDAGuard guard(model_->device());
     if (!stream_) stream_ = std::make_unique<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false));
     c10::cuda::CUDAStreamGuard sg(*stream_);
+    if (use_graphs_ && graph_eligible(meta, copies)) return execute_graph(meta, samples, results);
     execute_on(meta, samples, results, copies);
 #endif
   }
@@ -225,9 +237,158 @@ class TorchExecutor : public ModelExecutor {
     }
   }
 
+#ifdef K25_WITH_CUDA
+  // ---- CUDA graphs for decode steps -------------------------------------------------
+  // Decode-only batches of up to the largest bucket run as a graph captured once per
+  // batch-size bucket (padded to it); attention work is derived on the device, so one
+  // capture serves every context length. Prefill and mixed steps run eagerly.
+  static constexpr int32_t kBuckets[] = {1, 2, 4, 8, 16, 32, 64, 128};
+  struct DecodeGraph {
+    DeviceStep step;
+    at::Tensor ints;     // [ids | positions | context_lens | block_tables] int32, one upload
+    at::Tensor slots;    // int64
+    at::Tensor logits;   // float32 [bucket, vocab], written by the graph
+    at::Tensor argmax;   // int32 [bucket]
+    at::Tensor host_ints, host_slots;  // pinned staging
+    std::unique_ptr<at::cuda::CUDAGraph> graph;
+  };
+
+  int32_t graph_blocks() const {
+    return (handle_->max_positions() + layout_.block_size - 1) / layout_.block_size;
+  }
+
+  bool graph_eligible(const BatchMeta& meta, const std::vector<LogitsCopy>& copies) const {
+    return meta.is_decode_only() && copies.empty() && meta.num_seqs() <= kBuckets[7] &&
+           meta.max_blocks_per_seq <= graph_blocks() &&
+           static_cast<int32_t>(meta.logits_rows.size()) == meta.num_seqs();
+  }
+
+  DecodeGraph& graph_for(int32_t bucket) {
+    DecodeGraph& g = graphs_[bucket];
+    if (g.graph) return g;
+    const at::Device dev = model_->device();
+    const int32_t MB = graph_blocks();
+    const auto i32 = at::TensorOptions().dtype(at::kInt);
+    g.ints = at::empty({bucket * 3 + bucket * MB}, i32.device(dev));
+    g.slots = at::empty({bucket}, at::TensorOptions().dtype(at::kLong).device(dev));
+    g.host_ints = at::empty({g.ints.numel()}, i32.pinned_memory(true));
+    g.host_slots = at::empty({bucket}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    g.step.ids = g.ints.narrow(0, 0, bucket);
+    g.step.positions = g.ints.narrow(0, bucket, bucket);
+    g.step.slots = g.slots;
+    g.step.logits_rows = at::arange(bucket, i32.device(dev));
+    cuda_glue::DeviceBatch& b = g.step.batch;
+    b.query_start = at::arange(bucket + 1, i32.device(dev));
+    b.context_lens = g.ints.narrow(0, 2 * bucket, bucket);
+    b.block_tables = g.ints.narrow(0, 3 * bucket, bucket * MB).view({bucket, MB});
+    b.max_blocks = MB;
+    b.num_seqs = bucket;
+    const ModelConfig& c = model_->config();
+    // Enough key ranges per (sequence, KV head) to give every SM about two CTAs.
+    const int32_t per_split = bucket * c.num_kv_heads;
+    b.decode_splits = std::max(1, std::min(32, (2 * 132 + per_split - 1) / per_split));
+    if (b.decode_splits > 1) {
+      b.partials = at::empty({static_cast<int64_t>(bucket) * c.num_kv_heads * b.decode_splits *
+                              (c.num_heads / c.num_kv_heads) * (c.head_dim + 2)},
+                             at::TensorOptions().dtype(at::kFloat).device(dev));
+    }
+    // Padding everywhere: run twice eagerly (lazy initialisation of cuBLAS and kernels),
+    // then capture.
+    stage_padding(g, bucket, 0);
+    upload(g);
+    BatchMeta none;
+    for (int i = 0; i < 2; ++i) g.logits = model_->forward(none, kv_, layout_, true, &g.step);
+    g.graph = std::make_unique<at::cuda::CUDAGraph>();
+    g.graph->capture_begin();
+    g.logits = model_->forward(none, kv_, layout_, true, &g.step);
+    g.argmax = cuda_glue::argmax_rows(g.logits);
+    g.graph->capture_end();
+    return g;
+  }
+
+  // Rows [from, bucket) become padding: token 0 at position 0 in the scratch block.
+  void stage_padding(DecodeGraph& g, int32_t bucket, int32_t from) {
+    const int32_t MB = graph_blocks();
+    int32_t* h = g.host_ints.data_ptr<int32_t>();
+    int64_t* hs = g.host_slots.data_ptr<int64_t>();
+    const int32_t scratch = num_blocks_;
+    for (int32_t r = from; r < bucket; ++r) {
+      h[r] = 0;
+      h[bucket + r] = 0;
+      h[2 * bucket + r] = 1;
+      std::fill(h + 3 * bucket + r * MB, h + 3 * bucket + (r + 1) * MB, scratch);
+      hs[r] = static_cast<int64_t>(scratch) * layout_.block_size;
+    }
+  }
+
+  void upload(DecodeGraph& g) {
+    g.ints.copy_(g.host_ints, /*non_blocking=*/true);
+    g.slots.copy_(g.host_slots, /*non_blocking=*/true);
+  }
+
+  void execute_graph(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
+                     std::vector<SampleResult>* results) {
+    const int32_t B = meta.num_seqs();
+    int32_t bucket = kBuckets[0];
+    for (int32_t b : kBuckets) {
+      if (b >= B) {
+        bucket = b;
+        break;
+      }
+    }
+    if (*std::max_element(meta.positions.begin(), meta.positions.end()) >= handle_->max_positions()) {
+      fail(ErrorCode::kInvalidArgument, "position beyond the RoPE table (max_seq_len)");
+    }
+    DecodeGraph& g = graph_for(bucket);
+    // The previous replay's uploads must be done before the staging buffers change.
+    stream_->synchronize();
+    const int32_t MB = graph_blocks();
+    int32_t* h = g.host_ints.data_ptr<int32_t>();
+    int64_t* hs = g.host_slots.data_ptr<int64_t>();
+    for (int32_t r = 0; r < B; ++r) {
+      h[r] = meta.token_ids[r];
+      h[bucket + r] = meta.positions[r];
+      h[2 * bucket + r] = meta.context_lens[r];
+      int32_t* row = h + 3 * bucket + r * MB;
+      const int32_t* src = meta.block_tables.data() + static_cast<int64_t>(r) * meta.max_blocks_per_seq;
+      std::copy(src, src + meta.max_blocks_per_seq, row);
+      std::fill(row + meta.max_blocks_per_seq, row + MB, num_blocks_);  // never read
+      hs[r] = meta.slot_mapping[r];
+    }
+    stage_padding(g, bucket, B);
+    upload(g);
+    g.graph->replay();
+    results->clear();
+    results->resize(samples.size());
+    bool all_greedy = true;
+    for (const SampleRequest& s : samples) all_greedy = all_greedy && plain_greedy(s);
+    if (all_greedy) {
+      at::Tensor ids = g.argmax.cpu();
+      const int32_t* id = ids.data_ptr<int32_t>();
+      for (size_t i = 0; i < samples.size(); ++i) (*results)[i].token = id[samples[i].logits_row];
+      return;
+    }
+    at::Tensor host = g.logits.narrow(0, 0, B).cpu();
+    const int64_t V = host.size(1);
+    float* base = host.data_ptr<float>();
+    for (size_t i = 0; i < samples.size(); ++i) {
+      try {
+        (*results)[i] = sampler_.sample(base + samples[i].logits_row * V, samples[i].input);
+      } catch (const std::exception& e) {
+        (*results)[i] = SampleResult{};
+        (*results)[i].error = e.what();
+      }
+    }
+  }
+
+  bool use_graphs_ = false;
+  std::map<int32_t, DecodeGraph> graphs_;
+#endif
+
   std::shared_ptr<ModelHandle> handle_;
   const LlamaModel* model_;
   bool fused_;
+  int32_t num_blocks_ = 0;
   KVLayout layout_;
   at::Tensor kv_;
   Sampler sampler_;

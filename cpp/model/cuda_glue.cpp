@@ -145,11 +145,13 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
   ab.context_lens = b.context_lens.data_ptr<int32_t>();
   ab.block_tables = b.block_tables.data_ptr<int32_t>();
   ab.max_blocks = b.max_blocks;
-  ab.work = reinterpret_cast<const cuda::AttnWork*>(b.work.data_ptr<int32_t>());
+  ab.work = b.work.defined() ? reinterpret_cast<const cuda::AttnWork*>(b.work.data_ptr<int32_t>()) : nullptr;
   ab.num_work = b.num_work;
-  ab.partials = b.num_merges > 0 ? b.partials.data_ptr<float>() : nullptr;
-  ab.merge = b.num_merges > 0 ? b.merges.data_ptr<int32_t>() : nullptr;
+  ab.partials = b.partials.defined() ? b.partials.data_ptr<float>() : nullptr;
+  ab.merge = b.merges.defined() ? b.merges.data_ptr<int32_t>() : nullptr;
   ab.num_merges = b.num_merges;
+  ab.decode_splits = b.decode_splits;
+  ab.num_seqs = b.num_seqs;
   cuda::paged_attention(dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), out.data_ptr(), cache_of(kv, layout), layer,
                         ab, num_heads, static_cast<float>(scale), window, stream());
   check_launch("paged_attention");

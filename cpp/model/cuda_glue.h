@@ -20,6 +20,8 @@ struct DeviceBatch {
   at::Tensor work, merges;                             // int32 [N, 7], [M, 4]
   at::Tensor partials;                                 // float32
   int32_t num_work = 0, num_merges = 0, max_blocks = 0;
+  // > 0: decode-only, work derived on the device (see cuda::AttnBatch::decode_splits).
+  int32_t decode_splits = 0, num_seqs = 0;
 };
 DeviceBatch make_batch(const at::Tensor& query_start, const at::Tensor& context_lens, const at::Tensor& block_tables,
                        const AttentionPlan& plan, int32_t group, int32_t head_dim, const at::Device& device);

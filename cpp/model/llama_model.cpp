@@ -122,28 +122,30 @@ int64_t LlamaModel::weight_bytes() const {
   return n;
 }
 
-at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused) const {
+at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused,
+                               const DeviceStep* prepared) const {
   const ModelConfig& c = config_;
   const LlamaWeights& W = weights_;
   const at::Device dev = device();
   const bool cuda = dev.is_cuda();
-  const int64_t T = meta.num_tokens();
+  if (prepared && !(cuda && fused)) fail(ErrorCode::kInternal, "prepared inputs are for the fused CUDA path");
+  const int64_t T = prepared ? prepared->ids.size(0) : meta.num_tokens();
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int32_t Hq = c.num_heads, Hkv = c.num_kv_heads;
   const int64_t qkv_dim = (Hq + 2 * Hkv) * D;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // Sequences are ordered by priority, not length: check every position.
-  if (*std::max_element(meta.positions.begin(), meta.positions.end()) >= rope_cos_.size(0)) {
+  if (!prepared && *std::max_element(meta.positions.begin(), meta.positions.end()) >= rope_cos_.size(0)) {
     fail(ErrorCode::kInvalidArgument, "position beyond the RoPE table (max_seq_len)");
   }
   if (kv.device() != dev) fail(ErrorCode::kInternal, "the KV pool is not on the model's device");
   if (!cuda && kv.scalar_type() != at::kFloat) fail(ErrorCode::kUnsupported, "the CPU backend keeps KV in float32");
 
   // The step's metadata on the device.
-  const at::Tensor ids = on_device(meta.token_ids, at::kInt, dev);
-  const at::Tensor positions = on_device(meta.positions, at::kInt, dev);
-  const at::Tensor slots = on_device(meta.slot_mapping, at::kLong, dev);
+  const at::Tensor ids = prepared ? prepared->ids : on_device(meta.token_ids, at::kInt, dev);
+  const at::Tensor positions = prepared ? prepared->positions : on_device(meta.positions, at::kInt, dev);
+  const at::Tensor slots = prepared ? prepared->slots : on_device(meta.slot_mapping, at::kLong, dev);
   at::Tensor h = at::index_select(W.embed, 0, ids);  // residual stream [T, H]
   at::Tensor x = at::empty({T, H}, h.options());
   at::Tensor attn = at::empty({T, Hq * D}, h.options());
@@ -157,7 +159,9 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   ab.num_seqs = meta.num_seqs();
 #ifdef K25_WITH_CUDA
   cuda_glue::DeviceBatch db;
-  if (cuda && fused) {
+  if (prepared) {
+    db = prepared->batch;
+  } else if (cuda && fused) {
     AttentionPlanParams pp;
     pp.num_kv_heads = Hkv;
     pp.group = Hq / Hkv;
@@ -252,8 +256,9 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
       h = h + d;
     }
   }
-  if (meta.logits_rows.empty()) return at::empty({0, c.vocab_size}, h.options().dtype(at::kFloat));
-  at::Tensor rows = at::index_select(h, 0, on_device(meta.logits_rows, at::kInt, dev));
+  const at::Tensor logits_rows = prepared ? prepared->logits_rows : on_device(meta.logits_rows, at::kInt, dev);
+  if (logits_rows.numel() == 0) return at::empty({0, c.vocab_size}, h.options().dtype(at::kFloat));
+  at::Tensor rows = at::index_select(h, 0, logits_rows);
   at::Tensor xr;
   if (fused) {
     xr = at::empty_like(rows);

@@ -12,6 +12,9 @@
 #include <vector>
 
 #include "engine/executor.h"
+#ifdef K25_WITH_CUDA
+#include "model/cuda_glue.h"
+#endif
 #include "model/model_config.h"
 #include "ops/kv_layout.h"
 
@@ -36,6 +39,15 @@ struct LlamaWeights {
   at::Tensor rope_freq_factors;  // [D / 2] divisors of the inverse frequencies, or undefined
 };
 
+// A step's inputs already on the device, in buffers that outlive the step (CUDA graphs
+// capture a forward over them and replay it with new contents).
+struct DeviceStep {
+  at::Tensor ids, positions, slots, logits_rows;
+#ifdef K25_WITH_CUDA
+  cuda_glue::DeviceBatch batch;
+#endif
+};
+
 class LlamaModel {
  public:
   LlamaModel(ModelConfig config, LlamaWeights weights, int32_t max_positions);
@@ -52,7 +64,9 @@ class LlamaModel {
   // Runs every layer for the step's tokens, writing their K and V into `kv` (a pool on
   // the model's device laid out as `layout`), and returns float32 logits
   // [meta.logits_rows.size(), vocab] on the model's device.
-  at::Tensor forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused) const;
+  // With `prepared` (fused CUDA only) the inputs come from there and `meta` is unused.
+  at::Tensor forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused,
+                     const DeviceStep* prepared = nullptr) const;
 
  private:
   void attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, const at::Tensor& kv,

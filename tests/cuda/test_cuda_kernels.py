@@ -21,10 +21,11 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_add(dtype):
+@pytest.mark.parametrize("n", [1000, 4096, 8192, 1001])  # vectorised sizes, and one that is not
+def test_rms_norm_and_add(dtype, n):
     g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(37, 1000, device="cuda", generator=g).to(dtype)
-    w = (torch.rand(1000, device="cuda", generator=g) + 0.5).to(dtype)
+    x = torch.randn(37, n, device="cuda", generator=g).to(dtype)
+    w = (torch.rand(n, device="cuda", generator=g) + 0.5).to(dtype)
     # transformers: norm in float32, then the weight in the model dtype
     xf = x.float()
     ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
