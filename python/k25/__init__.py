@@ -10,7 +10,7 @@ import torch as _torch  # noqa: F401
 
 from . import errors
 from .config import DEFAULT_MODEL, K25Config
-from .model import GenerationOutput, K25Model, TokenLogprob
+from .model import GenerationOutput, K25Model, StreamEvent, TokenLogprob
 
-__all__ = ["K25Config", "K25Model", "GenerationOutput", "TokenLogprob", "DEFAULT_MODEL", "errors"]
+__all__ = ["K25Config", "K25Model", "GenerationOutput", "StreamEvent", "TokenLogprob", "DEFAULT_MODEL", "errors"]
 __version__ = "0.1.0"

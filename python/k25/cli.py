@@ -3,6 +3,7 @@
     k25 generate "Write a haiku about the sea."   # streams to the terminal
     k25 chat                                        # multi-turn, with the chat template
     k25 info [MODEL]                                # architecture, sizes, dtypes
+    k25 serve [--model M] [--port 8000]             # OpenAI-compatible server
 
 `generate` applies the model's chat template when it has one (instruct models answer
 a bare prompt poorly); pass --raw to send the prompt as plain text.
@@ -158,6 +159,11 @@ def cmd_info(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from .server.run import serve
+    return serve(a)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="k25", description="k25 LLM inference engine")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -178,6 +184,10 @@ def main(argv=None) -> int:
     i.add_argument("--model", default=None)
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_info)
+    from .server.cli_args import add_arguments as serve_arguments
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve_arguments(sv)
+    sv.set_defaults(fn=cmd_serve)
     a = ap.parse_args(argv)
     try:
         return a.fn(a)

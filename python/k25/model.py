@@ -77,6 +77,22 @@ class GenerationOutput:
         return len(self.token_ids)
 
 
+@dataclass
+class StreamEvent:
+    """One step of a streamed request."""
+    text: str                                  # new text ('' while held back)
+    token_ids: List[int]                       # new token ids
+    logprobs: Optional[List[TokenLogprob]]     # one per new token, when asked
+    finish_reason: Optional[str]               # "stop" | "length" | "abort" on the last event
+    prompt_token_ids: List[int]
+    num_output_tokens: int                     # so far
+    queue_time_s: float                        # waiting before the first step
+    prefill_chunks: int                        # steps that computed prompt tokens so far
+    prefill_time_s: float
+    num_preemptions: int
+    request_id: int = 0                        # the engine's id (as in drain_kv_events)
+
+
 class _Sink:
     """Collects one request's outputs; wakes a thread or an event loop."""
 
@@ -404,6 +420,17 @@ class K25Model:
 
         Leaving the loop early (break, cancellation) aborts the request and frees its KV.
         """
+        async for event in self.stream_events(prompt, priority=priority, skip_special_tokens=skip_special_tokens,
+                                              **sampling):
+            if event.text:
+                yield event.text
+
+    async def stream_events(self, prompt, *, priority: str = "silver", skip_special_tokens: bool = True,
+                            **sampling) -> AsyncIterator["StreamEvent"]:
+        """Like stream(), with each step's token ids, logprobs and timing (StreamEvent).
+
+        Text is held back while it could be the start of a stop string, so an event may
+        carry tokens and no text; the last event has finish_reason set."""
         ids = self._prompt_ids(prompt)
         params = self._params(**sampling)
         sink = _Sink(asyncio.get_running_loop())
@@ -437,10 +464,17 @@ class K25Model:
                     end = len(full)
                 else:
                     end = len(full) - _stop_prefix_len(full, stops)
+                piece = ""
                 if end > emitted:
                     piece = full[emitted:end]
                     emitted = end
-                    yield piece
+                yield StreamEvent(
+                    text=piece, token_ids=list(out.new_token_ids),
+                    logprobs=[TokenLogprob(t, lp, dict(top)) for t, lp, top in out.new_logprobs] or None,
+                    finish_reason=out.finish_reason if out.finished else None, prompt_token_ids=ids,
+                    num_output_tokens=out.num_output_tokens, queue_time_s=out.queue_time_s,
+                    prefill_chunks=out.prefill_chunks, prefill_time_s=out.prefill_time_s,
+                    num_preemptions=out.num_preemptions, request_id=rid)
                 if finished:
                     return
         finally:
@@ -477,6 +511,11 @@ class K25Model:
         raise RequestError("prompts must be a string, a list of strings, or token id lists")
 
     # ---- introspection -------------------------------------------------------------
+    def drain_kv_events(self) -> List[tuple]:
+        """KV blocks taken from requests before they finished since the last call:
+        (request id, block ids, reason) with reason preempt_recompute, abort or error."""
+        return [tuple(e) for e in self._engine.drain_kv_events()]
+
     def stats(self) -> Dict[str, Any]:
         s = dict(self._engine.stats())
         s["kv_cache_bytes"] = self.kv_cache_bytes

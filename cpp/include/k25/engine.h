@@ -42,7 +42,19 @@ struct RequestOutput {
   int32_t num_prompt_tokens = 0;
   int32_t num_output_tokens = 0;
   int32_t num_preemptions = 0;
+  // Timing so far (cumulative): queue wait before the first step, prefill chunks and the
+  // time of the steps that ran them.
+  double queue_time_s = 0;
+  int32_t prefill_chunks = 0;
+  double prefill_time_s = 0;
   std::vector<float> prompt_logits;  // [num_prompt_tokens, vocab] when asked, at finish
+};
+
+// KV blocks taken from a request before it finished (for [KV_CACHE] logs).
+struct KVEvent {
+  int64_t request_id = 0;
+  std::vector<int32_t> blocks;
+  std::string reason;  // "preempt_recompute" | "abort" | "error"
 };
 
 struct EngineStats {
@@ -90,6 +102,8 @@ class Engine {
   // Blocks until at least one output is ready or the timeout passes.
   std::vector<RequestOutput> wait_outputs(double timeout_s);
   EngineStats stats() const;
+  // KV evictions since the last call (bounded: the oldest are dropped past 4096).
+  std::vector<KVEvent> drain_kv_events();
   const EngineConfig& config() const { return config_; }
   // Aborts what is left and stops the engine thread. Idempotent.
   void shutdown();
@@ -121,6 +135,9 @@ class Engine {
   int64_t next_id_ = 1;
   uint64_t next_arrival_ = 0;
   EngineStats stats_;
+
+  std::deque<KVEvent> kv_events_;  // guarded by mu_
+  void record_kv_event(int64_t id, const std::vector<int32_t>& blocks, const char* reason);
 
   std::mutex out_mu_;
   std::condition_variable out_cv_;

@@ -1,0 +1,306 @@
+"""Admission control ("three-tier elastic buffering") and the circuit breaker.
+
+Tier 1: at most `max_concurrent` requests generate at once. Tier 2: up to `max_queue`
+more wait in memory. Tier 3: beyond that, up to `max_spool` more wait with their request
+body written to `spool_dir` (the handler drops its copy and reads it back when admitted),
+so a burst does not sit in RAM. Waiters are served by priority class, then arrival; a
+waiter that is not admitted within `queue_timeout_ms` gets a 503. Past all three tiers a
+request gets a 429 with Retry-After. Nothing is dropped silently.
+
+The circuit breaker watches queue depth, recent queue waits and KV-cache occupancy, and
+while tripped applies the configured degradation to bronze requests (and, under severe
+pressure, silver): reject with 429, cap the tokens, or route to a fallback model.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .protocol import ApiError
+
+PRIORITY_RANK = {"gold": 0, "silver": 1, "bronze": 2}
+
+
+@dataclass(order=True)
+class _Waiter:
+    rank: int
+    seq: int
+    future: asyncio.Future = field(compare=False)
+    spool_path: Optional[str] = field(default=None, compare=False)
+    cancelled: bool = field(default=False, compare=False)
+
+
+class Ticket:
+    """A slot in the engine. release() (or `async with`) gives it back."""
+
+    def __init__(self, admission: "Admission", queue_time: float, body: Optional[bytes]):
+        self._admission = admission
+        self.queue_time = queue_time
+        self.body = body  # the request body when asked for (read back from the spool)
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._admission._release()
+
+    def __del__(self):
+        # A streaming response whose client vanished before its body ran never reaches
+        # its own release: the slot comes back when the ticket is dropped.
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.release()
+
+
+class Admission:
+    def __init__(self, max_concurrent: int = 128, max_queue: int = 128, max_spool: int = 4096,
+                 spool_dir: Optional[str] = None, queue_timeout_ms: Optional[float] = None):
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self.max_spool = max_spool
+        self.spool_dir = spool_dir
+        self.queue_timeout = queue_timeout_ms / 1000.0 if queue_timeout_ms else None
+        self.running = 0
+        self.queued = 0      # waiting in memory
+        self.spooled = 0     # waiting with the body on disk
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.draining = False
+        if spool_dir:
+            os.makedirs(spool_dir, exist_ok=True)
+            for name in os.listdir(spool_dir):  # leftovers of a killed process
+                if name.endswith(".req"):
+                    os.unlink(os.path.join(spool_dir, name))
+
+    @property
+    def waiting(self) -> int:
+        return self.queued + self.spooled
+
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0
+
+    def retry_after(self) -> int:
+        # A rough, honest hint: the backlog over the concurrency, at least one second.
+        return max(1, min(60, (self.waiting + self.running) // max(1, self.max_concurrent) + 1))
+
+    def will_spool(self) -> bool:
+        """Whether a request arriving now would wait with its body on disk."""
+        no_slot = self.running >= self.max_concurrent or bool(self._heap)
+        return bool(no_slot and self.queued >= self.max_queue and self.spool_dir and self.spooled < self.max_spool)
+
+    async def acquire(self, priority: str, payload: list, return_body: bool = False) -> Ticket:
+        """Waits for a slot. `payload` is a one-element list holding the request body: it is
+        taken out of the list, so that once written to the spool no copy stays in memory."""
+        body = payload.pop()
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another instance", "service_unavailable",
+                           code="draining")
+        if self.running < self.max_concurrent and not self._heap:
+            self.running += 1
+            return Ticket(self, 0.0, body if return_body else None)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(PRIORITY_RANK[priority], next(self._seq), loop.create_future())
+        if self.queued < self.max_queue:
+            self.queued += 1
+        elif self.spool_dir and self.spooled < self.max_spool:
+            waiter.spool_path = os.path.join(self.spool_dir, f"{waiter.seq:012d}.req")
+            self.spooled += 1  # counted before the write yields, so concurrent arrivals see it
+            try:
+                await _write_file(waiter.spool_path, body)
+            except OSError as e:
+                self.spooled -= 1
+                if os.path.exists(waiter.spool_path):
+                    os.unlink(waiter.spool_path)
+                raise ApiError(503, f"the request could not be queued on disk ({e.strerror}); retry later",
+                               "service_unavailable", code="spool_failed") from None
+            body = None
+        else:
+            raise ApiError(429, "the server is at capacity (all queue and spool places are taken); retry later",
+                           "rate_limit_exceeded", code="queue_full", headers={"Retry-After": str(self.retry_after())})
+        heapq.heappush(self._heap, waiter)
+        t0 = time.monotonic()
+
+        def admitted() -> bool:
+            f = waiter.future
+            return f.done() and not f.cancelled() and f.result() == "admitted"
+
+        try:
+            if self.queue_timeout is None:
+                await asyncio.shield(waiter.future)
+            else:
+                await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout)
+        except asyncio.TimeoutError:
+            if not admitted():  # admission may have raced the timer: then go ahead
+                self._forget(waiter)
+                raise ApiError(503, f"the request waited {self.queue_timeout * 1000:.0f} ms without a place to run; "
+                                    "retry later", "service_unavailable", code="queue_timeout",
+                               headers={"Retry-After": str(self.retry_after())}) from None
+        except asyncio.CancelledError:  # the client went away while queued
+            if admitted():
+                self._release()
+            self._forget(waiter)
+            raise
+        result = waiter.future.result()
+        if result != "admitted":
+            self._forget(waiter)
+            raise result
+        body_back = body if return_body and not waiter.spool_path else None
+        if waiter.spool_path:
+            body_back = await _read_file(waiter.spool_path)
+            os.unlink(waiter.spool_path)
+        return Ticket(self, time.monotonic() - t0, body_back)
+
+    def _forget(self, waiter: _Waiter) -> None:
+        if waiter.cancelled:
+            return
+        waiter.cancelled = True
+        if not waiter.future.done():
+            waiter.future.cancel()
+            if waiter.spool_path:
+                self.spooled -= 1
+            else:
+                self.queued -= 1
+        if waiter.spool_path and os.path.exists(waiter.spool_path):
+            os.unlink(waiter.spool_path)
+
+    def _release(self) -> None:
+        self.running -= 1
+        self._admit_next()
+
+    def _admit_next(self) -> None:
+        while self._heap and self.running < self.max_concurrent:
+            waiter = heapq.heappop(self._heap)
+            if waiter.cancelled or waiter.future.done():
+                continue
+            if waiter.spool_path:
+                self.spooled -= 1
+            else:
+                self.queued -= 1
+            self.running += 1
+            waiter.future.set_result("admitted")
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    def fail_waiters(self, error: ApiError) -> int:
+        """Answers every waiter with `error` (end of a drain); returns how many."""
+        n = 0
+        while self._heap:
+            waiter = heapq.heappop(self._heap)
+            if waiter.cancelled or waiter.future.done():
+                continue
+            if waiter.spool_path:
+                self.spooled -= 1
+            else:
+                self.queued -= 1
+            waiter.future.set_result(error)
+            n += 1
+        return n
+
+
+async def _write_file(path: str, data: bytes) -> None:
+    import aiofiles
+    async with aiofiles.open(path, "wb") as f:
+        await f.write(data)
+
+
+async def _read_file(path: str) -> bytes:
+    import aiofiles
+    async with aiofiles.open(path, "rb") as f:
+        return await f.read()
+
+
+# ---- circuit breaker ---------------------------------------------------------------------
+
+class CircuitBreaker:
+    """Trips on sustained pressure; `level()` is 0 (closed), 1 (bronze degraded) or 2
+    (bronze and silver degraded). Gold is never degraded.
+
+    Pressure: the queue (memory + spool) above `queue_fraction` of its capacity, the median
+    queue wait of the last requests above `queue_wait_s`, or the KV cache fuller than
+    `memory_watermark`. It trips after `trip_after_s` of pressure and resets after
+    `reset_after_s` without it (hysteresis, so it does not flap)."""
+
+    def __init__(self, admission: Admission, kv_fill: Callable[[], float], memory_watermark: float = 0.92,
+                 queue_fraction: float = 0.5, queue_wait_s: float = 2.0, trip_after_s: float = 0.5,
+                 reset_after_s: float = 5.0, degrade: str = "reject"):
+        self.admission = admission
+        self.kv_fill = kv_fill
+        self.memory_watermark = memory_watermark
+        self.queue_fraction = queue_fraction
+        self.queue_wait_s = queue_wait_s
+        self.trip_after_s = trip_after_s
+        self.reset_after_s = reset_after_s
+        self.degrade = parse_degrade(degrade)
+        self._waits: deque = deque(maxlen=64)
+        self._pressure_since: Optional[float] = None
+        self._calm_since: Optional[float] = None
+        self._level = 0
+        self.trips = 0
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        self._waits.append(seconds)
+
+    def _pressure(self) -> int:
+        a = self.admission
+        capacity = max(1, a.max_queue + (a.max_spool if a.spool_dir else 0))
+        fill = a.waiting / capacity
+        waits = sorted(self._waits)
+        median_wait = waits[len(waits) // 2] if waits else 0.0
+        kv = self.kv_fill()
+        if fill >= 0.9 or kv >= min(1.0, self.memory_watermark + 0.04):
+            return 2
+        if fill >= self.queue_fraction or median_wait >= self.queue_wait_s or kv >= self.memory_watermark:
+            return 1
+        return 0
+
+    def level(self) -> int:
+        now = time.monotonic()
+        p = self._pressure()
+        if p > 0:
+            self._calm_since = None
+            if self._pressure_since is None:
+                self._pressure_since = now
+            if now - self._pressure_since >= self.trip_after_s or p == 2:
+                if self._level == 0:
+                    self.trips += 1
+                self._level = max(self._level if self._level else 0, p)
+        else:
+            self._pressure_since = None
+            if self._level:
+                if self._calm_since is None:
+                    self._calm_since = now
+                if now - self._calm_since >= self.reset_after_s:
+                    self._level = 0
+        return self._level
+
+    def applies_to(self, priority: str) -> bool:
+        lvl = self.level()
+        return (lvl >= 1 and priority == "bronze") or (lvl >= 2 and priority == "silver")
+
+
+def parse_degrade(spec: str):
+    """'reject' | 'cap-tokens:N' | 'fallback:MODEL' -> (mode, argument)."""
+    if spec == "reject":
+        return ("reject", None)
+    if spec.startswith("cap-tokens:"):
+        n = spec.split(":", 1)[1]
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--degrade cap-tokens:N needs a positive N, got {spec!r}")
+        return ("cap-tokens", int(n))
+    if spec.startswith("fallback:") and spec.split(":", 1)[1]:
+        return ("fallback", spec.split(":", 1)[1])
+    raise ValueError(f"--degrade must be reject, cap-tokens:N or fallback:MODEL, got {spec!r}")

@@ -1,0 +1,28 @@
+"""Arguments of `k25 serve` (kept free of heavy imports: the CLI builds every parser)."""
+from ..config import DEFAULT_MODEL
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help=f"a .gguf file or HF directory (default: {DEFAULT_MODEL})")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: from the path)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set K25_API_KEY)")
+    p.add_argument("--max-concurrent-requests", type=int, default=128)
+    p.add_argument("--max-queue", type=int, default=128, help="requests waiting in memory")
+    p.add_argument("--max-spool", type=int, default=4096, help="requests waiting with the body on disk")
+    p.add_argument("--spool-dir", default=None, help="where waiting bodies go (default: a new temp directory)")
+    p.add_argument("--queue-timeout-ms", type=float, default=None, help="503 after this long in the queue")
+    p.add_argument("--memory-watermark", type=float, default=0.92, help="KV-cache fill that trips the breaker")
+    p.add_argument("--degrade", default="reject", help="reject | cap-tokens:N | fallback:MODEL")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work after SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--prefill-chunk-size", type=int, default=None)

@@ -1,0 +1,63 @@
+"""Prometheus metrics of the server (prefix k25_), on a registry of its own."""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], Dict[str, Dict]], admission):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("k25_requests", "Requests by endpoint, HTTP status and priority",
+                                ["endpoint", "status", "priority"], registry=r)
+        self.prompt_tokens = Counter("k25_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("k25_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("k25_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("k25_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_TPOT, registry=r)
+        self.e2e = Histogram("k25_e2e_request_latency_seconds", "Request latency, arrival to last byte",
+                             buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram("k25_queue_time_seconds", "Wait for admission (server queue + engine)",
+                                    ["priority"], buckets=_LATENCY, registry=r)
+        self.degraded = Counter("k25_requests_degraded", "Requests served degraded by the circuit breaker",
+                                ["mode", "priority"], registry=r)
+        self.rejected = Counter("k25_requests_rejected", "Requests refused (429/503) by reason",
+                                ["reason", "priority"], registry=r)
+        self.breaker_trips = Gauge("k25_circuit_breaker_level", "0 closed, 1 bronze degraded, 2 bronze+silver",
+                                   registry=r)
+        r.register(_EngineCollector(engine_stats, admission))
+
+
+class _EngineCollector:
+    """Gauges read at scrape time from the engines and the admission state."""
+
+    def __init__(self, engine_stats, admission):
+        self.engine_stats = engine_stats
+        self.admission = admission
+
+    def collect(self):
+        a = self.admission
+        for name, value, doc in (("k25_requests_running", a.running, "Requests generating"),
+                                 ("k25_requests_queued", a.queued, "Requests waiting in memory"),
+                                 ("k25_requests_spooled", a.spooled, "Requests waiting with the body on disk")):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+        used = GaugeMetricFamily("k25_kv_blocks_used", "KV blocks in use", labels=["model", "tier"])
+        free = GaugeMetricFamily("k25_kv_blocks_free", "KV blocks free", labels=["model", "tier"])
+        pre = CounterMetricFamily("k25_preemptions", "Sequences preempted (recompute)", labels=["model"])
+        sparsity = GaugeMetricFamily("k25_sparsity_ratio", "Running average of skipped KV blocks", labels=["model"])
+        offload = CounterMetricFamily("k25_offload", "KV blocks moved between tiers", labels=["model"])
+        for model, s in self.engine_stats().items():
+            used.add_metric([model, "l1"], s["blocks_used"])
+            free.add_metric([model, "l1"], s["blocks_free"])
+            pre.add_metric([model], s["preemptions"])
+            sparsity.add_metric([model], s.get("sparsity_ratio", 0.0))
+            offload.add_metric([model], s.get("offload_count", 0))
+        yield from (used, free, pre, sparsity, offload)
