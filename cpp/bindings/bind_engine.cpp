@@ -122,7 +122,8 @@ void bind_engine(py::module_& m) {
       .def_readwrite("max_seq_len", &EngineConfig::max_seq_len)
       .def_readwrite("decode_max_tokens", &EngineConfig::decode_max_tokens)
       .def_readwrite("num_threads", &EngineConfig::num_threads)
-      .def_readwrite("admission_watermark", &EngineConfig::admission_watermark);
+      .def_readwrite("admission_watermark", &EngineConfig::admission_watermark)
+      .def_readwrite("batching_window_ms", &EngineConfig::batching_window_ms);
 
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init<>())

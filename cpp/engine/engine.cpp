@@ -238,6 +238,14 @@ void Engine::loop() {
       cv_.wait(lk, [&] {
         return stop_ || !inbox_.empty() || !aborts_.empty() || scheduler_->has_unfinished();
       });
+      // Batching window: an idle engine that just got work waits a moment for more
+      // arrivals, so that a burst starts in one step instead of one request at a time.
+      if (config_.batching_window_ms > 0 && !inbox_.empty() && !stop_ && !scheduler_->has_unfinished()) {
+        const auto deadline = std::chrono::steady_clock::now() +
+                              std::chrono::duration<double, std::milli>(config_.batching_window_ms);
+        while (!stop_ && cv_.wait_until(lk, deadline) != std::cv_status::timeout) {
+        }
+      }
       adds.swap(inbox_);
       aborts.swap(aborts_);
       stopping = stop_;

@@ -44,6 +44,7 @@ class K25Config:
     l3_path: Optional[str] = None
     l3_bytes: Optional[int] = None
     enable_kernel_fusion: bool = True
+    batching_window_ms: float = 0.0  # an idle engine waits this long to gather a burst
     num_threads: Optional[int] = None  # None: every core this process may run on
 
     def __post_init__(self):
@@ -124,6 +125,9 @@ class K25Config:
                 raise ConfigError(f"{name} applies to cache_mode='hierarchical', which is not "
                                   "implemented yet")
         need(isinstance(self.enable_kernel_fusion, bool), "enable_kernel_fusion must be a bool")
+        need(isinstance(self.batching_window_ms, (int, float)) and not isinstance(self.batching_window_ms, bool)
+             and 0 <= self.batching_window_ms <= 1000,
+             f"batching_window_ms must be in [0, 1000], got {self.batching_window_ms!r}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -215,6 +215,7 @@ class K25Model:
         ec.max_seq_len = self.max_seq_len
         ec.decode_max_tokens = config.decode_max_tokens or 0
         ec.num_threads = threads
+        ec.batching_window_ms = float(config.batching_window_ms)
         self.kv_block_bytes = self._handle.kv_block_bytes(config.block_size)
         ec.num_kv_blocks = self._kv_blocks(config)
         self.kv_cache_bytes = ec.num_kv_blocks * self.kv_block_bytes

@@ -877,3 +877,27 @@ def test_default_pool_resizes_safely_while_kernels_run():
     t.join(timeout=30)
     _C.set_num_threads(before)
     assert not t.is_alive(), "a kernel hung while the pool was replaced"
+
+
+def test_batching_window_gathers_a_burst_into_one_step():
+    def run(window):
+        m = K25Model(K25Config(num_threads=2, kv_cache_bytes=64 << 20, batching_window_ms=window))
+        try:
+            box = []
+
+            def one(text):
+                box.append(m.generate(text, max_new_tokens=1, temperature=0.0)[0])
+
+            t1 = threading.Thread(target=one, args=("The sky is",))
+            t2 = threading.Thread(target=one, args=("Water is",))
+            t1.start()
+            time.sleep(0.05)
+            t2.start()
+            t1.join()
+            t2.join()
+            return m.stats()["steps"]
+        finally:
+            m.close()
+
+    assert run(300.0) == 1   # both prompts prefetched in the first step
+    assert run(0.0) == 2     # no window: the first request starts alone

@@ -15,6 +15,7 @@ struct EngineConfig {
   int32_t decode_max_tokens = 0;         // cap on max_new_tokens of any request (0: none)
   int32_t num_threads = 0;               // intra-op threads of the engine thread (0: default)
   float admission_watermark = 0.01f;     // fraction of blocks kept free when admitting
+  double batching_window_ms = 0;         // an idle engine waits this long to gather arrivals
 };
 
 }  // namespace k25

@@ -26,3 +26,5 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--prefill-chunk-size", type=int, default=None)
+    p.add_argument("--batching-window-ms", type=float, default=5.0,
+                   help="an idle engine waits this long to gather arrivals (small: it delays short requests)")

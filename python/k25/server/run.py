@@ -69,7 +69,8 @@ def serve(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     engine_kw = dict(num_threads=args.threads, max_seq_len=args.max_seq_len, kv_cache_bytes=args.kv_cache_bytes,
                      max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                     prefill_chunk_size=args.prefill_chunk_size, device=args.device, dtype=args.dtype)
+                     prefill_chunk_size=args.prefill_chunk_size, device=args.device, dtype=args.dtype,
+                     batching_window_ms=args.batching_window_ms)
     engine_kw = {k: v for k, v in engine_kw.items() if v is not None}
     models: Dict[str, K25Model] = {}
     primary = args.served_model_name or served_name(args.model)
