@@ -1,9 +1,10 @@
-"""The k25 command line: generate, chat, info.
+"""The k25 command line: generate, chat, info, serve, batch.
 
     k25 generate "Write a haiku about the sea."   # streams to the terminal
     k25 chat                                        # multi-turn, with the chat template
     k25 info [MODEL]                                # architecture, sizes, dtypes
     k25 serve [--model M] [--port 8000]             # OpenAI-compatible server
+    k25 batch input.jsonl output.jsonl              # OpenAI batch file, resumable
 
 `generate` applies the model's chat template when it has one (instruct models answer
 a bare prompt poorly); pass --raw to send the prompt as plain text.
@@ -164,6 +165,12 @@ def cmd_serve(a) -> int:
     return serve(a)
 
 
+def cmd_batch(a) -> int:
+    from .batch import run_batch
+    run_batch(a.input, a.output, lambda: _load(a), concurrency=a.concurrency, model_name=a.served_model_name)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="k25", description="k25 LLM inference engine")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -188,6 +195,14 @@ def main(argv=None) -> int:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve_arguments(sv)
     sv.set_defaults(fn=cmd_serve)
+    b = sub.add_parser("batch", help="run an OpenAI batch file (JSONL); crash-safe, resumes where it stopped")
+    b.add_argument("input", help="requests, one a line: {custom_id, method, url, body}")
+    b.add_argument("output", help="results, appended as they complete (in completion order)")
+    _add_model_args(b)
+    b.add_argument("--concurrency", type=int, default=32, help="lines in flight at once (default: 32)")
+    b.add_argument("--served-model-name", default=None,
+                   help="the model name requests give (default: as `k25 serve` names the model)")
+    b.set_defaults(fn=cmd_batch)
     a = ap.parse_args(argv)
     try:
         return a.fn(a)

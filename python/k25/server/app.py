@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import K25Error, PromptTooLongError, RequestError
 from ..model import K25Model
@@ -124,6 +125,11 @@ def create_app(models: Dict[str, K25Model], primary: str, settings: Optional[Ser
         log.exception("unexpected error")
         return JSONResponse(ApiError(500, f"internal error: {exc}", "internal_error").body(), status_code=500)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
+        e = ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+        return JSONResponse(e.body(), status_code=exc.status_code, headers=exc.headers)
+
     def check_auth(request: Request) -> None:
         if not settings.api_key:
             return
@@ -189,6 +195,7 @@ def create_app(models: Dict[str, K25Model], primary: str, settings: Optional[Ser
                 mode, arg = state.breaker.degrade
                 if mode == "reject":
                     state.metrics.rejected.labels("breaker", priority).inc()
+                    state.metrics.degraded.labels("reject", priority).inc()
                     log.info("[QUEUE] req_id=%s priority=%s queue_time=0.000 degraded=True mode=reject", req_id,
                              priority)
                     raise ApiError(429, "the server is under sustained load and sheds low-priority requests; retry "
@@ -307,8 +314,11 @@ class _Ctx:
 
 
 def _choices(ctx: _Ctx):
+    return choice_params(ctx.parsed)
+
+
+def choice_params(p: ParsedRequest):
     """(choice index, prompt ids, sampling) for every prompt x n; seeds differ per choice."""
-    p = ctx.parsed
     out = []
     for pi, ids in enumerate(p.prompt_ids):
         for j in range(p.n):
@@ -364,19 +374,27 @@ class _Tracker:
                  finish_reason)
 
 
-async def _run_choice(ctx: _Ctx, ids, kw):
-    tracker = _Tracker(ctx, ids)
+async def run_choice(model: K25Model, ids, kw, priority: str = "silver", see=None):
+    """Runs one choice to its end: (text, token ids, logprobs or None, finish_reason);
+    `see` is called with every StreamEvent."""
     text, tokens, lps, finish = [], [], [], None
-    async for ev in ctx.model.stream_events(ids, priority=ctx.priority, **kw):
-        tracker.see(ev)
+    async for ev in model.stream_events(ids, priority=priority, **kw):
+        if see is not None:
+            see(ev)
         text.append(ev.text)
         tokens.extend(ev.token_ids)
         if ev.logprobs:
             lps.extend(ev.logprobs)
         if ev.finish_reason:
             finish = ev.finish_reason
+    return "".join(text), tokens, (lps if kw.get("logprobs") is not None else None), finish
+
+
+async def _run_choice(ctx: _Ctx, ids, kw):
+    tracker = _Tracker(ctx, ids)
+    text, tokens, lps, finish = await run_choice(ctx.model, ids, kw, ctx.priority, tracker.see)
     tracker.done(finish)
-    return "".join(text), tokens, (lps if kw.get("logprobs") is not None else None), finish, tracker
+    return text, tokens, lps, finish, tracker
 
 
 async def _complete(ctx: _Ctx, request: Request) -> Dict[str, Any]:
@@ -404,11 +422,16 @@ async def _complete(ctx: _Ctx, request: Request) -> Dict[str, Any]:
             if not t.done():
                 t.cancel()
     ctx.state.metrics.e2e.observe(time.monotonic() - ctx.t_arrival)
-    tok = ctx.model.tokenizer
+    return response_body(p, ctx.model_name, ctx.model.tokenizer, [r[:4] for r in results])
+
+
+def response_body(p: ParsedRequest, model_name: str, tok, results) -> Dict[str, Any]:
+    """The JSON of a non-streamed response; `results` holds (text, token ids, logprobs,
+    finish_reason) of each choice, in the order of choice_params(p)."""
     choices = []
     prompt_tokens = sum(len(ids) for ids in p.prompt_ids)
     completion_tokens = 0
-    for (index, ids, kw), (text, tokens, lps, finish, tracker) in zip(_choices(ctx), results):
+    for (index, ids, kw), (text, tokens, lps, finish) in zip(choice_params(p), results):
         completion_tokens += len(tokens)
         finish = finish if finish in ("stop", "length") else "stop"
         if p.kind == "chat":
@@ -418,7 +441,7 @@ async def _complete(ctx: _Ctx, request: Request) -> Dict[str, Any]:
             choices.append({"index": index, "text": text, "logprobs": completion_logprobs(tok, lps),
                             "finish_reason": finish})
     return {"id": new_id(p.kind), "object": "chat.completion" if p.kind == "chat" else "text_completion",
-            "created": now(), "model": ctx.model_name, "choices": choices,
+            "created": now(), "model": model_name, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens)}
 
 

@@ -48,6 +48,9 @@ def parse_json_body(raw: bytes) -> Dict[str, Any]:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad(f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}", code="invalid_json") from None
+    except (RecursionError, ValueError) as e:  # nesting too deep; an integer of over 4300 digits
+        raise bad(f"malformed JSON: {'nested too deeply' if isinstance(e, RecursionError) else e}",
+                  code="invalid_json") from None
     if not isinstance(obj, dict):
         raise bad("the request body must be a JSON object", code="invalid_json")
     return obj
