@@ -982,3 +982,26 @@ def test_breaker_fallback_routes_bronze_to_the_second_model(tmp_path):
         assert s.queue_lines()["fb-1"][0]["degraded"]
     finally:
         s.kill()
+
+
+def test_a_client_leaving_the_queue_gives_up_its_place(tmp_path):
+    """A non-streaming client that disconnects while queued is dropped from the queue: it
+    is never admitted (no [PREFILL]/[DECODE] for it) and is counted as a 499."""
+    s = Server(tmp_path, "--max-concurrent-requests", "1", "--max-queue", "4", name="leaver")
+    pool = ThreadPoolExecutor(4)
+    try:
+        blocker = pool.submit(_fire, s, "blocker", "silver", 40)
+        s.wait_for(lambda: s.metrics().get("k25_requests_running") == 1, 10, what="the blocker runs")
+        with pytest.raises(httpx.ReadTimeout):
+            _fire(s, "leaver", "silver", 4, timeout=0.5)
+        s.wait_for(lambda: s.metrics().get("k25_requests_queued") == 0, 3, what="the leaver left the queue")
+        assert blocker.result(timeout=120).status_code == 200
+        after = _fire(s, "after", "silver", 2)
+        assert after.status_code == 200
+        log = s.log()
+        assert "[PREFILL] req_id=leaver " not in log and "[DECODE] req_id=leaver " not in log
+        assert "req_id=leaver priority=silver left while queued" in log
+        assert s.metrics().get("k25_requests_total", status="499", priority="silver") == 1
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        s.kill()

@@ -210,7 +210,11 @@ def create_app(models: Dict[str, K25Model], primary: str, settings: Optional[Ser
                 parsed = None
             payload = [raw]
             del raw
-            ticket = await state.admission.acquire(priority, payload, return_body=spooling)
+            ticket = await _acquire_unless_gone(state, request, priority, payload, spooling)
+        except _ClientGone:
+            state.metrics.requests.labels(endpoint, "499", priority).inc()
+            log.info("[QUEUE] req_id=%s priority=%s left while queued", req_id, priority)
+            return Response(status_code=499)
         except ApiError as e:
             reason = {429: "queue_full", 503: "unavailable"}.get(e.status)
             if e.code in ("overloaded",):
@@ -261,6 +265,33 @@ def create_app(models: Dict[str, K25Model], primary: str, settings: Optional[Ser
             raise
 
     return app
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _acquire_unless_gone(state: ServerState, request: Request, priority: str, payload: list, spooling: bool):
+    """Waits for admission, giving up the place in the queue if the client disconnects,
+    so that a burst of abandoned requests does not later take slots."""
+    task = asyncio.ensure_future(state.admission.acquire(priority, payload, return_body=spooling))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, ApiError):
+                    pass
+                else:  # admitted in the same instant: give the slot back
+                    task.result().release()
+                raise _ClientGone()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
 
 
 def _parse(raw: bytes, kind: str) -> ParsedRequest:
