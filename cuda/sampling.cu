@@ -7,6 +7,18 @@ namespace k25::cuda {
 
 namespace {
 
+// Butterfly over the warp: every lane ends with the best (value, index); lowest index on ties.
+__device__ __forceinline__ void warp_argmax(float& best, int& idx) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ob > best || (ob == best && oi < idx)) {
+      best = ob;
+      idx = oi;
+    }
+  }
+}
+
 __global__ void argmax_kernel(const float* x, int n, int32_t* out) {
   const float* row = x + static_cast<int64_t>(blockIdx.x) * n;
   float best = -FLT_MAX;
@@ -20,14 +32,7 @@ __global__ void argmax_kernel(const float* x, int n, int32_t* out) {
   }
   __shared__ float sb[32];
   __shared__ int si[32];
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-    if (ob > best || (ob == best && oi < idx)) {
-      best = ob;
-      idx = oi;
-    }
-  }
+  warp_argmax(best, idx);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) {
     sb[warp] = best;
@@ -38,14 +43,7 @@ __global__ void argmax_kernel(const float* x, int n, int32_t* out) {
     const int warps = blockDim.x / 32;
     best = lane < warps ? sb[lane] : -FLT_MAX;
     idx = lane < warps ? si[lane] : INT_MAX;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-      if (ob > best || (ob == best && oi < idx)) {
-        best = ob;
-        idx = oi;
-      }
-    }
+    warp_argmax(best, idx);
     if (lane == 0) out[blockIdx.x] = idx;
   }
 }

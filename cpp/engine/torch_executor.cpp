@@ -224,8 +224,17 @@ class TorchExecutor : public ModelExecutor {
     // The host sampler handles every option (penalties, filters, logprobs).
     at::Tensor host = logits.is_cuda() ? logits.cpu() : logits;
     const int64_t V = host.size(1);
-    float* base = host.data_ptr<float>();
+    const float* base = host.data_ptr<float>();
     for (const LogitsCopy& c : copies) std::memcpy(c.dst, base + c.logits_row * V, sizeof(float) * V);
+    sample_on_host(host, samples, results);
+  }
+
+  // Samples every request from host float32 logits [rows, vocab] (modified in place).
+  void sample_on_host(at::Tensor& host, const std::vector<SampleRequest>& samples,
+                      std::vector<SampleResult>* results) {
+    const int64_t V = host.size(1);
+    float* base = host.data_ptr<float>();
+    results->resize(samples.size());
     for (size_t i = 0; i < samples.size(); ++i) {
       // One request's bad numbers (e.g. penalties that overflow) fail that request only.
       try {
@@ -369,16 +378,7 @@ class TorchExecutor : public ModelExecutor {
       return;
     }
     at::Tensor host = g.logits.narrow(0, 0, B).cpu();
-    const int64_t V = host.size(1);
-    float* base = host.data_ptr<float>();
-    for (size_t i = 0; i < samples.size(); ++i) {
-      try {
-        (*results)[i] = sampler_.sample(base + samples[i].logits_row * V, samples[i].input);
-      } catch (const std::exception& e) {
-        (*results)[i] = SampleResult{};
-        (*results)[i].error = e.what();
-      }
-    }
+    sample_on_host(host, samples, results);
   }
 
   bool use_graphs_ = false;

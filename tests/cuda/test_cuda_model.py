@@ -12,7 +12,7 @@ from k25 import K25Config, K25Model
 from k25.errors import ModelNotFoundError
 from k25.model import resolve_model_path
 
-from oracles import write_random_checkpoint
+from oracles import check_greedy_against_reference as greedy_agrees, write_random_checkpoint
 
 BF16_NEAR_TIE = 0.15  # bf16 logits of magnitude ~10-30 are spaced 0.06-0.12 apart
 
@@ -42,21 +42,6 @@ def prompt_for(model, n=200, seed=0):
     g = torch.Generator().manual_seed(seed)
     vocab = model.model_config["vocab_size"]
     return torch.randint(3, min(vocab, 30000), (n,), generator=g).tolist()
-
-
-def greedy_agrees(prompt, tokens, ref_logits, near_tie):
-    """Each token is the reference's argmax given the same prefix, or a near-tie there
-    (after which the sequences may part). Returns how many tokens were checked."""
-    P = len(prompt)
-    for i, t in enumerate(tokens):
-        row = ref_logits[P - 1 + i]
-        best = int(np.argmax(row))
-        if t == best:
-            continue
-        top2 = np.sort(row)[-2:]
-        assert top2[1] - top2[0] <= near_tie and row[t] >= top2[0] - 1e-6, (i, t, best, top2)
-        return i
-    return len(tokens)
 
 
 def test_float32_on_gpu_gives_the_cpu_tokens(model_dir):
