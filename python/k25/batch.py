@@ -117,6 +117,10 @@ def _validate_line(lineno: int, raw: bytes, seen: Dict[str, int]) -> BatchLine:
         return _line_error(lineno, None, "invalid_json_line", f"not valid UTF-8 (byte {e.start})")
     except json.JSONDecodeError as e:
         return _line_error(lineno, None, "invalid_json_line", f"malformed JSON: {e.msg} at column {e.colno}")
+    except RecursionError:
+        return _line_error(lineno, None, "invalid_json_line", "malformed JSON: nested too deeply")
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        return _line_error(lineno, None, "invalid_json_line", f"malformed JSON: {e}")
     if not isinstance(obj, dict):
         return _line_error(lineno, None, "invalid_json_line", "a line must be a JSON object")
     cid = obj.get("custom_id")
@@ -168,7 +172,7 @@ class BatchOutput:
             _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def recover(self) -> tuple:
-        """Reads the results already written: (results, bytes of a torn tail removed).
+        """Reads the results already written: (their ids, bytes of a torn tail removed).
 
         A last line without its newline, or whose JSON does not parse, is what a crash in
         the middle of a write leaves; it is truncated away. Any other line that is not a
@@ -190,7 +194,7 @@ class BatchOutput:
             try:
                 obj = json.loads(raw.decode("utf-8"))
                 ok = isinstance(obj, dict) and isinstance(obj.get("id"), str)
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError is a ValueError
                 ok = False
             if not ok:
                 if i == len(lines):  # the last line: torn
@@ -198,7 +202,8 @@ class BatchOutput:
                     break
                 raise BatchError(f"{self.path} line {i} is not a batch result; refusing to append to it "
                                  "(choose another output file)")
-            results.append(obj)
+            # Only what resume needs: keeping every earlier body would hold the whole file.
+            results.append({"id": obj["id"], "custom_id": obj.get("custom_id")})
             offset += len(raw) + 1
         torn = len(data) - end
         if torn:

@@ -295,3 +295,11 @@ def test_recovery_of_the_output_file(tmp_path):
         with pytest.raises(BatchError, match="another k25 batch is writing"):
             run_batch(inp, out, no_model, log=log)
     log.close()
+
+
+def test_hostile_json_lines_are_error_results_not_crashes(tmp_path):
+    from k25.batch import read_input
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"[" * 100000 + b"\n" + b'{"custom_id": "x", "n": ' + b"9" * 6000 + b"}\n")
+    lines = read_input(str(src))
+    assert [ln.error["code"] for ln in lines] == ["invalid_json_line", "invalid_json_line"]

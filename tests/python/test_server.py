@@ -1000,8 +1000,39 @@ def test_a_client_leaving_the_queue_gives_up_its_place(tmp_path):
         assert after.status_code == 200
         log = s.log()
         assert "[PREFILL] req_id=leaver " not in log and "[DECODE] req_id=leaver " not in log
-        assert "req_id=leaver priority=silver left while queued" in log
+        assert "req_id=leaver priority=silver left before it could run" in log
         assert s.metrics().get("k25_requests_total", status="499", priority="silver") == 1
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         s.kill()
+
+
+def test_limits_the_engine_would_refuse_are_400s_not_500s(tmp_path):
+    """A server whose KV pool holds fewer tokens than the context: a request without
+    max_tokens gets the pool's room as its default; an explicit max_tokens beyond it, or a
+    top_p that rounds to 0 in float32, is a 400 before admission."""
+    s = Server(tmp_path, name="smallkv", kv_bytes=8 * 737280, max_seq_len=8192)  # 8 blocks = 128 tokens
+    try:
+        r = s.post(P, {"model": MODEL, "prompt": "Hello there", "max_tokens": 400})
+        check_error_shape(r, 400, param="max_tokens", code="context_length_exceeded")
+        r = s.post(P, {"model": MODEL, "prompt": "Hello there", "top_p": 1e-300, "max_tokens": 2})
+        check_error_shape(r, 400)
+        r = s.post(P, {"model": MODEL, "prompt": "Hello there", "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"] <= 8 * 16
+        assert 'status="500"' not in httpx.get(s.url + "/metrics", timeout=10).text
+    finally:
+        s.kill()
+
+
+def test_metrics_count_a_request_with_n_choices_once(srv):
+    before = srv.metrics()
+    r = srv.post(P, {"model": MODEL, "prompt": "Name three birds:", "max_tokens": 3, "n": 3, "temperature": 0.5,
+                     "seed": 4})
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    after = srv.metrics()
+    assert after.get("k25_prompt_tokens_total") - before.get("k25_prompt_tokens_total") == u["prompt_tokens"]
+    assert after.get("k25_generation_tokens_total") - before.get("k25_generation_tokens_total") == \
+        u["completion_tokens"]
+    assert after.get("k25_time_to_first_token_seconds_count") - before.get("k25_time_to_first_token_seconds_count") == 1

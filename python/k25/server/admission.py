@@ -79,6 +79,7 @@ class Admission:
         self._heap: list = []
         self._seq = itertools.count()
         self.draining = False
+        self.timeouts = 0
         if spool_dir:
             os.makedirs(spool_dir, exist_ok=True)
             for name in os.listdir(spool_dir):  # leftovers of a killed process
@@ -96,60 +97,64 @@ class Admission:
         # A rough, honest hint: the backlog over the concurrency, at least one second.
         return max(1, min(60, (self.waiting + self.running) // max(1, self.max_concurrent) + 1))
 
-    def will_spool(self) -> bool:
-        """Whether a request arriving now would wait with its body on disk."""
-        no_slot = self.running >= self.max_concurrent or bool(self._heap)
-        return bool(no_slot and self.queued >= self.max_queue and self.spool_dir and self.spooled < self.max_spool)
+    async def acquire(self, priority: str, payload: list, holder: Optional[dict] = None) -> Ticket:
+        """Waits for a slot.
 
-    async def acquire(self, priority: str, payload: list, return_body: bool = False) -> Ticket:
-        """Waits for a slot. `payload` is a one-element list holding the request body: it is
-        taken out of the list, so that once written to the spool no copy stays in memory."""
+        `payload` is a one-element list holding the request body, taken out of it so that no
+        copy stays in memory once the body is on disk. `holder` is a dict of the caller's
+        parsed request: it is emptied, before anything yields, when the request is spooled,
+        and the ticket then carries the body read back from disk to parse again."""
         body = payload.pop()
         if self.draining:
             raise ApiError(503, "the server is shutting down; retry on another instance", "service_unavailable",
                            code="draining")
-        if self.running < self.max_concurrent and not self._heap:
+        if self.running < self.max_concurrent and self.waiting == 0:
             self.running += 1
-            return Ticket(self, 0.0, body if return_body else None)
+            return Ticket(self, 0.0, None)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(PRIORITY_RANK[priority], next(self._seq), loop.create_future())
         if self.queued < self.max_queue:
             self.queued += 1
         elif self.spool_dir and self.spooled < self.max_spool:
             waiter.spool_path = os.path.join(self.spool_dir, f"{waiter.seq:012d}.req")
-            self.spooled += 1  # counted before the write yields, so concurrent arrivals see it
-            try:
-                await _write_file(waiter.spool_path, body)
-            except OSError as e:
-                self.spooled -= 1
-                if os.path.exists(waiter.spool_path):
-                    os.unlink(waiter.spool_path)
-                raise ApiError(503, f"the request could not be queued on disk ({e.strerror}); retry later",
-                               "service_unavailable", code="spool_failed") from None
-            body = None
+            if holder is not None:
+                holder.clear()
         else:
             raise ApiError(429, "the server is at capacity (all queue and spool places are taken); retry later",
                            "rate_limit_exceeded", code="queue_full", headers={"Retry-After": str(self.retry_after())})
+        # In the queue before anything yields: a slot freed meanwhile is not lost.
+        if waiter.spool_path:
+            self.spooled += 1
         heapq.heappush(self._heap, waiter)
         t0 = time.monotonic()
-
-        def admitted() -> bool:
-            f = waiter.future
-            return f.done() and not f.cancelled() and f.result() == "admitted"
-
+        if waiter.spool_path:
+            try:
+                await _write_file(waiter.spool_path, body)
+            except BaseException as e:
+                self._forget(waiter)
+                if self._admitted(waiter):
+                    self._release()
+                if isinstance(e, OSError):
+                    raise ApiError(503, f"the request could not be queued on disk ({e.strerror}); retry later",
+                                   "service_unavailable", code="spool_failed") from None
+                raise
+            body = None
+        self._admit_next()
         try:
             if self.queue_timeout is None:
                 await asyncio.shield(waiter.future)
             else:
-                await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout)
+                remaining = max(0.0, self.queue_timeout - (time.monotonic() - t0))
+                await asyncio.wait_for(asyncio.shield(waiter.future), remaining)
         except asyncio.TimeoutError:
-            if not admitted():  # admission may have raced the timer: then go ahead
+            if not self._admitted(waiter):  # admission may have raced the timer: then go ahead
                 self._forget(waiter)
+                self.timeouts += 1
                 raise ApiError(503, f"the request waited {self.queue_timeout * 1000:.0f} ms without a place to run; "
                                     "retry later", "service_unavailable", code="queue_timeout",
                                headers={"Retry-After": str(self.retry_after())}) from None
-        except asyncio.CancelledError:  # the client went away while queued
-            if admitted():
+        except BaseException:  # the client went away while queued
+            if self._admitted(waiter):
                 self._release()
             self._forget(waiter)
             raise
@@ -157,11 +162,24 @@ class Admission:
         if result != "admitted":
             self._forget(waiter)
             raise result
-        body_back = body if return_body and not waiter.spool_path else None
+        body_back = None
         if waiter.spool_path:
-            body_back = await _read_file(waiter.spool_path)
-            os.unlink(waiter.spool_path)
+            try:
+                body_back = await _read_file(waiter.spool_path)
+            except BaseException as e:
+                self._release()
+                self._forget(waiter)
+                if isinstance(e, OSError):
+                    raise ApiError(503, f"the queued request could not be read back ({e.strerror})",
+                                   "service_unavailable", code="spool_failed") from None
+                raise
+            self._forget(waiter)  # removes the file
         return Ticket(self, time.monotonic() - t0, body_back)
+
+    @staticmethod
+    def _admitted(waiter: _Waiter) -> bool:
+        f = waiter.future
+        return f.done() and not f.cancelled() and f.result() == "admitted"
 
     def _forget(self, waiter: _Waiter) -> None:
         if waiter.cancelled:
@@ -245,20 +263,27 @@ class CircuitBreaker:
         self.trip_after_s = trip_after_s
         self.reset_after_s = reset_after_s
         self.degrade = parse_degrade(degrade)
-        self._waits: deque = deque(maxlen=64)
+        self._waits: deque = deque(maxlen=64)  # (when, seconds waited)
         self._pressure_since: Optional[float] = None
-        self._calm_since: Optional[float] = None
+        self._last_pressure: Optional[float] = None
         self._level = 0
         self.trips = 0
 
+    # Waits older than this no longer count: a shed class records none, and the breaker
+    # must be able to close on an idle server.
+    WAIT_WINDOW_S = 30.0
+
     def observe_queue_wait(self, seconds: float) -> None:
-        self._waits.append(seconds)
+        self._waits.append((time.monotonic(), seconds))
 
     def _pressure(self) -> int:
         a = self.admission
         capacity = max(1, a.max_queue + (a.max_spool if a.spool_dir else 0))
         fill = a.waiting / capacity
-        waits = sorted(self._waits)
+        now = time.monotonic()
+        while self._waits and now - self._waits[0][0] > self.WAIT_WINDOW_S:
+            self._waits.popleft()
+        waits = sorted(w for _, w in self._waits)
         median_wait = waits[len(waits) // 2] if waits else 0.0
         kv = self.kv_fill()
         if fill >= 0.9 or kv >= min(1.0, self.memory_watermark + 0.04):
@@ -271,20 +296,18 @@ class CircuitBreaker:
         now = time.monotonic()
         p = self._pressure()
         if p > 0:
-            self._calm_since = None
+            self._last_pressure = now
             if self._pressure_since is None:
                 self._pressure_since = now
             if now - self._pressure_since >= self.trip_after_s or p == 2:
                 if self._level == 0:
                     self.trips += 1
-                self._level = max(self._level if self._level else 0, p)
+                self._level = max(self._level, p)
         else:
             self._pressure_since = None
-            if self._level:
-                if self._calm_since is None:
-                    self._calm_since = now
-                if now - self._calm_since >= self.reset_after_s:
-                    self._level = 0
+            # Calm is counted from the last time pressure was seen, not from this call.
+            if self._level and (self._last_pressure is None or now - self._last_pressure >= self.reset_after_s):
+                self._level = 0
         return self._level
 
     def applies_to(self, priority: str) -> bool:

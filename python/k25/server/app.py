@@ -12,6 +12,7 @@ import contextlib
 import hmac
 import logging
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -22,8 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from ..errors import K25Error, PromptTooLongError, RequestError
+from ..errors import InvalidArgumentError, K25Error, ResourceExhaustedError
 from ..model import K25Model
 from .admission import PRIORITY_RANK, Admission, CircuitBreaker, parse_degrade
 from .metrics import Metrics
@@ -60,7 +62,11 @@ class ServerState:
         if mode == "fallback" and arg not in models:
             raise ValueError(f"--degrade fallback:{arg}: no model named {arg!r} is served")
         self.fallback = arg if mode == "fallback" else None
+        # A spool directory of our own is removed at shutdown; a given one is emptied of
+        # leftovers at start (admission.py).
+        self.own_spool = settings.spool_dir is None
         spool = settings.spool_dir or tempfile.mkdtemp(prefix="k25-spool-")
+        self.spool_dir = spool
         self.admission = Admission(settings.max_concurrent_requests, settings.max_queue, settings.max_spool, spool,
                                    settings.queue_timeout_ms)
         self.breaker = CircuitBreaker(self.admission, self.kv_fill, settings.memory_watermark,
@@ -98,11 +104,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if int(length) > limit:
             raise ApiError(413, f"the request body has {length} bytes; the limit is {limit}", code="body_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():  # read ourselves: starlette would keep a cached copy
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():  # read ourselves: starlette would keep a cached copy
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _ClientGone() from None
     return b"".join(chunks)
 
 
@@ -116,6 +125,8 @@ def create_app(models: Dict[str, K25Model], primary: str, settings: Optional[Ser
             yield
         finally:
             kv_logger.cancel()
+            if state.own_spool:
+                shutil.rmtree(state.spool_dir, ignore_errors=True)
 
     app = FastAPI(title="k25", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.k25 = state
@@ -203,19 +214,22 @@ def create_app(models: Dict[str, K25Model], primary: str, settings: Optional[Ser
                                    headers={"Retry-After": str(state.admission.retry_after()),
                                             "x-k25-degraded": "reject"})
                 degraded = mode
-            # A request that will wait on disk must not keep its parsed form in memory: it
-            # is parsed again from the spooled body once admitted.
-            spooling = state.admission.will_spool()
-            if spooling:
-                parsed = None
+            # A request that waits on disk must not keep its parsed form in memory: the
+            # admission empties `holder` when it spools, and the body is parsed again once
+            # admitted. Only `holder` and `payload` may refer to them from here on.
+            holder = {"parsed": parsed}
+            parsed = None
             payload = [raw]
             del raw
-            ticket = await _acquire_unless_gone(state, request, priority, payload, spooling)
+            ticket = await _acquire_unless_gone(state, request, priority, payload, holder)
+            parsed = holder.pop("parsed", None)
         except _ClientGone:
             state.metrics.requests.labels(endpoint, "499", priority).inc()
-            log.info("[QUEUE] req_id=%s priority=%s left while queued", req_id, priority)
+            log.info("[QUEUE] req_id=%s priority=%s left before it could run", req_id, priority)
             return Response(status_code=499)
         except ApiError as e:
+            if e.code == "queue_timeout":
+                state.breaker.observe_queue_wait(time.monotonic() - t_arrival)
             reason = {429: "queue_full", 503: "unavailable"}.get(e.status)
             if e.code in ("overloaded",):
                 reason = None  # counted above
@@ -271,10 +285,10 @@ class _ClientGone(Exception):
     pass
 
 
-async def _acquire_unless_gone(state: ServerState, request: Request, priority: str, payload: list, spooling: bool):
+async def _acquire_unless_gone(state: ServerState, request: Request, priority: str, payload: list, holder: dict):
     """Waits for admission, giving up the place in the queue if the client disconnects,
     so that a burst of abandoned requests does not later take slots."""
-    task = asyncio.ensure_future(state.admission.acquire(priority, payload, return_body=spooling))
+    task = asyncio.ensure_future(state.admission.acquire(priority, payload, holder))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -313,22 +327,33 @@ def _prepare(model: K25Model, p: ParsedRequest) -> None:
     except K25Error as e:
         raise bad(str(e), "messages" if p.kind == "chat" else "prompt") from None
     vocab = model.model_config["vocab_size"]
-    limit = model.max_seq_len
-    requested = p.sampling.get("max_new_tokens")
+    # The longest sequence this model can run: its context, and what its KV pool holds.
+    ec = model.engine_config
+    limit = min(model.max_seq_len, ec.num_kv_blocks * ec.block_size)
+    requested = p.requested_max_tokens
+    param = "messages" if p.kind == "chat" else "prompt"
     for ids in ids_list:
         if not ids:
             raise bad("the prompt is empty", "prompt")
         if any(not 0 <= t < vocab for t in ids):
             raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
         if len(ids) >= limit:
-            raise bad(f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens including the "
-                      "output", "messages" if p.kind == "chat" else "prompt", "context_length_exceeded")
+            raise bad(f"the prompt has {len(ids)} tokens; this model runs sequences of at most {limit} tokens "
+                      "including the output", param, "context_length_exceeded")
         if requested is not None and len(ids) + requested > limit:
-            raise bad(f"the prompt ({len(ids)} tokens) plus max_tokens ({requested}) exceeds the context of "
-                      f"{limit} tokens", "max_tokens", "context_length_exceeded")
+            raise bad(f"the prompt ({len(ids)} tokens) plus max_tokens ({requested}) exceeds the {limit} tokens a "
+                      "sequence may have on this model", "max_tokens", "context_length_exceeded")
     p.prompt_ids = ids_list
-    if requested is None:
-        p.sampling["max_new_tokens"] = limit - max(len(i) for i in ids_list)
+    p.sampling["max_new_tokens"] = requested if requested is not None else limit - max(len(i) for i in ids_list)
+    # The engine's own checks, now rather than as a failure after admission.
+    if p.sampling.get("stop") and model.tokenizer is None:
+        raise bad("stop strings need a tokenizer; this model has none", "stop")
+    try:
+        params = model._params(**p.sampling)
+        from .. import _C
+        _C.validate_sampling_params(params, vocab)
+    except K25Error as e:
+        raise bad(str(e)) from None
 
 
 @dataclass
@@ -342,6 +367,7 @@ class _Ctx:
     t_arrival: float
     queue_time: float
     endpoint: str
+    first_token_seen: bool = False  # TTFT and queue time are observed once per request
 
 
 def _choices(ctx: _Ctx):
@@ -365,9 +391,11 @@ def choice_params(p: ParsedRequest):
 class _Tracker:
     """Per-choice timing and token accounting, for usage, metrics and logs."""
 
-    def __init__(self, ctx: _Ctx, ids):
+    def __init__(self, ctx: _Ctx, ids, index: int):
         self.ctx = ctx
         self.prompt_tokens = len(ids)
+        # n choices of one prompt share it: its tokens count once, as in usage.
+        self.counts_prompt = index % ctx.parsed.n == 0
         self.tokens = 0
         self.first: Optional[float] = None
         self.last: Optional[float] = None
@@ -384,19 +412,23 @@ class _Tracker:
         if ev.token_ids:
             if self.first is None:
                 self.first = t
-                self.ctx.state.metrics.ttft.observe(t - self.ctx.t_arrival)
             self.last = t
             self.tokens += len(ev.token_ids)
+            if not self.ctx.first_token_seen:
+                self.ctx.first_token_seen = True
+                m = self.ctx.state.metrics
+                m.ttft.observe(t - self.ctx.t_arrival)
+                m.queue_time.labels(self.ctx.priority).observe(self.ctx.queue_time + ev.queue_time_s)
         if not self.logged_prefill and ev.token_ids:
             self.logged_prefill = True
             chunks = max(1, ev.prefill_chunks)
             log.info("[PREFILL] req_id=%s seq_len=%d chunk_count=%d avg_time_per_chunk=%.4f", self.ctx.req_id,
                      self.prompt_tokens, ev.prefill_chunks, ev.prefill_time_s / chunks)
-            self.ctx.state.metrics.queue_time.labels(self.ctx.priority).observe(self.ctx.queue_time + ev.queue_time_s)
 
     def done(self, finish_reason: str) -> None:
         m = self.ctx.state.metrics
-        m.prompt_tokens.inc(self.prompt_tokens)
+        if self.counts_prompt:
+            m.prompt_tokens.inc(self.prompt_tokens)
         m.generation_tokens.inc(self.tokens)
         tpot = (self.last - self.first) / (self.tokens - 1) if self.tokens > 1 and self.first else 0.0
         if self.tokens > 1:
@@ -421,8 +453,8 @@ async def run_choice(model: K25Model, ids, kw, priority: str = "silver", see=Non
     return "".join(text), tokens, (lps if kw.get("logprobs") is not None else None), finish
 
 
-async def _run_choice(ctx: _Ctx, ids, kw):
-    tracker = _Tracker(ctx, ids)
+async def _run_choice(ctx: _Ctx, index, ids, kw):
+    tracker = _Tracker(ctx, ids, index)
     text, tokens, lps, finish = await run_choice(ctx.model, ids, kw, ctx.priority, tracker.see)
     tracker.done(finish)
     return text, tokens, lps, finish, tracker
@@ -430,7 +462,7 @@ async def _run_choice(ctx: _Ctx, ids, kw):
 
 async def _complete(ctx: _Ctx, request: Request) -> Dict[str, Any]:
     p = ctx.parsed
-    tasks = [asyncio.ensure_future(_run_choice(ctx, ids, kw)) for _, ids, kw in _choices(ctx)]
+    tasks = [asyncio.ensure_future(_run_choice(ctx, i, ids, kw)) for i, ids, kw in _choices(ctx)]
 
     async def watch_disconnect():
         while True:
@@ -445,6 +477,8 @@ async def _complete(ctx: _Ctx, request: Request) -> Dict[str, Any]:
         results = await asyncio.gather(*tasks)
     except asyncio.CancelledError:
         raise ApiError(499, "the client closed the connection", code="client_closed") from None
+    except (InvalidArgumentError, ResourceExhaustedError) as e:
+        raise bad(str(e)) from None
     except K25Error as e:
         raise ApiError(500, f"generation failed: {e}", "internal_error") from None
     finally:
@@ -487,14 +521,14 @@ async def _stream_body(ctx: _Ctx, ticket, request: Request):
     choices = _choices(ctx)
 
     async def pump(index, ids, kw):
-        tracker = _Tracker(ctx, ids)
+        tracker = _Tracker(ctx, ids, index)
         try:
             async for ev in ctx.model.stream_events(ids, priority=ctx.priority, **kw):
                 tracker.see(ev)
                 await queue.put((index, ev, None))
                 if ev.finish_reason:
                     tracker.done(ev.finish_reason)
-        except K25Error as e:
+        except K25Error as e:  # the request is known good (checked before admission): a real failure
             await queue.put((index, None, e))
         except asyncio.CancelledError:
             raise

@@ -197,6 +197,7 @@ class ParsedRequest:
     user: Optional[str] = None
     raw: Dict[str, Any] = field(default_factory=dict)
     prompt_ids: List[List[int]] = field(default_factory=list)  # filled by the server
+    requested_max_tokens: Optional[int] = None                 # the client's, before defaults
 
 
 def _common(body: Dict[str, Any], kind: str) -> Tuple[Dict[str, Any], int]:
@@ -269,7 +270,7 @@ def parse_chat(body: Dict[str, Any]) -> ParsedRequest:
     if user is not None and not isinstance(user, str):
         raise bad("'user' must be a string", "user", "invalid_type")
     return ParsedRequest("chat", body["model"], [clean], sampling, n, stream, _stream_options(body), logprobs, user,
-                         body)
+                         body, requested_max_tokens=sampling["max_new_tokens"])
 
 
 def parse_completion(body: Dict[str, Any]) -> ParsedRequest:
@@ -303,7 +304,7 @@ def parse_completion(body: Dict[str, Any]) -> ParsedRequest:
     if user is not None and not isinstance(user, str):
         raise bad("'user' must be a string", "user", "invalid_type")
     return ParsedRequest("completion", body["model"], prompts, sampling, n, stream, _stream_options(body), logprobs,
-                         user, body)
+                         user, body, requested_max_tokens=sampling["max_new_tokens"])
 
 
 # ---- responses ------------------------------------------------------------------------

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, Optional
@@ -44,7 +46,22 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame):
-        if sig == signal.SIGTERM and not self.k25.draining and self._loop is not None:
+        if self._loop is None:
+            return super().handle_exit(sig, frame)
+        if sig != signal.SIGTERM or self.k25.draining:
+            # Ctrl-C, or a second SIGTERM: stop now. Waiters get a 503 first; the signal is
+            # not re-raised after the loop ends, so the engines still close cleanly.
+            self.k25.draining = True
+            self.k25.admission.start_draining()
+
+            def stop_now():
+                self.k25.admission.fail_waiters(ApiError(503, "the server stopped", "service_unavailable",
+                                                         code="draining"))
+                self.should_exit = True
+                self.force_exit = True
+            self._loop.call_soon_threadsafe(stop_now)
+            return
+        if sig == signal.SIGTERM:
             self.k25.draining = True
             self.k25.admission.start_draining()
             log.info("[SERVER] SIGTERM: draining (new requests get 503; up to %.0f s for the rest)",
@@ -82,10 +99,13 @@ def serve(args) -> int:
         if name not in models:
             models[name] = K25Model(K25Config(model_path=None if target == DEFAULT_MODEL else target, **engine_kw))
         degrade = f"fallback:{name}"
+    # Default spool: one directory per port, so that a restart after a crash removes the
+    # bodies a killed server left behind; it is deleted at a clean exit.
+    spool_dir = args.spool_dir or os.path.join(tempfile.gettempdir(), f"k25-spool-{args.port}")
     settings = ServerSettings(
         api_key=args.api_key or os.environ.get("K25_API_KEY") or None,
         max_concurrent_requests=args.max_concurrent_requests, max_queue=args.max_queue, max_spool=args.max_spool,
-        spool_dir=args.spool_dir, queue_timeout_ms=args.queue_timeout_ms, memory_watermark=args.memory_watermark,
+        spool_dir=spool_dir, queue_timeout_ms=args.queue_timeout_ms, memory_watermark=args.memory_watermark,
         degrade=degrade, max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout)
     app = create_app(models, primary, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
@@ -97,6 +117,8 @@ def serve(args) -> int:
     finally:
         for m in models.values():
             m.close()
+        if not args.spool_dir:
+            shutil.rmtree(spool_dir, ignore_errors=True)
     return 0
 
 
