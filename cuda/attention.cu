@@ -41,24 +41,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const T* q, int64_t
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<T, D>& sm = *reinterpret_cast<Smem<T, D>*>(smem_raw);
 
-  AttnWork w;
-  if (batch.decode_splits > 0) {
-    const int S = batch.decode_splits;
-    const int per_seq = kv.num_kv_heads * S;
-    w.seq = blockIdx.x / per_seq;
-    w.kv_head = (blockIdx.x % per_seq) / S;
-    const int split = blockIdx.x % S;
-    const int ctx = batch.context_lens[w.seq];
-    const int first = window > 0 ? max(0, ctx - window) : 0;
-    const int64_t span = ctx - first;
-    w.q_begin = 0;
-    w.q_end = 1;
-    w.key_begin = first + static_cast<int>(span * split / S);
-    w.key_end = first + static_cast<int>(span * (split + 1) / S);
-    w.partial = S > 1 ? static_cast<int>(blockIdx.x) : -1;
-  } else {
-    w = batch.work[blockIdx.x];
-  }
+  const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x);
+  if (w.partial == kNoWork) return;
   const int group = num_heads / kv.num_kv_heads;
   const int q0 = batch.query_start[w.seq];
   const int q_len = batch.query_start[w.seq + 1] - q0;
@@ -167,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const T* q, int64_t
 
 // One warp per (merge group, GQA head): rescales the partials to their common max.
 template <typename T, int D>
-__global__ void merge_kernel(T* out, AttnBatch batch, int num_heads, int group) {
+__global__ void merge_kernel(T* out, AttnBatch batch, int num_heads, int group, int window) {
   constexpr int kSlice = D / 32;
   const int mi = blockIdx.x, r = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (r >= group) return;
@@ -177,7 +161,9 @@ __global__ void merge_kernel(T* out, AttnBatch batch, int num_heads, int group) 
     seq = mi / hkv;
     kv_head = mi % hkv;
     first = mi * batch.decode_splits;
-    count = batch.decode_splits;
+    const int ctx = batch.context_lens[seq];
+    count = derived_splits(window > 0 ? min(ctx, window) : ctx, batch.decode_splits);
+    if (count == 1) return;  // the single range wrote the output itself
   } else {
     const int* mg = batch.merge + 4 * mi;
     seq = mg[0];
@@ -215,17 +201,26 @@ void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, c
     cudaFuncSetAttribute(attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     configured = true;
   }
-  const int num_work = b.decode_splits > 0 ? b.num_seqs * kv.num_kv_heads * b.decode_splits : b.num_work;
+  const int group = num_heads / kv.num_kv_heads;
+  const int num_items = b.decode_splits > 0 ? b.num_seqs * kv.num_kv_heads * b.decode_splits : b.num_work;
+  // Single-token items go to the decode kernel when it covers the group size.
+  const int num_decode = group > kDecodeMaxGroup ? 0 : (b.decode_splits > 0 ? num_items : b.num_decode_work);
   const int num_merges =
       b.decode_splits > 0 ? (b.decode_splits > 1 ? b.num_seqs * kv.num_kv_heads : 0) : b.num_merges;
-  if (num_work > 0) {
-    attention_kernel<T, D><<<num_work, kThreads, smem, stream>>>(static_cast<const T*>(q), q_stride,
-                                                                   static_cast<T*>(out), kv, layer, b, num_heads,
-                                                                   scale, window);
+  if (num_decode > 0) {
+    decode_attention(dtype_of<T>(), q, q_stride, out, kv, layer, b, num_heads, scale, window, num_decode, stream);
+  }
+  if (num_items > num_decode) {
+    AttnBatch rest = b;
+    if (b.decode_splits <= 0) {
+      rest.work = b.work + num_decode;
+      rest.num_work = b.num_work - num_decode;
+    }
+    attention_kernel<T, D><<<num_items - num_decode, kThreads, smem, stream>>>(
+        static_cast<const T*>(q), q_stride, static_cast<T*>(out), kv, layer, rest, num_heads, scale, window);
   }
   if (num_merges > 0) {
-    const int group = num_heads / kv.num_kv_heads;
-    merge_kernel<T, D><<<num_merges, 32 * group, 0, stream>>>(static_cast<T*>(out), b, num_heads, group);
+    merge_kernel<T, D><<<num_merges, 32 * group, 0, stream>>>(static_cast<T*>(out), b, num_heads, group, window);
   }
 }
 

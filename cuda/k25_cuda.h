@@ -34,6 +34,9 @@ struct AttnBatch {
   int32_t max_blocks;
   const AttnWork* work;         // [num_work]
   int32_t num_work;
+  // The first num_decode_work items are single-token decodes (a sequence whose query is
+  // one token): they run in the decode kernel, the rest in the tiled kernel.
+  int32_t num_decode_work = 0;
   float* partials;              // [num_partials][group][head_dim + 2] or null
   const int32_t* merge;         // [num_merges * 4]: seq, kv_head, first slot, slot count
   int32_t num_merges;
@@ -43,6 +46,9 @@ struct AttnBatch {
   int32_t decode_splits = 0;
   int32_t num_seqs = 0;
 };
+
+// Derived decode splits (decode_splits > 0) cover at least this many keys each.
+constexpr int32_t kMinSplitKeys = 256;
 
 // Rows of at most this many (tokens x GQA heads) share one CTA's K/V tiles.
 constexpr int32_t kAttnMaxRows = 16;
@@ -66,6 +72,43 @@ void write_kv(DType t, const void* qkv, int64_t row_stride, const int64_t* slots
 // q_stride, out is [T][num_heads * head_dim] contiguous.
 void paged_attention(DType t, const void* q, int64_t q_stride, void* out, KVCache kv, int32_t layer,
                      const AttnBatch& batch, int32_t num_heads, float scale, int32_t window, cudaStream_t stream);
+// The decode kernel alone (paged_attention calls it): items [0, num_items) of the batch.
+void decode_attention(DType t, const void* q, int64_t q_stride, void* out, KVCache kv, int32_t layer,
+                      const AttnBatch& batch, int32_t num_heads, float scale, int32_t window, int32_t num_items,
+                      cudaStream_t stream);
+// CTAs of the decode kernel resident on the whole device at once (one wave), for a dtype,
+// head_dim and GQA group: split counts aim at this so no CTA waits for a second wave.
+int32_t decode_attention_wave(DType t, int32_t head_dim, int32_t group);
+// Query heads per KV head up to which decodes take the decode kernel.
+constexpr int32_t kDecodeMaxGroup = 8;
+// ---- Sampling on the device (sample.cu): the host sampler's rules, see there. ----
+constexpr int32_t kMaxTopLogprobs = 20;
+constexpr float kGreedyTemp = 1e-5f;  // = k25::kGreedyTemperature
+struct SampleRow {
+  float temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty;
+  int32_t top_k, logprobs;  // logprobs < 0: none; 0: the sampled token's; n: also the top n
+  int32_t logits_row;       // row of the logits matrix
+  int32_t pen_begin, pen_count, ban_begin, ban_count;
+  uint64_t seed, counter;   // the draw is counter_uniform(seed, counter)
+};
+// A distinct token of the prompt and output (repetition penalty) or of the output
+// (presence/frequency), with its count in the output; `raw` receives its logit before
+// the penalties.
+struct PenaltyEntry {
+  int32_t token, out_count;
+  float raw;
+};
+struct SampleOut {
+  int32_t token, error, num_top;
+  float logprob;
+  int32_t top_ids[kMaxTopLogprobs];
+  float top_logprobs[kMaxTopLogprobs];
+};
+// logits: float32 rows of row_stride, modified in place (penalties, bans); scratch:
+// num_rows * vocab floats.
+void sample_rows(float* logits, int64_t row_stride, int32_t vocab, const SampleRow* rows, int32_t num_rows,
+                 PenaltyEntry* penalties, const int32_t* bans, float* scratch, SampleOut* out, cudaStream_t stream);
+
 // Index of the largest value of each row of a float32 [rows][n] matrix (lowest on ties).
 void argmax_rows(const float* x, int64_t rows, int32_t n, int32_t* out, cudaStream_t stream);
 

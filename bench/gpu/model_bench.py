@@ -78,7 +78,7 @@ def write_checkpoint(path, layers):
         json.dump({"metadata": {}, "weight_map": index}, f)
 
 
-def decode_rate(model, batch, ctx, new_tokens):
+def decode_rate(model, batch, ctx, new_tokens, **sampling):
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(10, 100000, (ctx,), generator=g).tolist() for _ in range(batch)]
     model.generate(prompts, max_new_tokens=1, temperature=0.0)  # warm-up, and prefill time
@@ -86,7 +86,8 @@ def decode_rate(model, batch, ctx, new_tokens):
     model.generate(prompts, max_new_tokens=1, temperature=0.0)
     t_prefill = time.perf_counter() - t
     t = time.perf_counter()
-    outs = model.generate(prompts, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    kw = sampling or dict(temperature=0.0)
+    outs = model.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, **kw)
     total = time.perf_counter() - t
     n = sum(len(o.token_ids) - 1 for o in outs)
     return n / (total - t_prefill), total - t_prefill
@@ -129,6 +130,14 @@ def main():
         res["decode"][b] = {"tok_s": rate, "floor_tok_s": floor_rate, "frac_of_floor": rate / floor_rate}
         print(f"decode batch {b:4d} @1K: {rate:9.1f} tok/s   floor {floor_rate:9.1f} tok/s   "
               f"{100 * rate / floor_rate:5.1f}% of floor", flush=True)
+    # Sampled decode (temperature, top-p, a repetition penalty: the device sampler) next
+    # to greedy (device argmax) at the same batch sizes.
+    res["decode_sampled"] = {}
+    for b in [int(x) for x in args.batches.split(",")][:3]:
+        rate, _ = decode_rate(m, b, 1024, args.new_tokens, temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1)
+        res["decode_sampled"][b] = {"tok_s": rate, "vs_greedy": rate / res["decode"][b]["tok_s"]}
+        print(f"decode batch {b:4d} @1K sampled (T 0.8, top-p 0.9, repetition 1.1): {rate:9.1f} tok/s "
+              f"= {rate / res['decode'][b]['tok_s']:.3f} x greedy", flush=True)
     g = torch.Generator().manual_seed(4096)
     prompt = torch.randint(10, 100000, (4096,), generator=g).tolist()
     m.generate([prompt], max_new_tokens=1, temperature=0.0)

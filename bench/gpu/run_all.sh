@@ -25,7 +25,18 @@ rc=$?
 echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit $rc; fi
 if [ "${K25_SKIP_TESTS:-0}" != "1" ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/cuda "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+  python3 -m pytest -q -p no:cacheprovider ${K25_TEST_PATHS:-tests/cuda} "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+fi
+if [ "${K25_ATTN_BENCH:-0}" = "1" ]; then
+  # FlashInfer 0.2.14.post1 (the peer), carried as an sdist; it JIT-compiles its kernels.
+  if ls .whl/flashinfer_python-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import flashinfer" 2>/dev/null; then
+    t0=$(date +%s)
+    FLASHINFER_CUDA_ARCH_LIST=9.0a python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+      .whl/flashinfer_python-*.tar.gz > "$OUT/flashinfer_install.log" 2>&1
+    echo "flashinfer install rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu.txt"
+  fi
+  FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=$(nproc) python3 bench/gpu/attention_bench.py \
+    --json "$OUT/attention_bench.json" ${K25_ATTN_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/attention_bench.log"
 fi
 if [ "${K25_BENCH:-0}" = "1" ]; then
   python3 bench/gpu/model_bench.py --json "$OUT/model_bench.json" 2>&1 | grep -v Warning | tee "$OUT/model_bench.log"

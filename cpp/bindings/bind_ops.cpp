@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "bindings/bindings.h"
+#include "engine/sampler.h"
 #include "k25/status.h"
 #include "ops/attention_plan.h"
 #include "ops/cpu_kernels.h"
@@ -69,27 +70,112 @@ void bind_cuda_ops(py::module_& m) {
     cuda_glue::write_kv(qkv, slots, num_heads, kv, L, layer);
   });
   // query_start, context_lens, block_tables: int32 CPU tensors (the plan is made on the host).
-  cu.def("paged_attention", [](const at::Tensor& q, const at::Tensor& kv, py::tuple layout, int32_t layer,
-                               const at::Tensor& query_start, const at::Tensor& context_lens,
-                               const at::Tensor& block_tables, int32_t num_heads, double scale, int32_t window,
-                               int32_t parallelism) {
-    KVLayout L = layout_of(layout);
-    L.k_transposed = false;
-    at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous();
-    AttentionPlanParams pp;
-    pp.num_kv_heads = L.num_kv_heads;
-    pp.group = num_heads / L.num_kv_heads;
-    pp.max_rows = 16;
-    pp.parallelism = parallelism;
-    pp.sliding_window = window;
-    const AttentionPlan plan =
-        plan_attention(qs.data_ptr<int32_t>(), cl.data_ptr<int32_t>(), static_cast<int32_t>(cl.size(0)), pp);
-    const at::Device dev = q.device();
-    cuda_glue::DeviceBatch db = cuda_glue::make_batch(qs.to(dev), cl.to(dev), bt.to(dev), plan, pp.group,
-                                                      L.head_dim, dev);
-    at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * L.head_dim}, q.options());
-    cuda_glue::paged_attention(q, out, kv, L, layer, db, num_heads, scale, window);
-    return py::make_tuple(out, static_cast<int>(plan.merges.size() / 4));
+  // One attention call prepared once (plan and device metadata) and run many times, so
+  // tests and benchmarks time the kernels alone.
+  struct AttentionCall {
+    at::Tensor kv;
+    KVLayout layout;
+    int32_t layer = 0, num_heads = 0, window = 0, merges = 0;
+    double scale = 1.0;
+    cuda_glue::DeviceBatch batch;
+    at::Tensor run(const at::Tensor& q) const {
+      at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * layout.head_dim}, q.options());
+      cuda_glue::paged_attention(q, out, kv, layout, layer, batch, num_heads, scale, window);
+      return out;
+    }
+  };
+  py::class_<AttentionCall>(cu, "AttentionCall")
+      .def(py::init([](const at::Tensor& kv, py::tuple layout, int32_t layer, const at::Tensor& query_start,
+                       const at::Tensor& context_lens, const at::Tensor& block_tables, int32_t num_heads,
+                       double scale, int32_t window, int32_t parallelism, int32_t decode_splits) {
+             AttentionCall c;
+             c.kv = kv;
+             c.layout = layout_of(layout);
+             c.layout.k_transposed = false;
+             c.layer = layer;
+             c.num_heads = num_heads;
+             c.scale = scale;
+             c.window = window;
+             at::Tensor qs = query_start.to(at::kCPU).contiguous(), cl = context_lens.to(at::kCPU).contiguous();
+             at::Tensor bt = block_tables.contiguous();
+             const int32_t num_seqs = static_cast<int32_t>(cl.size(0));
+             const int32_t group = num_heads / c.layout.num_kv_heads;
+             const at::Device dev = kv.device();
+             if (decode_splits > 0) {
+               // The CUDA-graph form: a decode-only batch whose work the kernels derive.
+               if (qs.size(0) != num_seqs + 1 || qs[num_seqs].item<int32_t>() != num_seqs) {
+                 throw Error(ErrorCode::kInvalidArgument, "decode_splits needs one query token per sequence");
+               }
+               cuda_glue::DeviceBatch& db = c.batch;
+               db.query_start = qs.to(dev);
+               db.context_lens = cl.to(dev);
+               db.block_tables = bt.to(dev);
+               db.max_blocks = static_cast<int32_t>(bt.size(1));
+               db.decode_splits = decode_splits;
+               db.num_seqs = num_seqs;
+               db.partials = at::empty({static_cast<int64_t>(num_seqs) * c.layout.num_kv_heads * decode_splits *
+                                        group * (c.layout.head_dim + 2)},
+                                       at::TensorOptions().dtype(at::kFloat).device(dev));
+               c.merges = decode_splits > 1 ? num_seqs * c.layout.num_kv_heads : 0;
+             } else {
+               AttentionPlanParams pp;
+               pp.num_kv_heads = c.layout.num_kv_heads;
+               pp.group = group;
+               pp.max_rows = 16;
+               pp.parallelism = parallelism;
+               pp.sliding_window = window;
+               pp.decode_first = true;
+               const AttentionPlan plan = plan_attention(qs.data_ptr<int32_t>(), cl.data_ptr<int32_t>(), num_seqs, pp);
+               c.batch = cuda_glue::make_batch(qs.to(dev), cl.to(dev), bt.to(dev), plan, group, c.layout.head_dim, dev);
+               c.merges = static_cast<int32_t>(plan.merges.size() / 4);
+             }
+             return c;
+           }),
+           py::arg("kv"), py::arg("layout"), py::arg("layer"), py::arg("query_start"), py::arg("context_lens"),
+           py::arg("block_tables"), py::arg("num_heads"), py::arg("scale"), py::arg("window"),
+           py::arg("parallelism"), py::arg("decode_splits") = 0)
+      .def("run", &AttentionCall::run, py::arg("q"))
+      .def_readonly("merges", &AttentionCall::merges);
+  cu.def("decode_splits_for", [](const at::Tensor& like, int32_t head_dim, int32_t group, int32_t num_seqs,
+                                 int32_t num_kv_heads) {
+    return cuda_glue::decode_splits_for(like.scalar_type(), head_dim, group, num_seqs, num_kv_heads);
+  });
+  // The device sampler on rows of a CUDA float32 logits matrix (modified in place); each
+  // row: (params, logits_row, seed, tokens, num_prompt_tokens, banned). The draw counter
+  // is the output length, as in the engine.
+  cu.def("sample", [](at::Tensor logits, const std::vector<py::tuple>& rows) {
+    std::vector<std::vector<int32_t>> tokens(rows.size()), banned(rows.size());
+    std::vector<SamplingParams> params(rows.size());
+    std::vector<cuda_glue::SampleSpec> specs(rows.size());
+    std::vector<int32_t> counts;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const py::tuple& r = rows[i];
+      params[i] = r[0].cast<SamplingParams>();
+      validate_sampling_params(params[i], static_cast<int32_t>(logits.size(1)));
+      tokens[i] = r[3].cast<std::vector<int32_t>>();
+      banned[i] = r[5].cast<std::vector<int32_t>>();
+      const int32_t num_prompt = r[4].cast<int32_t>();
+      for (int32_t t : tokens[i]) {
+        if (t < 0 || t >= logits.size(1)) throw Error(ErrorCode::kInvalidArgument, "token out of range");
+      }
+      for (int32_t t : banned[i]) {
+        if (t < 0 || t >= logits.size(1)) throw Error(ErrorCode::kInvalidArgument, "banned id out of range");
+      }
+      cuda_glue::SampleSpec& sp = specs[i];
+      sp.params = &params[i];
+      sp.logits_row = r[1].cast<int32_t>();
+      sp.seed = r[2].cast<uint64_t>();
+      sp.counter = tokens[i].size() - static_cast<size_t>(num_prompt);
+      sp.banned = banned[i].empty() ? nullptr : &banned[i];
+      cuda_glue::add_penalties(sp, tokens[i], num_prompt, counts);
+    }
+    py::list out;
+    for (const cuda_glue::SampleOutput& o : cuda_glue::sample(logits, specs)) {
+      py::list top;
+      for (const auto& [id, lp] : o.top) top.append(py::make_tuple(id, lp));
+      out.append(py::make_tuple(o.error ? -1 : o.token, o.logprob, top));
+    }
+    return out;
   });
   cu.def("argmax_rows", [](const at::Tensor& x) { return cuda_glue::argmax_rows(x); });
 }

@@ -143,7 +143,8 @@ namespace {
 
 // Runs the model with ATen. CPU: float32, GEMMs split over k25's thread pool, host
 // sampling. CUDA: the model dtype, cuBLAS GEMMs and cuda/ kernels on a stream of the
-// engine thread; greedy rows are sampled on the device, other rows on the host.
+// engine thread; sampling on the device (argmax when every row is plain greedy, else the
+// device sampler), except for steps that also copy full logits out (score()).
 class TorchExecutor : public ModelExecutor {
  public:
   TorchExecutor(std::shared_ptr<ModelHandle> model, int32_t block_size, int32_t num_blocks, bool fused,
@@ -221,6 +222,12 @@ class TorchExecutor : public ModelExecutor {
       return;
 #endif
     }
+#ifdef K25_WITH_CUDA
+    if (logits.is_cuda() && copies.empty()) {
+      at::Tensor l = logits.contiguous();
+      return sample_on_device(l, samples, results);
+    }
+#endif
     // The host sampler handles every option (penalties, filters, logprobs).
     at::Tensor host = logits.is_cuda() ? logits.cpu() : logits;
     const int64_t V = host.size(1);
@@ -293,9 +300,9 @@ class TorchExecutor : public ModelExecutor {
     b.max_blocks = MB;
     b.num_seqs = bucket;
     const ModelConfig& c = model_->config();
-    // Enough key ranges per (sequence, KV head) to give every SM about two CTAs.
-    const int32_t per_split = bucket * c.num_kv_heads;
-    b.decode_splits = std::max(1, std::min(32, (2 * 132 + per_split - 1) / per_split));
+    // Enough key ranges per (sequence, KV head) to fill one wave of the decode kernel.
+    b.decode_splits = cuda_glue::decode_splits_for(model_->dtype(), c.head_dim, c.num_heads / c.num_kv_heads, bucket,
+                                                   c.num_kv_heads);
     if (b.decode_splits > 1) {
       b.partials = at::empty({static_cast<int64_t>(bucket) * c.num_kv_heads * b.decode_splits *
                               (c.num_heads / c.num_kv_heads) * (c.head_dim + 2)},
@@ -377,8 +384,37 @@ class TorchExecutor : public ModelExecutor {
       for (size_t i = 0; i < samples.size(); ++i) (*results)[i].token = id[samples[i].logits_row];
       return;
     }
-    at::Tensor host = g.logits.narrow(0, 0, B).cpu();
-    sample_on_host(host, samples, results);
+    sample_on_device(g.logits, samples, results);
+  }
+
+  // Samples every request on the device: the host sampler's rules (cuda/sample.cu); the
+  // host builds each row's penalty list (distinct tokens with their output counts).
+  void sample_on_device(at::Tensor& logits, const std::vector<SampleRequest>& samples,
+                        std::vector<SampleResult>* results) {
+    std::vector<cuda_glue::SampleSpec> specs(samples.size());
+    for (size_t i = 0; i < samples.size(); ++i) {
+      const SampleInput& in = samples[i].input;
+      cuda_glue::SampleSpec& sp = specs[i];
+      sp.params = in.params;
+      sp.logits_row = samples[i].logits_row;
+      sp.seed = in.seed;
+      sp.counter = static_cast<uint64_t>(in.tokens->size() - in.num_prompt_tokens);
+      sp.banned = in.banned;
+      cuda_glue::add_penalties(sp, *in.tokens, in.num_prompt_tokens, counts_);
+    }
+    const std::vector<cuda_glue::SampleOutput> outs = cuda_glue::sample(logits, specs);
+    results->clear();
+    results->resize(samples.size());
+    for (size_t i = 0; i < samples.size(); ++i) {
+      SampleResult& r = (*results)[i];
+      if (outs[i].error) {
+        r.error = "sampler: no finite logit";
+        continue;
+      }
+      r.token = outs[i].token;
+      r.logprob = outs[i].logprob;
+      for (const auto& [id, lp] : outs[i].top) r.top.push_back({id, lp});
+    }
   }
 
   bool use_graphs_ = false;
@@ -392,6 +428,7 @@ class TorchExecutor : public ModelExecutor {
   KVLayout layout_;
   at::Tensor kv_;
   Sampler sampler_;
+  std::vector<int32_t> counts_;  // scratch of sample_on_device, all zero between calls
   std::unique_ptr<ThreadPool> pool_;
 #ifdef K25_WITH_CUDA
   std::unique_ptr<c10::cuda::CUDAStream> stream_;

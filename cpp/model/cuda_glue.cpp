@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "k25/status.h"
@@ -20,15 +22,17 @@ void check_launch(const char* what) {
   if (e != cudaSuccess) fail(ErrorCode::kInternal, std::string("CUDA kernel ") + what + ": " + cudaGetErrorString(e));
 }
 
-cuda::DType dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
+cuda::DType dtype_of(at::ScalarType t) {
+  switch (t) {
     case at::kFloat: return cuda::DType::kF32;
     case at::kHalf: return cuda::DType::kF16;
     case at::kBFloat16: return cuda::DType::kBF16;
     default: fail(ErrorCode::kUnsupported, std::string("CUDA kernels take float32, float16 or bfloat16, not ") +
-                                              std::string(c10::toString(t.scalar_type())));
+                                              std::string(c10::toString(t)));
   }
 }
+
+cuda::DType dtype_of(const at::Tensor& t) { return dtype_of(t.scalar_type()); }
 
 void need(bool ok, const char* what) {
   if (!ok) fail(ErrorCode::kInvalidArgument, std::string("CUDA op: ") + what);
@@ -72,6 +76,7 @@ DeviceBatch make_batch(const at::Tensor& query_start, const at::Tensor& context_
   b.max_blocks = static_cast<int32_t>(block_tables.size(1));
   b.num_work = static_cast<int32_t>(plan.work.size());
   b.num_merges = static_cast<int32_t>(plan.merges.size() / 4);
+  b.num_decode_work = plan.num_decode;
   auto i32 = at::TensorOptions().dtype(at::kInt);
   b.work = at::from_blob(const_cast<AttnWorkItem*>(plan.work.data()), {b.num_work, 7}, i32)
                .to(device, /*non_blocking=*/false, /*copy=*/true);
@@ -150,11 +155,106 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
   ab.partials = b.partials.defined() ? b.partials.data_ptr<float>() : nullptr;
   ab.merge = b.merges.defined() ? b.merges.data_ptr<int32_t>() : nullptr;
   ab.num_merges = b.num_merges;
+  ab.num_decode_work = b.num_decode_work;
   ab.decode_splits = b.decode_splits;
   ab.num_seqs = b.num_seqs;
   cuda::paged_attention(dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), out.data_ptr(), cache_of(kv, layout), layer,
                         ab, num_heads, static_cast<float>(scale), window, stream());
   check_launch("paged_attention");
+}
+
+int32_t decode_wave(at::ScalarType dtype, int32_t head_dim, int32_t group) {
+  return cuda::decode_attention_wave(dtype_of(dtype), head_dim, group);
+}
+
+int32_t decode_splits_for(at::ScalarType dtype, int32_t head_dim, int32_t group, int32_t num_seqs,
+                          int32_t num_kv_heads) {
+  const int32_t per_split = std::max(1, num_seqs * num_kv_heads);
+  return std::max(1, std::min(64, decode_wave(dtype, head_dim, group) / per_split));
+}
+
+void add_penalties(SampleSpec& spec, const std::vector<int32_t>& tokens, int32_t num_prompt_tokens,
+                   std::vector<int32_t>& counts) {
+  const SamplingParams& p = *spec.params;
+  const bool rep = p.repetition_penalty != 1.0f;
+  if (!rep && p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f) return;
+  // counts holds 1 + the output count of a token seen (0: not seen).
+  const size_t prompt = static_cast<size_t>(std::max(0, num_prompt_tokens));
+  for (size_t j = rep ? 0 : prompt; j < tokens.size(); ++j) {
+    const int32_t t = tokens[j];
+    if (t < 0) continue;
+    if (static_cast<size_t>(t) >= counts.size()) counts.resize(static_cast<size_t>(t) + 1, 0);
+    int32_t& c = counts[t];
+    if (c == 0) {
+      spec.penalties.emplace_back(t, 0);
+      c = 1;
+    }
+    if (j >= prompt) ++c;
+  }
+  for (auto& [token, count] : spec.penalties) {
+    count = counts[token] - 1;
+    counts[token] = 0;
+  }
+}
+
+std::vector<SampleOutput> sample(at::Tensor& logits, const std::vector<SampleSpec>& specs) {
+  need(logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.dim() == 2, "sample input");
+  const int32_t R = static_cast<int32_t>(specs.size());
+  const int32_t V = static_cast<int32_t>(logits.size(1));
+  std::vector<cuda::SampleRow> rows(R);
+  std::vector<cuda::PenaltyEntry> pens;
+  std::vector<int32_t> bans;
+  for (int32_t i = 0; i < R; ++i) {
+    const SampleSpec& sp = specs[i];
+    const SamplingParams& p = *sp.params;
+    need(sp.logits_row >= 0 && sp.logits_row < logits.size(0), "sample row out of range");
+    cuda::SampleRow& r = rows[i];
+    r.temperature = p.temperature;
+    r.top_p = p.top_p;
+    r.min_p = p.min_p;
+    r.repetition_penalty = p.repetition_penalty;
+    r.presence_penalty = p.presence_penalty;
+    r.frequency_penalty = p.frequency_penalty;
+    r.top_k = p.top_k;
+    r.logprobs = std::min(p.logprobs, cuda::kMaxTopLogprobs);
+    r.logits_row = sp.logits_row;
+    r.seed = sp.seed;
+    r.counter = sp.counter;
+    r.pen_begin = static_cast<int32_t>(pens.size());
+    for (const auto& [token, count] : sp.penalties) pens.push_back({token, count, 0.0f});
+    r.pen_count = static_cast<int32_t>(pens.size()) - r.pen_begin;
+    r.ban_begin = static_cast<int32_t>(bans.size());
+    if (sp.banned) bans.insert(bans.end(), sp.banned->begin(), sp.banned->end());
+    r.ban_count = static_cast<int32_t>(bans.size()) - r.ban_begin;
+  }
+  // One pinned upload: rows | penalty entries | bans, each 16-byte aligned.
+  auto align = [](size_t n) { return (n + 15) / 16 * 16; };
+  const size_t rows_b = align(sizeof(cuda::SampleRow) * R), pens_b = align(sizeof(cuda::PenaltyEntry) * pens.size());
+  const size_t bans_b = align(sizeof(int32_t) * bans.size());
+  at::Tensor host = at::empty({static_cast<int64_t>(rows_b + pens_b + bans_b)},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  uint8_t* h = host.data_ptr<uint8_t>();
+  std::memcpy(h, rows.data(), sizeof(cuda::SampleRow) * R);
+  if (!pens.empty()) std::memcpy(h + rows_b, pens.data(), sizeof(cuda::PenaltyEntry) * pens.size());
+  if (!bans.empty()) std::memcpy(h + rows_b + pens_b, bans.data(), sizeof(int32_t) * bans.size());
+  at::Tensor dev = host.to(logits.device(), /*non_blocking=*/true);
+  uint8_t* d = dev.data_ptr<uint8_t>();
+  at::Tensor scratch = at::empty({static_cast<int64_t>(R) * V}, logits.options());
+  at::Tensor outs = at::empty({static_cast<int64_t>(R * sizeof(cuda::SampleOut))}, dev.options());
+  cuda::sample_rows(logits.data_ptr<float>(), V, V, reinterpret_cast<const cuda::SampleRow*>(d), R,
+                    reinterpret_cast<cuda::PenaltyEntry*>(d + rows_b), reinterpret_cast<const int32_t*>(d + rows_b + pens_b),
+                    scratch.data_ptr<float>(), reinterpret_cast<cuda::SampleOut*>(outs.data_ptr<uint8_t>()), stream());
+  check_launch("sample_rows");
+  at::Tensor back = outs.cpu();  // waits for the kernel: the only device-to-host copy
+  const auto* o = reinterpret_cast<const cuda::SampleOut*>(back.data_ptr<uint8_t>());
+  std::vector<SampleOutput> result(R);
+  for (int32_t i = 0; i < R; ++i) {
+    result[i].token = o[i].token;
+    result[i].error = o[i].error != 0 || o[i].token < 0 || o[i].token >= V;
+    result[i].logprob = o[i].logprob;
+    for (int32_t j = 0; j < o[i].num_top; ++j) result[i].top.emplace_back(o[i].top_ids[j], o[i].top_logprobs[j]);
+  }
+  return result;
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {

@@ -5,6 +5,10 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "k25/sampling.h"
 
 #include "ops/attention_plan.h"
 #include "ops/kv_layout.h"
@@ -20,6 +24,7 @@ struct DeviceBatch {
   at::Tensor work, merges;                             // int32 [N, 7], [M, 4]
   at::Tensor partials;                                 // float32
   int32_t num_work = 0, num_merges = 0, max_blocks = 0;
+  int32_t num_decode_work = 0;  // leading single-token items (AttentionPlan::num_decode)
   // > 0: decode-only, work derived on the device (see cuda::AttnBatch::decode_splits).
   int32_t decode_splits = 0, num_seqs = 0;
 };
@@ -37,6 +42,32 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& slots, int32_t num_heads,
               const KVLayout& layout, int32_t layer);
 void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& kv, const KVLayout& layout,
                      int32_t layer, const DeviceBatch& batch, int32_t num_heads, double scale, int32_t window);
+// Split count per (sequence, KV head) for a decode-only batch of num_seqs sequences, so
+// its CTAs fill one wave of the decode kernel (at most 64, at least 1); and that wave.
+int32_t decode_splits_for(at::ScalarType dtype, int32_t head_dim, int32_t group, int32_t num_seqs,
+                          int32_t num_kv_heads);
+int32_t decode_wave(at::ScalarType dtype, int32_t head_dim, int32_t group);
+// Sampling on the device (cuda/sample.cu): one row per spec; only the outputs come back.
+struct SampleSpec {
+  const SamplingParams* params = nullptr;
+  int32_t logits_row = 0;
+  uint64_t seed = 0, counter = 0;
+  std::vector<std::pair<int32_t, int32_t>> penalties;  // distinct (token, count in the output)
+  const std::vector<int32_t>* banned = nullptr;
+};
+struct SampleOutput {
+  int32_t token = -1;
+  bool error = false;
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;  // best first
+};
+// Fills spec.penalties from a request's tokens (prompt then output) as its params need:
+// every distinct token for a repetition penalty, the output's for presence/frequency.
+// counts: vocab_size ints, all zero (sized on first use), left all zero.
+void add_penalties(SampleSpec& spec, const std::vector<int32_t>& tokens, int32_t num_prompt_tokens,
+                   std::vector<int32_t>& counts);
+// logits: float32 [rows, vocab] on the device, modified in place.
+std::vector<SampleOutput> sample(at::Tensor& logits, const std::vector<SampleSpec>& specs);
 at::Tensor argmax_rows(const at::Tensor& logits);  // float32 [R, V] -> int32 [R]
 
 }  // namespace k25::cuda_glue

@@ -166,8 +166,9 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
     pp.num_kv_heads = Hkv;
     pp.group = Hq / Hkv;
     pp.max_rows = 16;
-    pp.parallelism = 2 * 132;  // ~2 CTAs per SM on an H100/H200
+    pp.wave = cuda_glue::decode_wave(h.scalar_type(), static_cast<int32_t>(D), Hq / Hkv);
     pp.min_split_keys = 256;
+    pp.decode_first = true;
     int32_t window = 0;
     for (int32_t w : c.layer_sliding_window) window = std::max(window, w);
     // One plan for all layers; a window only shortens key ranges, so plan without it

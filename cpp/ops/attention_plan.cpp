@@ -26,8 +26,11 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
   // Split-KV (flash-decoding): with too few items to keep every worker busy, long
   // single-token rows are cut into key ranges and merged afterwards.
   const int64_t base = static_cast<int64_t>(plan.work.size());
-  if (base > 0 && base < 2LL * p.parallelism) {
-    const int32_t want = static_cast<int32_t>((2LL * p.parallelism + base - 1) / base);
+  const int64_t target = p.wave > 0 ? p.wave : 2LL * p.parallelism;
+  if (base > 0 && base < target) {
+    // A wave is a hard bound (a CTA past it waits for a whole second round); worker
+    // counts are soft (round up so every worker gets something).
+    const int32_t want = static_cast<int32_t>(p.wave > 0 ? target / base : (target + base - 1) / base);
     std::vector<AttnWorkItem> kept;
     std::vector<AttnWorkItem> pieces;
     for (const AttnWorkItem& w : plan.work) {
@@ -59,6 +62,11 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
   };
   std::stable_sort(plan.work.begin(), plan.work.end(),
                    [&](const AttnWorkItem& a, const AttnWorkItem& b) { return cost(a) > cost(b); });
+  if (p.decode_first) {
+    auto single = [&](const AttnWorkItem& w) { return query_start[w.seq + 1] - query_start[w.seq] == 1; };
+    const auto mid = std::stable_partition(plan.work.begin(), plan.work.end(), single);
+    plan.num_decode = static_cast<int32_t>(mid - plan.work.begin());
+  }
   return plan;
 }
 

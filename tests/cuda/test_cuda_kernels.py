@@ -116,7 +116,7 @@ def ref_attention(q, k, v, positions, window):
     return torch.einsum("hnc,chd->nhd", torch.softmax(s, -1), vv)
 
 
-def run_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264):
+def run_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decode_splits=0):
     g = torch.Generator().manual_seed(seed)
     L, layer = 2, 1
     layout = (L, Hkv, D, bs)
@@ -145,9 +145,9 @@ def run_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264):
     qcat = torch.cat(qrows)
     buf = torch.randn(qcat.shape[0], qcat.shape[1] + 2 * Hkv * D, device="cuda").to(dtype)
     buf[:, :Hq * D] = qcat
-    out, merges = cu.paged_attention(buf, kv, layout, layer, torch.tensor(qs, dtype=torch.int32),
-                                     torch.tensor(cl, dtype=torch.int32), tables, Hq, 1.0 / math.sqrt(D), window,
-                                     parallelism)
+    call = cu.AttentionCall(kv, layout, layer, torch.tensor(qs, dtype=torch.int32), torch.tensor(cl, dtype=torch.int32),
+                            tables, Hq, 1.0 / math.sqrt(D), window, parallelism, decode_splits)
+    out, merges = call.run(buf), call.merges
     ref = torch.cat(refs).reshape(out.shape)
     assert torch.isfinite(out).all()
     err = rel_err(out, ref)
@@ -156,9 +156,10 @@ def run_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8, 16])
 @pytest.mark.parametrize("D", [64, 128])
 def test_paged_attention_mixed_batches(dtype, group, D):
+    # Single-token rows take the decode kernel (group <= 8), the others the tiled kernel.
     Hkv = 2
     seqs = [(37, 37), (70, 19), (33, 1), (16, 1), (1, 1), (129, 5), (300, 64)]
     run_case(group * 7 + D, dtype, Hkv * group, Hkv, D, 16, 0, seqs)
@@ -174,6 +175,26 @@ def test_paged_attention_split_kv_decode(dtype):
     merges = run_case(5, dtype, 32, 8, 128, 16, 0, [(5000, 1), (1200, 1)], parallelism=264)
     assert merges > 0, "the plan was meant to split these decodes"
     assert run_case(6, dtype, 32, 8, 128, 16, 0, [(5000, 1)], parallelism=1) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("splits", [1, 7, 64])
+def test_paged_attention_device_derived_splits(dtype, group, D, splits):
+    # The CUDA-graph form: key ranges derived on the device from context_lens, including
+    # ranges with no keys at all (more splits than keys).
+    seqs = [(1, 1), (5, 1), (100, 1), (1000, 1), (3001, 1)]
+    merges = run_case(splits * 31 + group, dtype, 2 * group, 2, D, 16, 0, seqs, decode_splits=splits)
+    assert merges == (len(seqs) * 2 if splits > 1 else 0)
+
+
+@pytest.mark.parametrize("window", [0, 33, 700])
+def test_paged_attention_decode_long_context(window):
+    # Many iterations per warp, block tables of thousands of entries, split and unsplit.
+    run_case(window + 1, torch.bfloat16, 32, 8, 128, 16, window, [(20000, 1), (4099, 1)])
+    run_case(window + 2, torch.bfloat16, 32, 8, 128, 16, window, [(20000, 1)], decode_splits=48)
+    run_case(window + 3, torch.float16, 32, 8, 128, 16, window, [(9000, 1)], parallelism=1)
 
 
 def test_paged_attention_random_shapes():

@@ -1,0 +1,208 @@
+"""Attention kernels against their peers, in one process on one GPU.
+
+Decode (GQA 32/8, head_dim 128, bf16, pages of 16 in shuffled order): KV bytes read per
+second by k25's paged decode (the eager plan and the CUDA-graph form), PyTorch SDPA on
+contiguous KV, and FlashInfer's paged decode (tensor cores). Prefill (causal, 16K):
+TFLOP/s of k25's paged prefill, SDPA and FlashInfer's paged prefill. Every kernel's output
+is checked against SDPA's before it is timed.
+
+    python3 bench/gpu/attention_bench.py [--json out.json] [--skip-flashinfer]
+"""
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+from k25 import _C
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DT = torch.bfloat16
+
+
+def time_ms(fn, iters=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):  # best of three batches of iters: the machine is shared
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / iters)
+    return best
+
+
+class Paged:
+    """One random KV history per sequence, stored in k25's pool (block-major, 1 layer) and
+    in FlashInfer's NHD page layout over the same shuffled page ids, plus a contiguous copy
+    for SDPA."""
+
+    def __init__(self, lens, seed=0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.lens = lens
+        pages = [-(-n // PAGE) for n in lens]
+        total = sum(pages)
+        perm = torch.randperm(total, device="cuda", generator=g)
+        self.tables, self.indptr = [], [0]
+        at = 0
+        for n in pages:
+            self.tables.append(perm[at:at + n])
+            at += n
+            self.indptr.append(at)
+        self.k25_kv = torch.empty(total, 1, 2, HKV, PAGE, D, dtype=DT, device="cuda")
+        self.fi_kv = torch.empty(total, 2, PAGE, HKV, D, dtype=DT, device="cuda")
+        self.k, self.v = [], []
+        for n, t in zip(lens, self.tables):
+            k = torch.randn(n, HKV, D, device="cuda", generator=g, dtype=DT)
+            v = torch.randn(n, HKV, D, device="cuda", generator=g, dtype=DT)
+            self.k.append(k)
+            self.v.append(v)
+            p = torch.arange(n, device="cuda")
+            b, o = t[p // PAGE], p % PAGE
+            self.k25_kv[b, 0, 0, :, o] = k
+            self.k25_kv[b, 0, 1, :, o] = v
+            self.fi_kv[b, 0, o] = k
+            self.fi_kv[b, 1, o] = v
+        width = max(pages)
+        self.block_tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+        for i, t in enumerate(self.tables):
+            self.block_tables[i, :len(t)] = t.int().cpu()
+
+    def kv_bytes(self):
+        return sum(self.lens) * HKV * D * 2 * 2
+
+    def k25(self, q_lens, decode_splits=0):
+        qs = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+        cl = torch.tensor(self.lens, dtype=torch.int32)
+        return _C.cuda_ops.AttentionCall(self.k25_kv, (1, HKV, D, PAGE), 0, qs, cl, self.block_tables, HQ,
+                                     1.0 / math.sqrt(D), 0, 264, decode_splits)
+
+    def flashinfer_args(self):
+        indptr = torch.tensor(self.indptr, dtype=torch.int32, device="cuda")
+        indices = torch.cat(self.tables).int()
+        last = torch.tensor([(n - 1) % PAGE + 1 for n in self.lens], dtype=torch.int32, device="cuda")
+        return indptr, indices, last
+
+
+def sdpa_decode(q, k, v):
+    # q [B, HQ, D] -> the group's query heads as rows of their KV head (exact, no mask).
+    B = q.shape[0]
+    return F.scaled_dot_product_attention(q.view(B, HKV, HQ // HKV, D), k, v).reshape(B, HQ, D)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def decode_case(B, L, fi, results):
+    P = Paged([L] * B, seed=B * 7 + L)
+    q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
+    kc = torch.stack(P.k).transpose(1, 2).contiguous()  # [B, HKV, L, D]
+    vc = torch.stack(P.v).transpose(1, 2).contiguous()
+    ref = sdpa_decode(q, kc, vc)
+    gb = P.kv_bytes() / 1e9
+    row = {"case": f"decode B{B} L{L}", "kv_GB": round(gb, 3)}
+    # q as k25 sees it: rows of the fused qkv buffer.
+    qkv = torch.zeros(B, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)
+    qkv[:, :HQ * D] = q.reshape(B, -1)
+    splits = _C.cuda_ops.decode_splits_for(q, D, HQ // HKV, B, HKV)
+    runs = {"k25_plan": P.k25([1] * B), "k25_graph_form": P.k25([1] * B, decode_splits=splits)}
+    for name, call in runs.items():
+        out = call.run(qkv).view(B, HQ, D)
+        row[name + "_err"] = rel(out, ref)
+        row[name + "_TBps"] = gb / 1e3 / (time_ms(lambda: call.run(qkv)) / 1e3)
+    row["sdpa_TBps"] = gb / 1e3 / (time_ms(lambda: sdpa_decode(q, kc, vc)) / 1e3)
+    sdpa_gqa = lambda: F.scaled_dot_product_attention(q.view(B, HQ, 1, D), kc, vc, enable_gqa=True)  # noqa: E731
+    row["sdpa_enable_gqa_TBps"] = gb / 1e3 / (time_ms(sdpa_gqa) / 1e3)
+    if fi is not None:
+        try:
+            ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+            indptr, indices, last = P.flashinfer_args()
+            w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT)
+            out = w.run(q, P.fi_kv)
+            row["flashinfer_err"] = rel(out, ref)
+            row["flashinfer_TBps"] = gb / 1e3 / (time_ms(lambda: w.run(q, P.fi_kv)) / 1e3)
+        except Exception as e:
+            row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]
+    best_peer = max(row["sdpa_TBps"], row["sdpa_enable_gqa_TBps"])
+    row["k25_vs_sdpa"] = max(row["k25_plan_TBps"], row["k25_graph_form_TBps"]) / best_peer
+    if "flashinfer_TBps" in row:
+        row["k25_vs_flashinfer"] = max(row["k25_plan_TBps"], row["k25_graph_form_TBps"]) / row["flashinfer_TBps"]
+    results.append(row)
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    del P
+
+
+def prefill_case(L, fi, results):
+    P = Paged([L], seed=L)
+    q = torch.randn(L, HQ, D, device="cuda", dtype=DT)
+    kc, vc = P.k[0].transpose(0, 1)[None], P.v[0].transpose(0, 1)[None]  # [1, HKV, L, D]
+    qs = q.transpose(0, 1)[None]
+    sdpa = lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True)  # noqa: E731
+    ref = sdpa()[0].transpose(0, 1)
+    flops = 2 * HQ * D * L * L  # QK and PV over the causal half: 2 * (2 * HQ * D * L^2 / 2)
+    row = {"case": f"prefill causal L{L}", "TFLOP": round(flops / 1e12, 3)}
+    row["sdpa_TFLOPs"] = flops / 1e12 / (time_ms(sdpa, iters=5) / 1e3)
+    qkv = torch.zeros(L, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)
+    qkv[:, :HQ * D] = q.reshape(L, -1)
+    call = P.k25([L])
+    out = call.run(qkv).view(L, HQ, D)
+    row["k25_err"] = rel(out, ref)
+    row["k25_TFLOPs"] = flops / 1e12 / (time_ms(lambda: call.run(qkv), iters=3, warmup=1) / 1e3)
+    if fi is not None:
+        try:
+            ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+            w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+            indptr, indices, last = P.flashinfer_args()
+            qo = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+            w.plan(qo, indptr, indices, last, HQ, HKV, D, PAGE, causal=True, q_data_type=DT, kv_data_type=DT)
+            out = w.run(q, P.fi_kv)
+            row["flashinfer_err"] = rel(out, ref)
+            row["flashinfer_TFLOPs"] = flops / 1e12 / (time_ms(lambda: w.run(q, P.fi_kv), iters=5) / 1e3)
+        except Exception as e:
+            row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]
+    best = max(row["sdpa_TFLOPs"], row.get("flashinfer_TFLOPs", 0.0))
+    row["k25_vs_best"] = row["k25_TFLOPs"] / best
+    results.append(row)
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--skip-flashinfer", action="store_true")
+    ap.add_argument("--prefill-len", type=int, default=16384)
+    args = ap.parse_args()
+    fi = None
+    if not args.skip_flashinfer:
+        try:
+            import flashinfer as fi  # noqa: F811
+        except Exception as e:  # the peer is optional: report and go on without it
+            print(f"flashinfer unavailable: {type(e).__name__}: {e}")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "flashinfer",
+          getattr(fi, "__version__", None) if fi else None, flush=True)
+    results = []
+    for B, L in [(8, 32768), (32, 8192), (1, 32768), (1, 1024), (8, 1024)]:
+        try:
+            decode_case(B, L, fi, results)
+        except Exception as e:
+            print(f"decode B{B} L{L} failed: {type(e).__name__}: {e}", flush=True)
+            results.append({"case": f"decode B{B} L{L}", "error": str(e)})
+    try:
+        prefill_case(args.prefill_len, fi, results)
+    except Exception as e:
+        print(f"prefill failed: {type(e).__name__}: {e}", flush=True)
+        results.append({"case": "prefill", "error": str(e)})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
