@@ -6,6 +6,7 @@
 // rather than once per row; each warp owns rows and keeps their online-softmax state
 // (max, sum, accumulator slice) in registers. Arithmetic is float32 on CUDA cores.
 #include <cfloat>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -210,7 +211,13 @@ void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, c
   if (num_decode > 0) {
     decode_attention(dtype_of<T>(), q, q_stride, out, kv, layer, b, num_heads, scale, window, num_decode, stream);
   }
-  if (num_items > num_decode) {
+  // A work list's other items (prefill chunks) take tensor cores in bf16 / fp16; float32
+  // and the device-derived form keep the CUDA-core kernel.
+  const bool tensor_cores = !std::is_same_v<T, float> && b.decode_splits <= 0;
+  if (num_items > num_decode && tensor_cores) {
+    prefill_attention(dtype_of<T>(), q, q_stride, out, kv, layer, b, num_heads, scale, window, num_decode,
+                      num_items - num_decode, stream);
+  } else if (num_items > num_decode) {
     AttnBatch rest = b;
     if (b.decode_splits <= 0) {
       rest.work = b.work + num_decode;

@@ -52,6 +52,9 @@ constexpr int32_t kMinSplitKeys = 256;
 
 // Rows of at most this many (tokens x GQA heads) share one CTA's K/V tiles.
 constexpr int32_t kAttnMaxRows = 16;
+// The same for multi-token items in bf16 / fp16, which run on tensor cores
+// (prefill_attention): the planner's max_rows for those dtypes.
+constexpr int32_t kPrefillRows = 128;
 
 void rms_norm(DType t, const void* x, int64_t x_stride, const void* w, void* out, int64_t out_stride,
               int64_t rows, int32_t n, float eps, cudaStream_t stream);
@@ -76,6 +79,12 @@ void paged_attention(DType t, const void* q, int64_t q_stride, void* out, KVCach
 void decode_attention(DType t, const void* q, int64_t q_stride, void* out, KVCache kv, int32_t layer,
                       const AttnBatch& batch, int32_t num_heads, float scale, int32_t window, int32_t num_items,
                       cudaStream_t stream);
+// The tensor-core kernel alone (bf16 / fp16; paged_attention calls it for the items past
+// the decodes): items [first_item, first_item + num_items) of a work list, each of at most
+// kPrefillRows rows.
+void prefill_attention(DType t, const void* q, int64_t q_stride, void* out, KVCache kv, int32_t layer,
+                       const AttnBatch& batch, int32_t num_heads, float scale, int32_t window, int32_t first_item,
+                       int32_t num_items, cudaStream_t stream);
 // CTAs of the decode kernel resident on the whole device at once (one wave), for a dtype,
 // head_dim and GQA group: split counts aim at this so no CTA waits for a second wave.
 int32_t decode_attention_wave(DType t, int32_t head_dim, int32_t group);

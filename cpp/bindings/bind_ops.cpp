@@ -121,7 +121,7 @@ void bind_cuda_ops(py::module_& m) {
                AttentionPlanParams pp;
                pp.num_kv_heads = c.layout.num_kv_heads;
                pp.group = group;
-               pp.max_rows = 16;
+               pp.max_rows = cuda_glue::attention_max_rows(kv.scalar_type());
                pp.parallelism = parallelism;
                pp.sliding_window = window;
                pp.decode_first = true;

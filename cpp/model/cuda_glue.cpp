@@ -167,6 +167,10 @@ int32_t decode_wave(at::ScalarType dtype, int32_t head_dim, int32_t group) {
   return cuda::decode_attention_wave(dtype_of(dtype), head_dim, group);
 }
 
+int32_t attention_max_rows(at::ScalarType dtype) {
+  return dtype_of(dtype) == cuda::DType::kF32 ? cuda::kAttnMaxRows : cuda::kPrefillRows;
+}
+
 int32_t decode_splits_for(at::ScalarType dtype, int32_t head_dim, int32_t group, int32_t num_seqs,
                           int32_t num_kv_heads) {
   const int32_t per_split = std::max(1, num_seqs * num_kv_heads);

@@ -47,6 +47,9 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
 int32_t decode_splits_for(at::ScalarType dtype, int32_t head_dim, int32_t group, int32_t num_seqs,
                           int32_t num_kv_heads);
 int32_t decode_wave(at::ScalarType dtype, int32_t head_dim, int32_t group);
+// Query rows (tokens x GQA heads) per multi-token work item for the kernel that runs them
+// in this dtype: AttentionPlanParams::max_rows of a CUDA plan.
+int32_t attention_max_rows(at::ScalarType dtype);
 // Sampling on the device (cuda/sample.cu): one row per spec; only the outputs come back.
 struct SampleSpec {
   const SamplingParams* params = nullptr;

@@ -165,7 +165,7 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
     AttentionPlanParams pp;
     pp.num_kv_heads = Hkv;
     pp.group = Hq / Hkv;
-    pp.max_rows = 16;
+    pp.max_rows = cuda_glue::attention_max_rows(h.scalar_type());
     pp.wave = cuda_glue::decode_wave(h.scalar_type(), static_cast<int32_t>(D), Hq / Hkv);
     pp.min_split_keys = 256;
     pp.decode_first = true;

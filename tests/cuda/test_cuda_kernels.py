@@ -2,7 +2,8 @@
 
 Fresh random inputs per case; ragged batches mixing prefill chunks and decodes, permuted
 block tables, GQA ratios 1-8, head dims 64 and 128, float32/float16/bfloat16, sliding
-windows, split-KV decode, and NaN in every KV slot that must not be read.
+windows, split-KV decode, long prefill chunks (bf16/fp16 take the tensor-core kernel), and
+NaN in every KV slot that must not be read.
 """
 import math
 
@@ -195,6 +196,27 @@ def test_paged_attention_decode_long_context(window):
     run_case(window + 1, torch.bfloat16, 32, 8, 128, 16, window, [(20000, 1), (4099, 1)])
     run_case(window + 2, torch.bfloat16, 32, 8, 128, 16, window, [(20000, 1)], decode_splits=48)
     run_case(window + 3, torch.float16, 32, 8, 128, 16, window, [(9000, 1)], parallelism=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("bs", [16, 48])
+@pytest.mark.parametrize("window", [0, 100])
+def test_paged_attention_long_prefill_chunks(dtype, group, D, bs, window):
+    # The tensor-core path at length: a whole 1500-token prompt and a 300-token chunk at
+    # offset 900 (many key tiles per item, the causal edge inside a tile), pages of 48
+    # (not a power of two), next to a decode.
+    seqs = [(1500, 1500), (1200, 300), (700, 1)]
+    run_case(group * 1000 + D + bs + window, dtype, 2 * group, 2, D, bs, window, seqs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_split_kv_large_group(dtype):
+    # 16 query heads per KV head is past the decode kernel: split single-token items take
+    # the tiled kernels and their partial results, next to a prefill chunk.
+    merges = run_case(9, dtype, 32, 2, 128, 16, 0, [(5000, 1), (1200, 1), (300, 40)])
+    assert merges > 0, "the plan was meant to split these decodes"
 
 
 def test_paged_attention_random_shapes():

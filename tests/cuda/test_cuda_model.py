@@ -18,10 +18,12 @@ BF16_NEAR_TIE = 0.15  # bf16 logits of magnitude ~10-30 are spaced 0.06-0.12 apa
 
 
 def bf16_near_tie(rows):
-    """Two logits count as tied when at most one bf16 step apart at the rows' largest
-    magnitude (logits of 32-64 are spaced 0.25 apart), and never less than BF16_NEAR_TIE."""
+    """Two logits count as tied when at most four bf16 steps apart at the rows' largest
+    magnitude (logits of 8-16 are spaced 0.0625 apart, of 32-64 0.25): two bf16
+    implementations' attention rows differ by ~0.5% (bench/gpu/diag_prefill.py measures
+    k25's and SDPA's against float64), which moves logits by a few steps."""
     top = float(np.max(np.abs(rows[np.isfinite(rows)])))
-    return max(BF16_NEAR_TIE, 1.01 * 2.0 ** (np.floor(np.log2(max(top, 1e-30))) - 7))
+    return max(BF16_NEAR_TIE, 4.01 * 2.0 ** (np.floor(np.log2(max(top, 1e-30))) - 7))
 
 
 def default_model_path():

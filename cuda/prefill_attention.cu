@@ -1,0 +1,412 @@
+// Paged attention for multi-token work items (prefill chunks) on tensor cores, bf16 / fp16.
+//
+// FlashAttention-2 tiling: one CTA per AttnWork item, up to kPrefillRows (128) query rows
+// (the item's tokens x the GQA heads of its KV head, row r -> token r / group, head
+// r % group) split over 8 warps of 16 rows each, so every row of the CTA shares the same
+// K/V tiles; the more rows share a tile, the less K/V traffic per FLOP. Each warp keeps
+// its Q rows as mma A fragments in registers for the whole item. Keys go
+// through a ring of kStages shared-memory stages, kKeys = 64 keys (K and V) each, gathered
+// row by row through the block table with cp.async (zero-filled outside the item's key
+// range, so a slot nobody wrote is never read), kStages - 1 tiles in flight while one is
+// computed. Per tile a warp forms S = Q K^T (16 x 64, fp32) with m16n8k16 mma.sync, runs
+// the online softmax on it in registers (exp2, scale * log2(e) folded into one FMA),
+// rounds P to the element type and accumulates O += P V (16 x D, fp32) with the same mma.
+// Causal and window limits are per row; tiles outside all of a warp's rows are skipped
+// and masks are applied only on tiles that cut through some row's range.
+//
+// Shared-memory rows are D elements (128 or 256 bytes); the 16-byte chunk c of row r is
+// stored at chunk c ^ (r % 8), so the 8 row addresses of every ldmatrix phase and the
+// cp.async writes fall in distinct banks.
+//
+// mma.m16n8k16 fragments (lane = 4 * g + t, g = lane / 4, t = lane % 4; pairs of 16-bit
+// elements packed low-first in one 32-bit register):
+//   A (16 x 16, row-major): a0 = (g, 2t..2t+1), a1 = (g + 8, 2t..), a2 = (g, 2t + 8..),
+//                           a3 = (g + 8, 2t + 8..)
+//   B (16 x 8, k x n):      b0 = (k = 2t..2t+1, n = g), b1 = (k = 2t + 8.., n = g)
+//   C (16 x 8, fp32):       c0, c1 = (g, 2t), (g, 2t + 1); c2, c3 = (g + 8, 2t), (g + 8, 2t + 1)
+// ldmatrix.x4: lanes 8i..8i+7 give the row addresses of 8x8 matrix i, and register i of
+// lane (g, t) receives row g, columns 2t..2t+1 of matrix i (with .trans: rows 2t..2t+1 of
+// column g, i.e. the matrix transposed).
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace k25::cuda {
+
+namespace {
+
+constexpr int kWarps = kPrefillRows / 16;
+constexpr int kThreads = kWarps * 32;
+constexpr int kKeys = 64;    // keys per tile
+constexpr int kStages = 3;   // shared-memory ring depth
+constexpr float kLog2e = 1.4426950408889634f;
+static_assert(kPrefillRows % 16 == 0 && kKeys % 16 == 0, "mma tiles are 16 rows and 16 keys");
+
+template <int D>
+struct Tiles {
+  static constexpr int kChunks = D / 8;                        // 16-byte chunks per row
+  static constexpr int kQBytes = kPrefillRows * D * 2;
+  static constexpr int kKVBytes = kKeys * D * 2;               // one K or one V tile
+  static constexpr int kStageBytes = 2 * kKVBytes;
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
+  static constexpr int kLoadRows = kThreads / kChunks;         // key rows per CTA-wide pass
+  static constexpr int kLoadIters = kKeys / kLoadRows;         // passes per tile
+  // CTAs per SM the registers are budgeted for: 12 (D = 64) or 8 warps per SM, at most
+  // about 168 or 232 registers a thread, which the kernel needs without spilling.
+  static constexpr int kWarpsPerSm = D <= 64 ? 12 : 8;
+  static constexpr int kMinBlocks = kWarpsPerSm >= kWarps ? kWarpsPerSm / kWarps : 1;
+  static_assert(kChunks >= 8, "the swizzle permutes 8 chunks of a row");
+  static_assert(kThreads % kChunks == 0 && kKeys % kLoadRows == 0, "whole rows per pass");
+};
+
+// Byte offset of 16-byte chunk c of row r in a swizzled tile.
+template <int kChunks>
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+  return static_cast<uint32_t>((r * kChunks + (c ^ (r & 7))) * 16);
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d += a * b on one m16n8k16 tile (fp32 accumulators).
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats rounded to T, lo in the low half (the lower column of an mma fragment pair).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t u;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    memcpy(&u, &v, 4);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    memcpy(&u, &v, 4);
+  }
+  return u;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, Tiles<D>::kMinBlocks)
+    prefill_attention_kernel(const T* __restrict__ q, int64_t q_stride, T* __restrict__ out, KVCache kv, int layer,
+                             AttnBatch batch, int num_heads, float scale, int window, int first_item) {
+  using C = Tiles<D>;
+  constexpr int CH = C::kChunks;
+  constexpr int NT = kKeys / 8;  // 8-key column tiles of S
+  constexpr int DT = D / 8;      // 8-wide column tiles of O
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t s_q = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t s_kv = s_q + C::kQBytes;
+
+  const AttnWork w = batch.work[first_item + blockIdx.x];
+  const int group = num_heads / kv.num_kv_heads;
+  const int q0 = batch.query_start[w.seq];
+  const int q_len = batch.query_start[w.seq + 1] - q0;
+  const int first_pos = batch.context_lens[w.seq] - q_len + w.q_begin;  // position of row 0's token
+  const int rows = (w.q_end - w.q_begin) * group;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  // Keys row r may see: [lo, hi]. Both only grow with r (rows are in token order).
+  auto limits = [&](int r, int& lo, int& hi) {
+    const int pos = first_pos + r / group;
+    lo = max(w.key_begin, window > 0 ? pos - window + 1 : 0);
+    hi = min(w.key_end - 1, pos);
+  };
+  int key_lo, key_hi, unused;
+  limits(0, key_lo, unused);
+  limits(rows - 1, unused, key_hi);
+  const int num_tiles = key_hi >= key_lo ? (key_hi - key_lo) / kKeys + 1 : 0;
+
+  // Q rows past the item's are zero-filled: finite scores, results never stored.
+  for (int e = tid; e < kPrefillRows * CH; e += kThreads) {
+    const int r = e / CH, c = e % CH;
+    const bool ok = r < rows;
+    const T* src = q;
+    if (ok) {
+      const int token = q0 + w.q_begin + r / group, head = w.kv_head * group + r % group;
+      src = q + static_cast<int64_t>(token) * q_stride + static_cast<int64_t>(head) * D + c * 8;
+    }
+    cp_async16(s_q + swz<CH>(r, c), src, ok);
+  }
+  cp_async_commit();
+
+  const T* cache = static_cast<const T*>(kv.data);
+  const int bs = kv.block_size;
+  const int64_t head_elems = static_cast<int64_t>(bs) * D;
+  const int64_t block_elems = static_cast<int64_t>(kv.num_layers) * 2 * kv.num_kv_heads * head_elems;
+  const T* k_base = cache + (static_cast<int64_t>(layer) * 2 * kv.num_kv_heads + w.kv_head) * head_elems;
+  const int64_t v_delta = static_cast<int64_t>(kv.num_kv_heads) * head_elems;
+  const int* table = batch.block_tables + static_cast<int64_t>(w.seq) * batch.max_blocks;
+  const bool pow2 = (bs & (bs - 1)) == 0;
+  const int bs_shift = __ffs(bs) - 1;
+  const int ld_row = tid / CH, ld_c = tid % CH;  // this thread copies chunk ld_c of rows ld_row + k * kLoadRows
+
+  // Block ids of this thread's key rows for the next tile to copy: looked up one
+  // iteration ahead so the table reads are in flight during a tile's compute.
+  int blk[C::kLoadIters];
+  auto lookup = [&](int tile) {
+#pragma unroll
+    for (int k = 0; k < C::kLoadIters; ++k) {
+      const int p = key_lo + tile * kKeys + ld_row + k * C::kLoadRows;
+      blk[k] = tile < num_tiles && p <= key_hi ? table[pow2 ? p >> bs_shift : p / bs] : 0;
+    }
+  };
+  auto copy = [&](int tile) {
+    if (tile < num_tiles) {
+      const uint32_t st = s_kv + (tile % kStages) * C::kStageBytes;
+#pragma unroll
+      for (int k = 0; k < C::kLoadIters; ++k) {
+        const int row = ld_row + k * C::kLoadRows;
+        const int p = key_lo + tile * kKeys + row;
+        const bool ok = p <= key_hi;  // past the last key: zero-filled, masked below
+        const int slot = pow2 ? p & (bs - 1) : p % bs;
+        const T* src = ok ? k_base + blk[k] * block_elems + static_cast<int64_t>(slot) * D + ld_c * 8 : cache;
+        cp_async16(st + swz<CH>(row, ld_c), src, ok);
+        cp_async16(st + C::kKVBytes + swz<CH>(row, ld_c), ok ? src + v_delta : cache, ok);
+      }
+    }
+    cp_async_commit();  // empty groups too: the wait counts below assume one group per tile
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    lookup(s);
+    copy(s);
+  }
+  lookup(kStages - 1);
+
+  cp_async_wait<kStages - 1>();  // the Q group
+  __syncthreads();
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kd = 0; kd < D / 16; ++kd) ldsm_x4(qf[kd], s_q + swz<CH>(warp * 16 + (lane & 15), 2 * kd + (lane >> 4)));
+
+  // This thread's rows (g and g + 8 of the warp); rows past the item see no key.
+  int rlo[2], rhi[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = warp * 16 + g + 8 * i;
+    if (r < rows) {
+      limits(r, rlo[i], rhi[i]);
+    } else {
+      rlo[i] = 1;
+      rhi[i] = 0;
+    }
+  }
+  // The warp's range: its first row has the smallest limits, its last valid row the largest.
+  const bool active = warp * 16 < rows;
+  int lo_first, hi_first, lo_last, hi_last;
+  limits(warp * 16, lo_first, hi_first);
+  limits(min(warp * 16 + 15, rows - 1), lo_last, hi_last);
+
+  const float sl2 = scale * kLog2e;
+  float o[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // max of raw scores; this thread's sum
+
+  for (int i = 0; i < num_tiles; ++i) {
+    cp_async_wait<kStages - 2>();  // tile i has landed (this thread's copies)
+    __syncthreads();               // everyone's copies of tile i; everyone is done with tile i - 1
+    copy(i + kStages - 1);         // into the stage of tile i - 1
+    lookup(i + kStages);
+    const int tb = key_lo + i * kKeys, te = tb + kKeys - 1;
+    if (!active || tb > hi_last || te < lo_first) continue;  // no row of this warp sees these keys
+    const uint32_t sk = s_kv + (i % kStages) * C::kStageBytes, sv = sk + C::kKVBytes;
+
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    // S = Q K^T: B(k = dim, n = key) is K row-major, so the plain ldmatrix of 8 key rows x
+    // 8 dims is b0 / b1. Matrices: keys 16np + 0..7 at dims 16kd + 0..7 and + 8..15, then
+    // keys 16np + 8..15 likewise.
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+#pragma unroll
+      for (int kd = 0; kd < D / 16; ++kd) {
+        uint32_t b[4];
+        ldsm_x4(b, sk + swz<CH>(16 * np + (lane & 7) + ((lane >> 4) << 3), 2 * kd + ((lane >> 3) & 1)));
+        mma16816<T>(s[2 * np], qf[kd], b[0], b[1]);
+        mma16816<T>(s[2 * np + 1], qf[kd], b[2], b[3]);
+      }
+    }
+    if (tb < lo_last || te > hi_first) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = tb + 8 * j + 2 * t + (e & 1);
+          if (key < rlo[e >> 1] || key > rhi[e >> 1]) s[j][e] = -INFINITY;
+        }
+      }
+    }
+    // Online softmax; a row's four lanes (same g) share its max.
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      float mx = m[i2];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * i2], s[j][2 * i2 + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row with no key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+      const float base = mx == -INFINITY ? 0.0f : mx * sl2;
+      const float alpha = exp2f(m[i2] * sl2 - base);
+      m[i2] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 2 * i2; e < 2 * i2 + 2; ++e) {
+          s[j][e] = exp2f(fmaf(s[j][e], sl2, -base));
+          sum += s[j][e];
+        }
+      }
+      l[i2] = l[i2] * alpha + sum;
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        o[j][2 * i2] *= alpha;
+        o[j][2 * i2 + 1] *= alpha;
+      }
+    }
+    // O += P V. P's A fragment for keys 16kk..16kk+15 is S tiles 2kk (a0, a1) and 2kk + 1
+    // (a2, a3), as the C and A layouts line up. B(k = key, n = dim) is V row-major read
+    // transposed: matrices keys 16kk + 0..7 and + 8..15 at dims 16jp + 0..7, then the same
+    // keys at dims 16jp + 8..15.
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+      const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                             pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int jp = 0; jp < D / 16; ++jp) {
+        uint32_t b[4];
+        ldsm_x4_trans(b, sv + swz<CH>(16 * kk + (lane & 7) + (((lane >> 3) & 1) << 3), 2 * jp + (lane >> 4)));
+        mma16816<T>(o[2 * jp], a, b[0], b[1]);
+        mma16816<T>(o[2 * jp + 1], a, b[2], b[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can be pending; none may outlive the CTA
+
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    l[i2] += __shfl_xor_sync(0xffffffffu, l[i2], 1);
+    l[i2] += __shfl_xor_sync(0xffffffffu, l[i2], 2);
+  }
+  if (w.partial >= 0) {
+    // Split-KV (single-token items whose group exceeds the decode kernel's): unnormalised,
+    // with the max in natural-log units for the merge.
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      const int r = warp * 16 + g + 8 * i2;
+      if (r >= rows) continue;
+      float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r % group) * (D + 2);
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        *reinterpret_cast<float2*>(pr + 8 * j + 2 * t) = make_float2(o[j][2 * i2], o[j][2 * i2 + 1]);
+      }
+      if (t == 0) {
+        pr[D] = l[i2] > 0.0f ? m[i2] * scale : -FLT_MAX;
+        pr[D + 1] = l[i2];
+      }
+    }
+    return;
+  }
+  // Normalised rows go through the warp's own Q rows in shared memory (read only by this
+  // warp, into registers, long ago) so the stores to out are whole 16-byte chunks.
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    const float inv = l[i2] > 0.0f ? 1.0f / l[i2] : 0.0f;
+    const int r = warp * 16 + g + 8 * i2;
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      *reinterpret_cast<uint32_t*>(smem + swz<CH>(r, j) + 4 * t) = pack2<T>(o[j][2 * i2] * inv, o[j][2 * i2 + 1] * inv);
+    }
+  }
+  __syncwarp();
+  for (int e = lane; e < 16 * CH; e += 32) {
+    const int r = warp * 16 + e / CH, c = e % CH;
+    if (r >= rows) break;
+    const int token = q0 + w.q_begin + r / group, head = w.kv_head * group + r % group;
+    *reinterpret_cast<int4*>(out + (static_cast<int64_t>(token) * num_heads + head) * D + c * 8) =
+        *reinterpret_cast<const int4*>(smem + swz<CH>(r, c));
+  }
+}
+
+template <typename T, int D>
+void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, const AttnBatch& b, int num_heads,
+            float scale, int window, int first_item, int num_items, cudaStream_t stream) {
+  constexpr int smem = Tiles<D>::kSmemBytes;
+  static bool configured = false;  // per instantiation; raising the limit is idempotent
+  if (!configured) {
+    cudaFuncSetAttribute(prefill_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    configured = true;
+  }
+  prefill_attention_kernel<T, D><<<num_items, kThreads, smem, stream>>>(
+      static_cast<const T*>(q), q_stride, static_cast<T*>(out), kv, layer, b, num_heads, scale, window, first_item);
+}
+
+template <int D>
+void launch_dtype(DType t, const void* q, int64_t q_stride, void* out, KVCache kv, int layer, const AttnBatch& b,
+                  int num_heads, float scale, int window, int first_item, int num_items, cudaStream_t stream) {
+  if (t == DType::kBF16) {
+    launch<__nv_bfloat16, D>(q, q_stride, out, kv, layer, b, num_heads, scale, window, first_item, num_items, stream);
+  } else if (t == DType::kF16) {
+    launch<__half, D>(q, q_stride, out, kv, layer, b, num_heads, scale, window, first_item, num_items, stream);
+  }
+}
+
+}  // namespace
+
+void prefill_attention(DType t, const void* q, int64_t q_stride, void* out, KVCache kv, int32_t layer,
+                       const AttnBatch& batch, int32_t num_heads, float scale, int32_t window, int32_t first_item,
+                       int32_t num_items, cudaStream_t stream) {
+  if (num_items <= 0) return;
+  switch (kv.head_dim) {
+    case 64:
+      launch_dtype<64>(t, q, q_stride, out, kv, layer, batch, num_heads, scale, window, first_item, num_items,
+                       stream);
+      break;
+    case 128:
+      launch_dtype<128>(t, q, q_stride, out, kv, layer, batch, num_heads, scale, window, first_item, num_items,
+                        stream);
+      break;
+    default:
+      break;  // rejected by the launcher's caller (supported head dims: 64, 128)
+  }
+}
+
+}  // namespace k25::cuda
