@@ -60,6 +60,18 @@ py::dict stats_dict(const EngineStats& s) {
   d["busy_time_s"] = s.busy_time_s;
   d["last_step_s"] = s.last_step_s;
   d["last_step_tokens"] = s.last_step_tokens;
+  py::list layers;
+  for (const LayerSparsityStats& l : s.sparsity_layers) {
+    py::dict ld;
+    ld["blocks_total"] = l.blocks_total;
+    ld["blocks_skipped"] = l.blocks_skipped;
+    ld["selections"] = l.selections;
+    ld["ratio"] = l.blocks_total > 0 ? static_cast<double>(l.blocks_skipped) / l.blocks_total : 0.0;
+    ld["mean_entropy_bits"] = l.selections > 0 ? l.entropy_bits / l.selections : 0.0;
+    ld["top_blocks"] = l.top_blocks;
+    layers.append(ld);
+  }
+  d["sparsity_layers"] = layers;
   return d;
 }
 
@@ -123,7 +135,13 @@ void bind_engine(py::module_& m) {
       .def_readwrite("decode_max_tokens", &EngineConfig::decode_max_tokens)
       .def_readwrite("num_threads", &EngineConfig::num_threads)
       .def_readwrite("admission_watermark", &EngineConfig::admission_watermark)
-      .def_readwrite("batching_window_ms", &EngineConfig::batching_window_ms);
+      .def_readwrite("batching_window_ms", &EngineConfig::batching_window_ms)
+      .def_readwrite("enable_dynamic_sparsity", &EngineConfig::enable_dynamic_sparsity)
+      .def_readwrite("max_sparsity_ratio", &EngineConfig::max_sparsity_ratio)
+      .def_readwrite("sparsity_min_context", &EngineConfig::sparsity_min_context)
+      .def_readwrite("sparsity_recent_blocks", &EngineConfig::sparsity_recent_blocks)
+      .def_readwrite("sparsity_sink_blocks", &EngineConfig::sparsity_sink_blocks)
+      .def_readwrite("sparsity_mass_target", &EngineConfig::sparsity_mass_target);
 
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init<>())
@@ -182,22 +200,32 @@ void bind_engine(py::module_& m) {
              tb.reserve(token_bytes.size());
              for (const py::bytes& b : token_bytes) tb.emplace_back(b);
              py::gil_scoped_release release;
-             auto exec = make_executor(model, cfg.block_size, cfg.num_kv_blocks, fused, cfg.num_threads);
+             SparsityParams sp;
+             sp.min_context = cfg.sparsity_min_context;
+             sp.recent_blocks = cfg.sparsity_recent_blocks;
+             sp.sink_blocks = cfg.sparsity_sink_blocks;
+             sp.max_ratio = cfg.max_sparsity_ratio;
+             sp.mass_target = cfg.sparsity_mass_target;
+             auto exec = make_executor(model, cfg.block_size, cfg.num_kv_blocks, fused, cfg.num_threads,
+                                       cfg.enable_dynamic_sparsity ? &sp : nullptr);
              return std::make_unique<Engine>(cfg, std::move(exec), std::move(tb), std::move(eos));
            }),
            py::arg("model"), py::arg("config"), py::arg("fused"), py::arg("token_bytes"), py::arg("eos_token_ids"))
       .def("add_request",
-           [](Engine& e, std::vector<int32_t> prompt, const SamplingParams& p, int32_t priority, bool want_logits) {
+           [](Engine& e, std::vector<int32_t> prompt, const SamplingParams& p, int32_t priority, bool want_logits,
+              int32_t single_token_from) {
              if (priority < 0 || priority > 2) throw Error(ErrorCode::kInvalidArgument, "priority must be 0, 1 or 2");
              RequestSpec spec;
              spec.prompt = std::move(prompt);
              spec.params = p;
              spec.priority = static_cast<Priority>(priority);
              spec.want_prompt_logits = want_logits;
+             spec.single_token_from = single_token_from;
              py::gil_scoped_release release;
              return e.add_request(std::move(spec));
            },
-           py::arg("prompt"), py::arg("params"), py::arg("priority") = 1, py::arg("want_prompt_logits") = false)
+           py::arg("prompt"), py::arg("params"), py::arg("priority") = 1, py::arg("want_prompt_logits") = false,
+           py::arg("single_token_from") = -1)
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>())
       .def("wait_outputs", &Engine::wait_outputs, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })

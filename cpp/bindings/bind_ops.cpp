@@ -6,6 +6,7 @@
 #include "engine/sampler.h"
 #include "k25/status.h"
 #include "ops/attention_plan.h"
+#include "ops/block_sparsity.h"
 #include "ops/cpu_kernels.h"
 
 #ifdef K25_WITH_CUDA
@@ -28,6 +29,20 @@ void check_rows(const at::Tensor& t, const char* name) {
   if (t.dim() != 2 || t.stride(1) != 1) {
     throw Error(ErrorCode::kInvalidArgument, std::string(name) + ": need 2-D rows with unit inner stride");
   }
+}
+
+// The CPU kernels' view of one batch (tensors must outlive it).
+cpu::AttentionBatch cpu_batch(const at::Tensor& qs, const at::Tensor& cl, const at::Tensor& bt) {
+  check(qs, at::kInt, "query_start");
+  check(cl, at::kInt, "context_lens");
+  check(bt, at::kInt, "block_tables");
+  cpu::AttentionBatch b;
+  b.query_start = qs.data_ptr<int32_t>();
+  b.context_lens = cl.data_ptr<int32_t>();
+  b.block_tables = bt.data_ptr<int32_t>();
+  b.max_blocks_per_seq = static_cast<int32_t>(bt.size(1));
+  b.num_seqs = static_cast<int32_t>(cl.size(0));
+  return b;
 }
 
 KVLayout layout_of(py::tuple l) {
@@ -247,17 +262,9 @@ void bind_ops(py::module_& m) {
                                 int32_t sliding_window) {
     check_rows(q, "q");
     check(kv, at::kFloat, "kv");
-    check(query_start, at::kInt, "query_start");
-    check(context_lens, at::kInt, "context_lens");
-    check(block_tables, at::kInt, "block_tables");
     KVLayout L = layout_of(layout);
     at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous();
-    cpu::AttentionBatch b;
-    b.query_start = qs.data_ptr<int32_t>();
-    b.context_lens = cl.data_ptr<int32_t>();
-    b.block_tables = bt.data_ptr<int32_t>();
-    b.max_blocks_per_seq = static_cast<int32_t>(bt.size(1));
-    b.num_seqs = static_cast<int32_t>(cl.size(0));
+    const cpu::AttentionBatch b = cpu_batch(qs, cl, bt);
     at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * L.head_dim}, q.options());
     {
       py::gil_scoped_release release;
@@ -266,6 +273,70 @@ void bind_ops(py::module_& m) {
     }
     return out;
   });
+
+  // Dynamic sparsity (ops/block_sparsity.h). summaries: float32 [blocks, layers, kv heads, 2, head_dim].
+  auto summary_layout = [](const at::Tensor& summaries, const KVLayout& L) {
+    check(summaries, at::kFloat, "summaries");
+    if (!summaries.is_contiguous() || summaries.dim() != 5 || summaries.size(1) != L.num_layers ||
+        summaries.size(2) != L.num_kv_heads || summaries.size(3) != 2 || summaries.size(4) != L.head_dim) {
+      throw Error(ErrorCode::kInvalidArgument, "summaries must be contiguous [blocks, layers, kv_heads, 2, head_dim]");
+    }
+    return SummaryLayout{L.num_layers, L.num_kv_heads, L.head_dim};
+  };
+  ops.def("update_key_summaries", [=](const at::Tensor& kv, py::tuple layout, at::Tensor summaries, int32_t layer,
+                                      const at::Tensor& query_start, const at::Tensor& context_lens,
+                                      const at::Tensor& block_tables) {
+    check(kv, at::kFloat, "kv");
+    const KVLayout L = layout_of(layout);
+    const SummaryLayout S = summary_layout(summaries, L);
+    at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous();
+    const cpu::AttentionBatch b = cpu_batch(qs, cl, bt);
+    py::gil_scoped_release release;
+    update_key_summaries(kv.data_ptr<float>(), L, summaries.data_ptr<float>(), S, layer, b);
+  });
+  ops.def(
+      "sparse_attention",
+      [=](const at::Tensor& q, const at::Tensor& kv, py::tuple layout, int32_t layer, const at::Tensor& query_start,
+          const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& summaries,
+          int32_t num_heads, double scale, int32_t min_context, int32_t recent_blocks, int32_t sink_blocks,
+          double max_ratio, double mass_target) {
+        check_rows(q, "q");
+        check(kv, at::kFloat, "kv");
+        const KVLayout L = layout_of(layout);
+        const SummaryLayout S = summary_layout(summaries, L);
+        at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous();
+        const cpu::AttentionBatch b = cpu_batch(qs, cl, bt);
+        SparsityParams p;
+        p.min_context = min_context;
+        p.recent_blocks = recent_blocks;
+        p.sink_blocks = sink_blocks;
+        p.max_ratio = static_cast<float>(max_ratio);
+        p.mass_target = static_cast<float>(mass_target);
+        LayerSelection sel;
+        at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * L.head_dim}, q.options());
+        {
+          py::gil_scoped_release release;
+          const bool any = select_blocks(q.data_ptr<float>(), q.stride(0), summaries.data_ptr<float>(), S, L, layer,
+                                         b, num_heads, static_cast<float>(scale), p, &sel);
+          const cpu::AttentionBatch use = any ? sparse_batch(b, sel) : b;
+          cpu::paged_attention(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), kv.data_ptr<float>(), L,
+                               layer, use, num_heads, static_cast<float>(scale), 0);
+        }
+        py::dict info;
+        info["context_lens"] = sel.context_lens;
+        info["sparse"] = std::vector<int32_t>(sel.sparse.begin(), sel.sparse.end());
+        info["head_tables"] = sel.head_tables;
+        info["blocks_total"] = sel.blocks_total;
+        info["blocks_kept"] = sel.blocks_kept;
+        info["selections"] = sel.selections;
+        info["entropy_bits"] = sel.entropy_bits;
+        info["top_blocks"] = sel.top_blocks;
+        return py::make_tuple(out, info);
+      },
+      py::arg("q"), py::arg("kv"), py::arg("layout"), py::arg("layer"), py::arg("query_start"),
+      py::arg("context_lens"), py::arg("block_tables"), py::arg("summaries"), py::arg("num_heads"), py::arg("scale"),
+      py::arg("min_context") = 2048, py::arg("recent_blocks") = 2, py::arg("sink_blocks") = 1,
+      py::arg("max_ratio") = 0.6, py::arg("mass_target") = 0.95);
 }
 
 }  // namespace k25::bindings

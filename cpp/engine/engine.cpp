@@ -101,6 +101,7 @@ int64_t Engine::add_request(RequestSpec spec) {
   seq->priority = spec.priority;
   seq->params = std::move(p);
   seq->want_prompt_logits = spec.want_prompt_logits;
+  seq->single_token_from = spec.single_token_from;
   if (seq->params.has_seed) {
     seq->seed = seq->params.seed;
   } else {
@@ -495,6 +496,7 @@ void Engine::step() {
     stats_.busy_time_s += t1 - t0;
     stats_.last_step_s = t1 - t0;
     stats_.last_step_tokens = plan.num_tokens;
+    stats_.sparsity_layers = executor_->sparsity_stats();
   }
   for (RequestOutput& o : outs) emit(std::move(o));
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/sampler.h"
+#include "k25/engine.h"
 
 namespace k25 {
 
@@ -55,6 +56,8 @@ class ModelExecutor {
   virtual void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
                        std::vector<SampleResult>* results,
                        const std::vector<LogitsCopy>& copies) = 0;
+  // Dynamic sparsity statistics per layer (empty when off); called on the engine thread.
+  virtual std::vector<LayerSparsityStats> sparsity_stats() const { return {}; }
 };
 
 }  // namespace k25

@@ -83,11 +83,11 @@ StepPlan Scheduler::schedule() {
       static_cast<int32_t>(std::ceil(config_.admission_watermark * pool_->num_total()));
   if (!waiting_.empty()) {
     Sequence* w = waiting_.front();
-    const int32_t first = std::min({w->num_tokens() - w->num_computed, chunk, budget});
+    const int32_t first = std::min({w->num_tokens() - w->num_computed, w->step_limit(chunk), budget});
     auto fits = [&] {
       int32_t reserved = 0, left = budget;
       for (Sequence* r : running_) {
-        const int32_t n = std::min({r->num_tokens() - r->num_computed, chunk, left});
+        const int32_t n = std::min({r->num_tokens() - r->num_computed, r->step_limit(chunk), left});
         if (n <= 0) break;
         reserved += blocks_missing(*r, n);
         left -= n;
@@ -112,7 +112,7 @@ StepPlan Scheduler::schedule() {
   size_t i = 0;
   while (i < running_.size() && budget > 0) {
     Sequence* s = running_[i];
-    int32_t n = std::min({s->num_tokens() - s->num_computed, chunk, budget});
+    int32_t n = std::min({s->num_tokens() - s->num_computed, s->step_limit(chunk), budget});
     if (n <= 0) fail(ErrorCode::kInternal, "running sequence with nothing to compute");
     bool self_preempted = false;
     while (blocks_missing(*s, n) > pool_->num_free()) {
@@ -143,7 +143,7 @@ StepPlan Scheduler::schedule() {
     size_t admitted = 0;
     while (admitted < waiting_.size() && budget > 0 && num_running() < config_.max_batch_size) {
       Sequence* s = waiting_[admitted];
-      int32_t n = std::min({s->num_tokens() - s->num_computed, chunk, budget});
+      int32_t n = std::min({s->num_tokens() - s->num_computed, s->step_limit(chunk), budget});
       if (blocks_missing(*s, n) + watermark > pool_->num_free()) break;
       grow(s, n);
       s->status = SeqStatus::kRunning;

@@ -7,6 +7,7 @@
 // tokens are recomputed along with the prompt.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -35,6 +36,9 @@ struct Sequence {
   FinishReason finish_reason = FinishReason::kNone;
   int32_t num_preemptions = 0;
   bool want_prompt_logits = false;
+  // Tokens from this index on are computed one per step, as decodes are (>= 0): scoring
+  // a text the way generation would compute it (teacher-forced decoding).
+  int32_t single_token_from = -1;
   std::vector<float> prompt_logits;  // [num_prompt_tokens, vocab] when asked
   std::string output_bytes_tail;  // last bytes of the output, for stop strings
   double arrival_time = 0;        // seconds, engine clock
@@ -47,6 +51,12 @@ struct Sequence {
   int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
   // A sequence that still has tokens without KV is prefilling (or recomputing).
   bool is_prefill() const { return num_tokens() - num_computed > 1; }
+  // Most tokens this sequence may compute in one step, given the prompt chunk size.
+  int32_t step_limit(int32_t chunk) const {
+    if (single_token_from < 0) return chunk;
+    if (num_computed >= single_token_from) return 1;
+    return std::min(chunk, single_token_from - num_computed);
+  }
 };
 
 }  // namespace k25

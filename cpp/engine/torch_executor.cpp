@@ -148,7 +148,7 @@ namespace {
 class TorchExecutor : public ModelExecutor {
  public:
   TorchExecutor(std::shared_ptr<ModelHandle> model, int32_t block_size, int32_t num_blocks, bool fused,
-                int32_t num_threads)
+                int32_t num_threads, const SparsityParams* sparsity)
       : handle_(std::move(model)),
         model_(handle_->model().get()),
         fused_(fused),
@@ -174,6 +174,20 @@ class TorchExecutor : public ModelExecutor {
     num_blocks_ = num_blocks;
     kv_ = at::empty({static_cast<int64_t>(num_blocks + (device.is_cuda() ? 1 : 0)) * layout_.block_elems()},
                     at::TensorOptions().dtype(model_->dtype()).device(device));
+    if (sparsity) {
+      if (!device.is_cpu() || !fused_) {
+        fail(ErrorCode::kUnsupported, "dynamic sparsity needs the CPU backend with kernel fusion (the CUDA kernel "
+                                      "and the unfused path do not have it yet)");
+      }
+      sparse_ = std::make_unique<SparseStep>();
+      sparse_->params = *sparsity;
+      sparse_->layout = SummaryLayout{c.num_layers, c.num_kv_heads, c.head_dim};
+      sparse_->layers.resize(c.num_layers);
+      summaries_ = at::empty({static_cast<int64_t>(num_blocks) * sparse_->layout.block_elems()},
+                             at::TensorOptions().dtype(at::kFloat));
+      sparse_->summaries = summaries_.data_ptr<float>();
+      stats_.resize(c.num_layers);
+    }
 #ifdef K25_WITH_CUDA
     const char* off = std::getenv("K25_DISABLE_CUDA_GRAPHS");
     use_graphs_ = device.is_cuda() && fused_ && !(off && std::string(off) == "1");
@@ -185,6 +199,7 @@ class TorchExecutor : public ModelExecutor {
     if (pool_) set_thread_pool(pool_.get());
   }
   int32_t vocab_size() const override { return model_->config().vocab_size; }
+  std::vector<LayerSparsityStats> sparsity_stats() const override { return stats_; }
   int32_t max_positions() const override { return handle_->max_positions(); }
 
   void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
@@ -208,7 +223,19 @@ class TorchExecutor : public ModelExecutor {
 
   void execute_on(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
                   std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) {
-    at::Tensor logits = model_->forward(meta, kv_, layout_, fused_);
+    at::Tensor logits = model_->forward(meta, kv_, layout_, fused_, nullptr, sparse_.get());
+    if (sparse_) {
+      for (size_t l = 0; l < stats_.size(); ++l) {
+        const LayerSelection& sel = sparse_->layers[l];
+        if (sel.selections == 0) continue;
+        LayerSparsityStats& st = stats_[l];
+        st.blocks_total += sel.blocks_total;
+        st.blocks_skipped += sel.blocks_total - sel.blocks_kept;
+        st.selections += sel.selections;
+        st.entropy_bits += sel.entropy_bits;
+        st.top_blocks = sel.top_blocks;
+      }
+    }
     results->clear();
     results->resize(samples.size());
     bool all_greedy = copies.empty();
@@ -429,6 +456,9 @@ class TorchExecutor : public ModelExecutor {
   at::Tensor kv_;
   Sampler sampler_;
   std::vector<int32_t> counts_;  // scratch of sample_on_device, all zero between calls
+  std::unique_ptr<SparseStep> sparse_;   // dynamic sparsity, when on
+  at::Tensor summaries_;                 // its key summaries (see ops/block_sparsity.h)
+  std::vector<LayerSparsityStats> stats_;
   std::unique_ptr<ThreadPool> pool_;
 #ifdef K25_WITH_CUDA
   std::unique_ptr<c10::cuda::CUDAStream> stream_;
@@ -438,9 +468,10 @@ class TorchExecutor : public ModelExecutor {
 }  // namespace
 
 std::unique_ptr<ModelExecutor> make_executor(std::shared_ptr<ModelHandle> model, int32_t block_size,
-                                             int32_t num_blocks, bool fused, int32_t num_threads) {
+                                             int32_t num_blocks, bool fused, int32_t num_threads,
+                                             const SparsityParams* sparsity) {
   if (num_blocks <= 0) fail(ErrorCode::kInvalidArgument, "the KV pool needs at least one block");
-  return std::make_unique<TorchExecutor>(std::move(model), block_size, num_blocks, fused, num_threads);
+  return std::make_unique<TorchExecutor>(std::move(model), block_size, num_blocks, fused, num_threads, sparsity);
 }
 
 }  // namespace k25

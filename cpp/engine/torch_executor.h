@@ -8,6 +8,7 @@
 
 #include "engine/executor.h"
 #include "model/model_config.h"
+#include "ops/block_sparsity.h"
 #include "ops/kv_layout.h"
 
 namespace k25 {
@@ -55,8 +56,10 @@ std::shared_ptr<ModelHandle> load_model(const std::string& path, int32_t max_pos
 int64_t kv_block_bytes(const ModelConfig& config, int32_t block_size, int32_t elem_bytes = 4);
 int32_t dtype_bytes(const std::string& dtype);
 
+// sparsity: nullptr, or the dynamic-sparsity rule (CPU fused path only).
 std::unique_ptr<ModelExecutor> make_executor(std::shared_ptr<ModelHandle> model, int32_t block_size,
-                                             int32_t num_blocks, bool fused, int32_t num_threads);
+                                             int32_t num_blocks, bool fused, int32_t num_threads,
+                                             const SparsityParams* sparsity = nullptr);
 
 // CUDA: built in and a device visible; free and total bytes of a device.
 bool cuda_available();

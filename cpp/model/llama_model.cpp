@@ -123,12 +123,13 @@ int64_t LlamaModel::weight_bytes() const {
 }
 
 at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused,
-                               const DeviceStep* prepared) const {
+                               const DeviceStep* prepared, SparseStep* sparse) const {
   const ModelConfig& c = config_;
   const LlamaWeights& W = weights_;
   const at::Device dev = device();
   const bool cuda = dev.is_cuda();
   if (prepared && !(cuda && fused)) fail(ErrorCode::kInternal, "prepared inputs are for the fused CUDA path");
+  if (sparse && (cuda || !fused)) fail(ErrorCode::kUnsupported, "dynamic sparsity runs on the fused CPU path only");
   const int64_t T = prepared ? prepared->ids.size(0) : meta.num_tokens();
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int32_t Hq = c.num_heads, Hkv = c.num_kv_heads;
@@ -213,8 +214,21 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
     } else if (fused) {
       cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
                          rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), kv.data_ptr<float>(), layout, l);
+      cpu::AttentionBatch use = ab;
+      if (sparse) {
+        // Summaries follow every write (prefill too); selection is for decodes of layers
+        // without a sliding window.
+        update_key_summaries(kv.data_ptr<float>(), layout, sparse->summaries, sparse->layout, l, ab);
+        LayerSelection& sel = sparse->layers[l];
+        if (window == 0 && select_blocks(qkv.data_ptr<float>(), qkv_dim, sparse->summaries, sparse->layout, layout,
+                                         l, ab, Hq, scale, sparse->params, &sel)) {
+          use = sparse_batch(ab, sel);
+        } else {
+          sel.blocks_total = sel.blocks_kept = sel.selections = 0;
+        }
+      }
       cpu::paged_attention(qkv.data_ptr<float>(), qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l,
-                           ab, Hq, scale, window);
+                           use, Hq, scale, window);
     } else {
       // RoPE as transformers writes it: x * cos + rotate_half(x) * sin, in the model dtype.
       at::Tensor cos = at::index_select(rope_cos_, 0, positions);

@@ -16,6 +16,7 @@
 #include "model/cuda_glue.h"
 #endif
 #include "model/model_config.h"
+#include "ops/block_sparsity.h"
 #include "ops/kv_layout.h"
 
 namespace k25 {
@@ -48,6 +49,16 @@ struct DeviceStep {
 #endif
 };
 
+// Dynamic block sparsity of a step (CPU fused path; ops/block_sparsity.h): the key
+// summaries of every block, the rule's parameters, and per layer the step's selection
+// (read back by the executor for statistics).
+struct SparseStep {
+  SparsityParams params;
+  float* summaries = nullptr;
+  SummaryLayout layout;
+  std::vector<LayerSelection> layers;  // sized num_layers by the caller
+};
+
 class LlamaModel {
  public:
   LlamaModel(ModelConfig config, LlamaWeights weights, int32_t max_positions);
@@ -66,7 +77,7 @@ class LlamaModel {
   // [meta.logits_rows.size(), vocab] on the model's device.
   // With `prepared` (fused CUDA only) the inputs come from there and `meta` is unused.
   at::Tensor forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused,
-                     const DeviceStep* prepared = nullptr) const;
+                     const DeviceStep* prepared = nullptr, SparseStep* sparse = nullptr) const;
 
  private:
   void attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, const at::Tensor& kv,

@@ -386,7 +386,10 @@ void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out
   const int32_t q0 = B.query_start[w.seq];
   const int32_t q_len = B.query_start[w.seq + 1] - q0;
   const int32_t first_pos = B.context_lens[w.seq] - q_len;  // position of the first new token
-  const int32_t* table = B.block_tables + static_cast<int64_t>(w.seq) * B.max_blocks_per_seq;
+  const int32_t* table = B.sparse_seq && B.sparse_seq[w.seq]
+                             ? B.head_tables + (static_cast<int64_t>(w.seq) * L.num_kv_heads + w.kv_head) *
+                                                   B.max_blocks_per_seq
+                             : B.block_tables + static_cast<int64_t>(w.seq) * B.max_blocks_per_seq;
   const bool fast = L.block_size % 16 == 0 && (D == 64 || D == 128);
   const float* qrows[kMaxTileRows];
   float* orows[kMaxTileRows];

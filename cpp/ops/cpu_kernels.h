@@ -15,6 +15,11 @@ struct AttentionBatch {
   const int32_t* block_tables = nullptr;  // [S * max_blocks_per_seq]
   int32_t max_blocks_per_seq = 0;
   int32_t num_seqs = 0;
+  // Dynamic sparsity (ops/block_sparsity.h): a sequence with sparse_seq[s] set reads KV
+  // head h through head_tables[(s * num_kv_heads + h) * max_blocks_per_seq ...] instead
+  // of its block table, and context_lens[s] is the kept keys' count.
+  const int32_t* head_tables = nullptr;
+  const uint8_t* sparse_seq = nullptr;
 };
 
 // out[t] = rmsnorm(x[t]) * w over rows of n; x and out may alias.

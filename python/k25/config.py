@@ -37,7 +37,10 @@ class K25Config:
     enable_dynamic_sparsity: bool = False
     max_sparsity_ratio: float = 0.6
     sparsity_min_context: int = 2048
-    sparsity_recent_blocks: int = 2
+    sparsity_recent_blocks: int = 16
+    sparsity_sink_blocks: int = 1
+    sparsity_mass_target: float = 0.95  # estimated softmax mass the kept blocks must reach
+    sparsity_compensation: bool = False
     enable_async_offload: bool = False
     cache_mode: str = "standard"
     l2_bytes: Optional[int] = None
@@ -72,6 +75,9 @@ class K25Config:
                                                or (self.device.startswith("cuda:") and self.device[5:].isdigit())),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         device = self.resolved_device()
+        if self.enable_dynamic_sparsity is True and device.startswith("cuda"):
+            raise ConfigError("enable_dynamic_sparsity=True runs on the CPU backend only so far (the CUDA sparse "
+                              "decode kernel is not built yet); use device='cpu'")
         if device.startswith("cuda"):
             from . import _C
             if not _C.cuda_available():
@@ -112,9 +118,18 @@ class K25Config:
         positive_int("sparsity_recent_blocks")
         if self.enable_prefix_caching:
             raise ConfigError("enable_prefix_caching=True is not implemented yet")
+        positive_int("sparsity_sink_blocks")
+        need(isinstance(self.sparsity_mass_target, (int, float)) and not isinstance(self.sparsity_mass_target, bool)
+             and 0.0 < self.sparsity_mass_target <= 1.0,
+             f"sparsity_mass_target must be in (0, 1], got {self.sparsity_mass_target!r}")
+        need(isinstance(self.enable_dynamic_sparsity, bool), "enable_dynamic_sparsity must be a bool")
+        need(isinstance(self.sparsity_compensation, bool), "sparsity_compensation must be a bool")
+        if self.sparsity_compensation:
+            raise ConfigError("sparsity_compensation=True is not implemented yet (skipped blocks are dropped, "
+                              "not approximated)")
         if self.enable_dynamic_sparsity:
-            raise ConfigError("enable_dynamic_sparsity=True is not implemented yet "
-                              "(block-sparse decode attention is a later milestone)")
+            need(self.enable_kernel_fusion, "enable_dynamic_sparsity=True needs enable_kernel_fusion=True "
+                                            "(the unfused path has no sparse attention)")
         if self.enable_async_offload and self.cache_mode != "hierarchical":
             raise ConfigError("enable_async_offload=True needs cache_mode='hierarchical' "
                               "(the standard cache has no tiers to offload to)")

@@ -216,6 +216,12 @@ class K25Model:
         ec.decode_max_tokens = config.decode_max_tokens or 0
         ec.num_threads = threads
         ec.batching_window_ms = float(config.batching_window_ms)
+        ec.enable_dynamic_sparsity = config.enable_dynamic_sparsity
+        ec.max_sparsity_ratio = float(config.max_sparsity_ratio)
+        ec.sparsity_min_context = config.sparsity_min_context
+        ec.sparsity_recent_blocks = config.sparsity_recent_blocks
+        ec.sparsity_sink_blocks = config.sparsity_sink_blocks
+        ec.sparsity_mass_target = float(config.sparsity_mass_target)
         self.kv_block_bytes = self._handle.kv_block_bytes(config.block_size)
         ec.num_kv_blocks = self._kv_blocks(config)
         self.kv_cache_bytes = ec.num_kv_blocks * self.kv_block_bytes
@@ -346,7 +352,8 @@ class K25Model:
             raise RequestError(f"bad sampling parameter: {e}") from None
         return p
 
-    def _submit(self, ids: List[int], params, priority: str, sink: _Sink, want_logits=False) -> int:
+    def _submit(self, ids: List[int], params, priority: str, sink: _Sink, want_logits=False,
+                single_token_from=-1) -> int:
         if priority not in PRIORITIES:
             raise RequestError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
         need = len(ids) + (1 if params.max_new_tokens > 0 else 0)
@@ -355,7 +362,7 @@ class K25Model:
                 f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len} and must "
                 "hold the prompt plus one generated token")
         self._check_open()
-        rid = self._engine.add_request(ids, params, PRIORITIES[priority], want_logits)
+        rid = self._engine.add_request(ids, params, PRIORITIES[priority], want_logits, single_token_from)
         self._router.register(rid, sink)
         return rid
 
@@ -482,12 +489,20 @@ class K25Model:
             if not finished:
                 self._engine.abort(rid)
 
-    def score(self, token_ids: Sequence[int]):
-        """Logits (float32 numpy array [len, vocab]) of every position, teacher-forced."""
+    def score(self, token_ids: Sequence[int], decode_from: Optional[int] = None):
+        """Logits (float32 numpy array [len, vocab]) of every position, teacher-forced.
+
+        decode_from=N computes positions N.. one token per step, exactly as generation
+        computes its tokens (decode steps: e.g. with dynamic sparsity), and the positions
+        before N in prompt chunks. Default: all in prompt chunks."""
         ids = self._prompt_ids(list(token_ids))
+        if decode_from is not None and (isinstance(decode_from, bool) or not isinstance(decode_from, int)
+                                        or decode_from < 0):
+            raise RequestError(f"decode_from must be a non-negative int, got {decode_from!r}")
         params = self._params(max_new_tokens=0, temperature=0.0)
         sink = _Sink()
-        rid = self._submit(ids, params, "silver", sink, want_logits=True)
+        rid = self._submit(ids, params, "silver", sink, want_logits=True,
+                           single_token_from=-1 if decode_from is None else decode_from)
         try:
             while not sink.done.wait(0.1):
                 self._check_open()
@@ -533,8 +548,12 @@ class K25Model:
         return int(self._handle.device_allocated_bytes)
 
     def get_current_sparsity_ratio(self) -> float:
-        """Running average fraction of KV blocks skipped (0.0: dense attention only)."""
-        return 0.0
+        """Fraction of KV blocks skipped by sparse decode attention since the model started,
+        over every (sequence, layer, KV head) selection (0.0 when sparsity is off or no
+        sequence has been long enough)."""
+        layers = self._engine.stats()["sparsity_layers"]
+        total = sum(l["blocks_total"] for l in layers)
+        return sum(l["blocks_skipped"] for l in layers) / total if total else 0.0
 
     def get_offload_count(self) -> int:
         """KV blocks moved between cache tiers (0: no tiers in cache_mode='standard')."""

@@ -636,7 +636,7 @@ def test_disconnect_non_streaming_aborts(srv):
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         srv.post(P, body, headers={"x-request-id": rid}, timeout=0.6)
-    wait_idle(srv, timeout=2.5)
+    wait_idle(srv, timeout=5.0)  # the abort itself is proven by the log lines below
     srv.wait_for(lambda: _kv_abort_logged(srv, rid), 3, what="a [KV_CACHE] evict_reason=abort line")
     assert f"[DECODE] req_id={rid} " not in srv.log()
 

@@ -16,6 +16,13 @@ struct EngineConfig {
   int32_t num_threads = 0;               // intra-op threads of the engine thread (0: default)
   float admission_watermark = 0.01f;     // fraction of blocks kept free when admitting
   double batching_window_ms = 0;         // an idle engine waits this long to gather arrivals
+  // Dynamic block sparsity of decode attention (docs/sparsity.md; CPU backend).
+  bool enable_dynamic_sparsity = false;
+  float max_sparsity_ratio = 0.6f;       // most of a sequence-layer's blocks skipped
+  int32_t sparsity_min_context = 2048;   // sequences longer than this go sparse
+  int32_t sparsity_recent_blocks = 16;    // newest blocks always kept
+  int32_t sparsity_sink_blocks = 1;      // first blocks always kept
+  float sparsity_mass_target = 0.95f;    // estimated softmax mass the kept blocks reach
 };
 
 }  // namespace k25

@@ -57,6 +57,15 @@ struct KVEvent {
   std::string reason;  // "preempt_recompute" | "abort" | "error"
 };
 
+// Dynamic sparsity of one layer since the engine started (decode selections only).
+struct LayerSparsityStats {
+  int64_t blocks_total = 0;    // blocks of the selections, one count per KV head
+  int64_t blocks_skipped = 0;
+  int64_t selections = 0;      // (sequence, KV head, step) selections
+  double entropy_bits = 0;     // summed entropy of the estimated attention mass over blocks
+  std::vector<int32_t> top_blocks;  // best-scoring physical blocks of the latest selection
+};
+
 struct EngineStats {
   int64_t steps = 0;
   int64_t prefill_tokens = 0;  // tokens computed for prompts (and recomputation)
@@ -76,6 +85,7 @@ struct EngineStats {
   double busy_time_s = 0;  // time spent inside steps
   double last_step_s = 0;
   int32_t last_step_tokens = 0;
+  std::vector<LayerSparsityStats> sparsity_layers;  // empty unless sparsity is on
 };
 
 struct RequestSpec {
@@ -83,6 +93,7 @@ struct RequestSpec {
   SamplingParams params;
   Priority priority = Priority::kSilver;
   bool want_prompt_logits = false;
+  int32_t single_token_from = -1;  // see Sequence::single_token_from
 };
 
 class Engine {

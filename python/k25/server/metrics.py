@@ -54,10 +54,18 @@ class _EngineCollector:
         pre = CounterMetricFamily("k25_preemptions", "Sequences preempted (recompute)", labels=["model"])
         sparsity = GaugeMetricFamily("k25_sparsity_ratio", "Running average of skipped KV blocks", labels=["model"])
         offload = CounterMetricFamily("k25_offload", "KV blocks moved between tiers", labels=["model"])
+        layer_ratio = GaugeMetricFamily("k25_sparsity_layer_ratio", "Skipped KV blocks per layer since start",
+                                        labels=["model", "layer"])
+        layer_entropy = GaugeMetricFamily("k25_sparsity_layer_entropy_bits",
+                                          "Mean entropy of estimated attention mass over blocks, per layer",
+                                          labels=["model", "layer"])
         for model, s in self.engine_stats().items():
+            for i, layer in enumerate(s.get("sparsity_layers", [])):
+                layer_ratio.add_metric([model, str(i)], layer["ratio"])
+                layer_entropy.add_metric([model, str(i)], layer["mean_entropy_bits"])
             used.add_metric([model, "l1"], s["blocks_used"])
             free.add_metric([model, "l1"], s["blocks_free"])
             pre.add_metric([model], s["preemptions"])
             sparsity.add_metric([model], s.get("sparsity_ratio", 0.0))
             offload.add_metric([model], s.get("offload_count", 0))
-        yield from (used, free, pre, sparsity, offload)
+        yield from (used, free, pre, sparsity, offload, layer_ratio, layer_entropy)

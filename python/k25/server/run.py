@@ -87,7 +87,8 @@ def serve(args) -> int:
     engine_kw = dict(num_threads=args.threads, max_seq_len=args.max_seq_len, kv_cache_bytes=args.kv_cache_bytes,
                      max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                      prefill_chunk_size=args.prefill_chunk_size, device=args.device, dtype=args.dtype,
-                     batching_window_ms=args.batching_window_ms)
+                     batching_window_ms=args.batching_window_ms,
+                     enable_dynamic_sparsity=args.enable_dynamic_sparsity, max_sparsity_ratio=args.max_sparsity_ratio)
     engine_kw = {k: v for k, v in engine_kw.items() if v is not None}
     models: Dict[str, K25Model] = {}
     primary = args.served_model_name or served_name(args.model)

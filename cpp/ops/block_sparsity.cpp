@@ -1,0 +1,217 @@
+#include "ops/block_sparsity.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "ops/parallel.h"
+
+namespace k25 {
+
+namespace {
+
+// Key `off` of a block's head, channel d (the CPU cache keeps K transposed).
+inline float key_at(const float* K, const KVLayout& L, int32_t off, int32_t d) {
+  return L.k_transposed ? K[static_cast<int64_t>(d) * L.block_size + off]
+                        : K[static_cast<int64_t>(off) * L.head_dim + d];
+}
+
+}  // namespace
+
+void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
+                          int32_t layer, const cpu::AttentionBatch& B) {
+  const int32_t bs = L.block_size, D = L.head_dim;
+  // Sequences never share a block that is being written: one task per sequence keeps
+  // each block's updates in position order without locks.
+  parallel_for(0, B.num_seqs, 1, [&](int64_t sb, int64_t se) {
+    for (int64_t s = sb; s < se; ++s) {
+      const int32_t q_len = B.query_start[s + 1] - B.query_start[s];
+      const int32_t ctx = B.context_lens[s];
+      const int32_t* table = B.block_tables + s * B.max_blocks_per_seq;
+      for (int32_t pos = ctx - q_len; pos < ctx; ++pos) {
+        const int64_t block = table[pos / bs];
+        const int32_t off = pos % bs;
+        for (int32_t h = 0; h < L.num_kv_heads; ++h) {
+          const float* K = kv + L.k_offset(block, layer, h);
+          float* mn = summaries + S.offset(block, layer, h);
+          float* mx = mn + D;
+          for (int32_t d = 0; d < D; ++d) {
+            const float k = key_at(K, L, off, d);
+            if (off == 0) {
+              mn[d] = k;
+              mx[d] = k;
+            } else {
+              mn[d] = std::min(mn[d], k);
+              mx[d] = std::max(mx[d], k);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+bool select_blocks(const float* q, int64_t q_stride, const float* summaries, const SummaryLayout& S,
+                   const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B, int32_t num_heads, float scale,
+                   const SparsityParams& p, LayerSelection* out) {
+  const int32_t Hkv = L.num_kv_heads, group = num_heads / Hkv, D = L.head_dim, bs = L.block_size;
+  const int32_t nseq = B.num_seqs, MB = B.max_blocks_per_seq;
+  out->context_lens.assign(B.context_lens, B.context_lens + nseq);
+  out->sparse.assign(nseq, 0);
+  out->max_blocks = MB;
+  out->head_tables.clear();
+  out->blocks_total = out->blocks_kept = out->selections = 0;
+  out->entropy_bits = 0;
+  out->top_blocks.clear();
+  bool any = false;
+  for (int32_t s = 0; s < nseq; ++s) {
+    any = any || (B.query_start[s + 1] - B.query_start[s] == 1 && B.context_lens[s] > p.min_context);
+  }
+  if (!any) return false;
+  out->head_tables.assign(static_cast<size_t>(nseq) * Hkv * MB, -1);
+
+  struct SeqStats {
+    int64_t total = 0, kept = 0, selections = 0;
+    double entropy = 0;
+    std::vector<int32_t> top;
+  };
+  std::vector<SeqStats> stats(nseq);
+  parallel_for(0, nseq, 1, [&](int64_t sb, int64_t se) {
+    std::vector<float> score;  // [Hkv][nb]
+    std::vector<float> ub;     // [nb]: one query head's bounds
+    std::vector<float> ctr;    // [nb]: one query head's q . (block key centre)
+    std::vector<float> est;    // [Hkv][nb]: like score, from the centres (for the count)
+    std::vector<int32_t> order;
+    for (int64_t s = sb; s < se; ++s) {
+      const int32_t ctx = B.context_lens[s];
+      if (B.query_start[s + 1] - B.query_start[s] != 1 || ctx <= p.min_context) continue;
+      const int32_t nb = (ctx + bs - 1) / bs;
+      const int32_t* table = B.block_tables + s * MB;
+      const float* qrow = q + static_cast<int64_t>(B.query_start[s]) * q_stride;
+      // 1. Scores: per query head the bound relative to its best block; per KV head the
+      //    largest of those over the group.
+      score.assign(static_cast<size_t>(Hkv) * nb, 0.0f);
+      ub.resize(nb);
+      ctr.resize(nb);
+      est.assign(static_cast<size_t>(Hkv) * nb, -INFINITY);
+      for (int32_t h = 0; h < Hkv; ++h) {
+        float* sc = score.data() + static_cast<size_t>(h) * nb;
+        std::fill(sc, sc + nb, -INFINITY);
+        for (int32_t g = 0; g < group; ++g) {
+          const float* qh = qrow + static_cast<int64_t>(h * group + g) * D;
+          for (int32_t j = 0; j < nb; ++j) {
+            const float* mn = summaries + S.offset(table[j], layer, h);
+            const float* mx = mn + D;
+            float b = 0.0f, c = 0.0f;
+            for (int32_t d = 0; d < D; ++d) {
+              b += std::max(qh[d] * mn[d], qh[d] * mx[d]);
+              c += qh[d] * (mn[d] + mx[d]);
+            }
+            ub[j] = b * scale;
+            ctr[j] = 0.5f * c * scale;
+          }
+          // Relative to this head's best block, so that a head with small logits still
+          // gets its blocks: heads differ in scale, and the kept set is shared.
+          const float top = *std::max_element(ub.begin(), ub.begin() + nb);
+          for (int32_t j = 0; j < nb; ++j) sc[j] = std::max(sc[j], ub[j] - top);
+          const float ctop = *std::max_element(ctr.begin(), ctr.begin() + nb);
+          float* es = est.data() + static_cast<size_t>(h) * nb;
+          for (int32_t j = 0; j < nb; ++j) es[j] = std::max(es[j], ctr[j] - ctop);
+        }
+      }
+      // Mandatory blocks: sinks and the newest ones.
+      auto mandatory = [&](int32_t j) { return j < p.sink_blocks || j >= nb - p.recent_blocks; };
+      int32_t n_mand = 0;
+      for (int32_t j = 0; j < nb; ++j) n_mand += mandatory(j) ? 1 : 0;
+      auto tokens = [&](int32_t j) { return j == nb - 1 ? ctx - (nb - 1) * bs : bs; };
+      // 2. Each head's need under the mass rule, with masses from the centre estimate.
+      int32_t need = n_mand;
+      SeqStats& st = stats[s];
+      for (int32_t h = 0; h < Hkv; ++h) {
+        // The count comes from the centre estimate: the bound exceeds it by the block's
+        // spread, so masses estimated from bounds look peaked and the cap would always bind.
+        const float* sc = est.data() + static_cast<size_t>(h) * nb;
+        const float top = *std::max_element(sc, sc + nb);
+        double total = 0, covered = 0;
+        for (int32_t j = 0; j < nb; ++j) {
+          const double w = tokens(j) * std::exp(static_cast<double>(sc[j] - top));
+          total += w;
+          if (mandatory(j)) covered += w;
+        }
+        // Entropy (bits) of the estimated mass over blocks: low when a few blocks dominate.
+        double ent = 0;
+        for (int32_t j = 0; j < nb; ++j) {
+          const double w = tokens(j) * std::exp(static_cast<double>(sc[j] - top)) / total;
+          if (w > 0) ent -= w * std::log2(w);
+        }
+        st.entropy += ent;
+        order.clear();
+        for (int32_t j = 0; j < nb; ++j) {
+          if (!mandatory(j)) order.push_back(j);
+        }
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
+        int32_t k = n_mand;
+        for (int32_t j : order) {
+          if (covered >= p.mass_target * total) break;
+          covered += tokens(j) * std::exp(static_cast<double>(sc[j] - top));
+          ++k;
+        }
+        need = std::max(need, k);
+      }
+      // 3. Clamp the skipped fraction to [min_ratio, max_ratio] (mandatory blocks stay).
+      const int32_t keep_min = static_cast<int32_t>(std::ceil(nb * (1.0 - p.max_ratio) - 1e-9));
+      const int32_t keep_max = static_cast<int32_t>(std::floor(nb * (1.0 - p.min_ratio) + 1e-9));
+      const int32_t keep = std::max(n_mand, std::min(std::max(need, keep_min), keep_max));
+      if (keep >= nb) continue;  // nothing to skip: stays dense
+      // Every head: mandatory blocks plus its best others, in position order.
+      for (int32_t h = 0; h < Hkv; ++h) {
+        const float* sc = score.data() + static_cast<size_t>(h) * nb;
+        order.clear();
+        for (int32_t j = 0; j < nb; ++j) {
+          if (!mandatory(j)) order.push_back(j);
+        }
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
+        if (h == 0 && st.top.empty()) {
+          std::vector<int32_t> all(nb);
+          std::iota(all.begin(), all.end(), 0);
+          std::stable_sort(all.begin(), all.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
+          for (int32_t i = 0; i < std::min<int32_t>(8, nb); ++i) st.top.push_back(table[all[i]]);
+        }
+        std::vector<uint8_t> kept(nb, 0);
+        for (int32_t j = 0; j < nb; ++j) kept[j] = mandatory(j) ? 1 : 0;
+        for (int32_t i = 0; i < keep - n_mand; ++i) kept[order[i]] = 1;
+        int32_t* ht = out->head_tables.data() + (static_cast<size_t>(s) * Hkv + h) * MB;
+        int32_t n = 0;
+        for (int32_t j = 0; j < nb; ++j) {
+          if (kept[j]) ht[n++] = table[j];
+        }
+      }
+      out->sparse[s] = 1;
+      out->context_lens[s] = (keep - 1) * bs + tokens(nb - 1);
+      st.total += static_cast<int64_t>(nb) * Hkv;
+      st.kept += static_cast<int64_t>(keep) * Hkv;
+      st.selections += Hkv;
+    }
+  });
+  bool sparse_any = false;
+  for (int32_t s = 0; s < nseq; ++s) {
+    if (!out->sparse[s]) continue;
+    sparse_any = true;
+    out->blocks_total += stats[s].total;
+    out->blocks_kept += stats[s].kept;
+    out->selections += stats[s].selections;
+    out->entropy_bits += stats[s].entropy;
+    if (out->top_blocks.empty()) out->top_blocks = stats[s].top;
+  }
+  return sparse_any;
+}
+
+cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelection& sel) {
+  cpu::AttentionBatch b = B;
+  b.context_lens = sel.context_lens.data();
+  b.head_tables = sel.head_tables.data();
+  b.sparse_seq = sel.sparse.data();
+  return b;
+}
+
+}  // namespace k25

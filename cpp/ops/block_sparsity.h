@@ -1,0 +1,79 @@
+// Dynamic block sparsity for single-token (decode) attention, on the CPU.
+//
+// Every KV block keeps, per layer and KV head, the per-channel minimum and maximum of
+// its keys (the Quest bound): for a query q, sum_d max(q_d * min_d, q_d * max_d) bounds
+// q·k from above for every key of the block. A decode step of a long sequence scores its
+// blocks with that bound, keeps the sink and recent blocks and the best-scoring others,
+// and attends exactly over the kept blocks only. How many it keeps adapts per sequence
+// and layer (docs/sparsity.md):
+//   1. per query head, a block's bound times the softmax scale, minus that head's best
+//      block's (heads differ in scale); per KV head, the score of a block is the largest
+//      of those over the group's query heads (a block any head needs is kept);
+//   2. a block's estimated softmax mass is its token count x exp(centre estimate - best),
+//      where the centre estimate is q·(min + max)/2 (the bound minus the block's spread),
+//      treated per head and over the group like the score; a head needs the fewest blocks
+//      (mandatory ones first, then by that estimate) whose estimated mass reaches
+//      mass_target of its total. (Masses from the bounds themselves look peaked — the
+//      spread inflates a few blocks — and the cap would bind everywhere.)
+//   3. the sequence-layer keeps the largest need over its heads, clamped so that the
+//      skipped fraction lies in [min_ratio, max_ratio]; every head keeps that many of
+//      its own best blocks, so all heads of a sequence see one (virtual) length.
+// The kept blocks of a head become a block table in position order, and attention runs
+// over it unchanged: RoPE is already in the keys, so only the skipped keys are missing.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "ops/cpu_kernels.h"
+#include "ops/kv_layout.h"
+
+namespace k25 {
+
+struct SparsityParams {
+  int32_t min_context = 2048;   // sequences with more keys than this go sparse
+  int32_t recent_blocks = 16;   // always kept: the newest blocks (incl. the partial one)
+  int32_t sink_blocks = 1;      // always kept: the first blocks (attention sinks)
+  float min_ratio = 0.1f;       // skipped fraction is at least this ...
+  float max_ratio = 0.6f;       // ... and at most this (max_sparsity_ratio)
+  float mass_target = 0.95f;    // estimated softmax mass the kept blocks must reach
+};
+
+// Key summaries: [num_blocks][num_layers][num_kv_heads][min, max][head_dim] floats.
+struct SummaryLayout {
+  int32_t num_layers = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t block_elems() const { return static_cast<int64_t>(num_layers) * num_kv_heads * 2 * head_dim; }
+  int64_t offset(int64_t block, int32_t layer, int32_t head) const {
+    return block * block_elems() + (static_cast<int64_t>(layer) * num_kv_heads + head) * 2 * head_dim;
+  }
+};
+
+// Folds the keys this step wrote for `layer` into their blocks' summaries, token by
+// token in position order: a block's first slot resets it. Keys are read back from the
+// cache (after RoPE), so any write path works.
+void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
+                          int32_t layer, const cpu::AttentionBatch& B);
+
+// One layer's selection for one step.
+struct LayerSelection {
+  std::vector<int32_t> context_lens;  // [S]: virtual length for sparse sequences, else real
+  std::vector<uint8_t> sparse;        // [S]
+  std::vector<int32_t> head_tables;   // [S][Hkv][max_blocks]: kept blocks in position order
+  int32_t max_blocks = 0;
+  // Statistics over this layer's sparse (sequence, head) selections.
+  int64_t blocks_total = 0, blocks_kept = 0;
+  double entropy_bits = 0;   // sum over selections of the entropy of the estimated masses
+  int64_t selections = 0;
+  std::vector<int32_t> top_blocks;  // best-scoring physical blocks of the first selection, best first
+};
+
+// Selects for every single-token sequence longer than min_context (layers without a
+// sliding window only). q: rows after RoPE. Returns whether any sequence went sparse.
+bool select_blocks(const float* q, int64_t q_stride, const float* summaries, const SummaryLayout& S,
+                   const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B, int32_t num_heads, float scale,
+                   const SparsityParams& p, LayerSelection* out);
+
+// The batch attention should use after select_blocks: context lengths and per-head tables.
+cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelection& sel);
+
+}  // namespace k25

@@ -1,0 +1,275 @@
+"""Dynamic block sparsity on the CPU (ops/block_sparsity.h): key summaries, the selection
+rule, sparse attention against dense attention over the kept blocks (PyTorch, float64),
+and the engine-level switches and statistics."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from k25 import K25Config, K25Model, _C
+from k25.errors import ConfigError
+
+L, HKV, D, BS = 2, 2, 64, 16
+LAYOUT = (L, HKV, D, BS)
+
+
+def empty_pool(num_blocks):
+    # CPU layout: [blocks][layers][K, V][heads] with K transposed ([D][BS]) and V [BS][D].
+    return torch.full((num_blocks, L, 2, HKV, BS * D), float("nan"))
+
+
+def write_keys(pool, layer, table, keys, values, start=0):
+    """Writes keys/values [n, HKV, D] for positions start.. through the block table."""
+    for i in range(keys.shape[0]):
+        pos = start + i
+        b, off = table[pos // BS], pos % BS
+        kt = pool[b, layer, 0].view(HKV, D, BS)
+        kt[:, :, off] = keys[i]
+        pool[b, layer, 1].view(HKV, BS, D)[:, off] = values[i]
+
+
+def batch(ctxs, qlens, tables):
+    qs = torch.tensor([0] + list(np.cumsum(qlens)), dtype=torch.int32)
+    cl = torch.tensor(ctxs, dtype=torch.int32)
+    width = max(len(t) for t in tables)
+    bt = torch.full((len(tables), width), -1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return qs, cl, bt
+
+
+def test_summaries_are_the_per_channel_min_and_max_of_each_blocks_keys():
+    g = torch.Generator().manual_seed(0)
+    nb = 12
+    pool = empty_pool(nb)
+    summ = torch.full((nb, L, HKV, 2, D), float("nan"))
+    table = torch.randperm(nb, generator=g)[:9].tolist()
+    keys = torch.randn(130, HKV, D, generator=g)
+    vals = torch.randn(130, HKV, D, generator=g)
+    # A prefill chunk of 70, then 60 more tokens one step at a time (the decode path).
+    write_keys(pool, 1, table, keys[:70], vals[:70])
+    qs, cl, bt = batch([70], [70], [table])
+    _C.ops.update_key_summaries(pool.view(-1), LAYOUT, summ, 1, qs, cl, bt)
+    for t in range(70, 130):
+        write_keys(pool, 1, table, keys[t:t + 1], vals[t:t + 1], start=t)
+        qs, cl, bt = batch([t + 1], [1], [table])
+        _C.ops.update_key_summaries(pool.view(-1), LAYOUT, summ, 1, qs, cl, bt)
+    for j in range(-(-130 // BS)):
+        blk = keys[j * BS:(j + 1) * BS]  # [n, HKV, D]
+        assert torch.equal(summ[table[j], 1, :, 0], blk.amin(0)), j
+        assert torch.equal(summ[table[j], 1, :, 1], blk.amax(0)), j
+    assert torch.isnan(summ[:, 0]).all(), "another layer's summaries were touched"
+    # A reused block starts over at its first slot: no stale minimum survives.
+    write_keys(pool, 1, table, keys[:1] + 100.0, vals[:1])
+    qs, cl, bt = batch([1], [1], [table])
+    _C.ops.update_key_summaries(pool.view(-1), LAYOUT, summ, 1, qs, cl, bt)
+    assert torch.equal(summ[table[0], 1, :, 0], keys[0] + 100.0)
+
+
+def random_sequences(seed, ctxs, Hq):
+    g = torch.Generator().manual_seed(seed)
+    nb_total = sum(-(-c // BS) for c in ctxs) + 2
+    pool = empty_pool(nb_total)
+    summ = torch.zeros(nb_total, L, HKV, 2, D)
+    free = torch.randperm(nb_total, generator=g).tolist()
+    tables, ks, vs = [], [], []
+    for c in ctxs:
+        table = [free.pop() for _ in range(-(-c // BS))]
+        # Keys with structure: a few "topic" directions so that some blocks matter more.
+        base = torch.randn(8, HKV, D, generator=g)
+        which = torch.randint(8, (c,), generator=g)
+        k = base[which] * 2 + torch.randn(c, HKV, D, generator=g) * 0.5
+        v = torch.randn(c, HKV, D, generator=g)
+        write_keys(pool, 0, table, k, v)
+        qs, cl, bt = batch([c], [c], [table])
+        _C.ops.update_key_summaries(pool.view(-1), LAYOUT, summ, 0, qs, cl, bt)
+        tables.append(table)
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(len(ctxs), Hq * D, generator=g)
+    # Queries pointing at one topic, so the selection has something to find.
+    for i in range(len(ctxs)):
+        q[i] = (torch.randn(Hq, D, generator=g) + 3 * ks[i][len(ks[i]) // 3].repeat_interleave(Hq // HKV, 0)).reshape(-1)
+    return pool, summ, tables, ks, vs, q
+
+
+def dense_over(q, k, v, Hq, positions):
+    """Attention of one query row over the keys at `positions` (float64)."""
+    group = Hq // HKV
+    qq = q.view(Hq, D).double()
+    kk = k[positions].double().repeat_interleave(group, 1)  # [n, Hq, D]
+    vv = v[positions].double().repeat_interleave(group, 1)
+    s = torch.einsum("hd,nhd->hn", qq, kk) / math.sqrt(D)
+    return torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv)
+
+
+@pytest.mark.parametrize("Hq", [2, 6])
+def test_sparse_attention_equals_dense_attention_over_the_kept_blocks(Hq):
+    ctxs = [3000, 700, 2500]
+    pool, summ, tables, ks, vs, q = random_sequences(Hq, ctxs, Hq)
+    qs, cl, bt = batch(ctxs, [1, 1, 1], tables)
+    out, info = _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, 1 / math.sqrt(D),
+                                        min_context=1000, recent_blocks=4, sink_blocks=1, max_ratio=0.6)
+    MB = bt.shape[1]
+    heads = torch.tensor(info["head_tables"]).view(len(ctxs), HKV, MB)
+    assert info["sparse"] == [1, 0, 1], "only contexts above min_context go sparse"
+    for i, ctx in enumerate(ctxs):
+        o = out[i].view(Hq, D).double()
+        if not info["sparse"][i]:
+            ref = dense_over(q[i], ks[i], vs[i], Hq, torch.arange(ctx))
+            assert torch.allclose(o, ref, atol=1e-5)
+            assert info["context_lens"][i] == ctx
+            continue
+        nb = -(-ctx // BS)
+        for h in range(HKV):
+            kept_phys = [b for b in heads[i, h].tolist() if b >= 0]
+            kept = sorted(tables[i].index(b) for b in kept_phys)
+            assert [tables[i][j] for j in kept] == kept_phys, "kept blocks are in position order"
+            # Mandatory blocks, and the clamp: skipped fraction in [0.1, 0.6].
+            assert 0 in kept and all(j in kept for j in range(nb - 4, nb))
+            assert 0.1 - 1e-9 <= 1 - len(kept) / nb <= 0.6 + 1e-9
+            positions = torch.cat([torch.arange(j * BS, min(ctx, (j + 1) * BS)) for j in kept])
+            assert info["context_lens"][i] == len(positions)
+            group = Hq // HKV
+            ref = dense_over(q[i], ks[i], vs[i], Hq, positions)[h * group:(h + 1) * group]
+            err = (o[h * group:(h + 1) * group] - ref).abs().max().item()
+            assert err < 3e-5, (i, h, err)
+    assert info["blocks_total"] == HKV * sum(-(-c // BS) for c in (3000, 2500))
+
+
+def upper_bound_scores(q, summ, table, Hq, nb, centre=False):
+    """The documented score: per query head the Quest bound (scaled) minus the head's best,
+    the max over the group, per KV head; with centre=True the same from q·(min + max)/2,
+    the estimate the kept count comes from."""
+    group = Hq // HKV
+    mn = summ[table[:nb], 0, :, 0].double()  # [nb, HKV, D]
+    mx = summ[table[:nb], 0, :, 1].double()
+    qq = q.view(Hq, D).double()
+    out = []
+    for h in range(HKV):
+        per = []
+        for gi in range(group):
+            qh = qq[h * group + gi]
+            if centre:
+                ub = (qh * (mn[:, h] + mx[:, h]) / 2).sum(-1) / math.sqrt(D)
+            else:
+                ub = torch.maximum(qh * mn[:, h], qh * mx[:, h]).sum(-1) / math.sqrt(D)
+            per.append(ub - ub.max())
+        out.append(torch.stack(per).amax(0))
+    return torch.stack(out)  # [HKV, nb]
+
+
+def test_selection_keeps_each_heads_best_blocks_and_follows_the_mass_rule():
+    Hq, ctx = 4, 4000
+    pool, summ, tables, ks, vs, q = random_sequences(11, [ctx], Hq)
+    qs, cl, bt = batch([ctx], [1], [tables[0]])
+    nb = -(-ctx // BS)
+    sc = upper_bound_scores(q[0], summ, tables[0], Hq, nb)
+    est = upper_bound_scores(q[0], summ, tables[0], Hq, nb, centre=True)
+    mand = set([0] + list(range(nb - 2, nb)))
+    tok = torch.full((nb,), float(BS), dtype=torch.float64)
+    tok[-1] = ctx - (nb - 1) * BS
+
+    def need(h, target):
+        w = tok * torch.exp(est[h] - est[h].max())
+        covered = float(sum(w[j] for j in mand))
+        k = len(mand)
+        for j in sorted((j for j in range(nb) if j not in mand), key=lambda j: -float(est[h, j])):
+            if covered >= target * float(w.sum()):
+                break
+            covered += float(w[j])
+            k += 1
+        return k
+
+    for target, cap in [(0.5, 0.8), (0.95, 0.6), (0.999, 0.8), (0.2, 0.8)]:
+        _, info = _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, 1 / math.sqrt(D),
+                                          min_context=100, recent_blocks=2, sink_blocks=1, max_ratio=cap,
+                                          mass_target=target)
+        want = max(need(h, target) for h in range(HKV))
+        keep = min(max(want, math.ceil(nb * (1 - cap) - 1e-9)), math.floor(nb * 0.9 + 1e-9))
+        heads = torch.tensor(info["head_tables"]).view(1, HKV, -1)
+        for h in range(HKV):
+            kept = {tables[0].index(b) for b in heads[0, h].tolist() if b >= 0}
+            assert len(kept) == keep, (target, cap, h, len(kept), keep)
+            assert mand <= kept
+            others = sorted((j for j in range(nb) if j not in mand), key=lambda j: (-float(sc[h, j]), j))
+            assert kept - mand == set(others[:keep - len(mand)]), (target, cap, h)
+        assert info["blocks_kept"] == keep * HKV
+
+
+def test_engine_sparsity_switches_and_statistics(tmp_path):
+    with pytest.raises(ConfigError, match="sparsity_compensation"):
+        K25Config(sparsity_compensation=True)
+    with pytest.raises(ConfigError, match="enable_kernel_fusion"):
+        K25Config(device="cpu", enable_dynamic_sparsity=True, enable_kernel_fusion=False)
+    with pytest.raises(ConfigError, match="CPU backend only"):
+        K25Config(device="cuda", enable_dynamic_sparsity=True)
+    with pytest.raises(ConfigError, match="sparsity_mass_target"):
+        K25Config(sparsity_mass_target=0.0)
+
+
+def pydoc_ids(model, n, offset):
+    from pydoc_data import topics
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    ids = model.tokenize([text[offset * 4:offset * 4 + 8 * n]])[0]
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def next_token_nll(logits, ids, n):
+    lg = logits[-n - 1:-1].astype(np.float64)
+    mx = lg.max(1, keepdims=True)
+    lse = np.log(np.exp(lg - mx).sum(1)) + mx[:, 0]
+    return lse - lg[np.arange(n), np.asarray(ids[-n:])]
+
+
+def test_sparse_decode_on_the_default_model_tracks_dense(default_model):
+    """Teacher-forced decode steps over real text: sparse against dense on the same model.
+
+    The issue's targets (perplexity within 2%, top-1 agreement >= 97%) are measured by
+    bench/cpu_sparsity.py on longer texts; this guards the behaviour in CI."""
+    ctx, decoded = 3072, 96
+    docs = [pydoc_ids(default_model, ctx, off) for off in (0, 30000)]
+    dense = [default_model.score(ids, decode_from=ctx - decoded) for ids in docs]
+    m = K25Model(K25Config(num_threads=2, kv_cache_bytes=512 << 20, enable_dynamic_sparsity=True))
+    try:
+        short = pydoc_ids(m, 600, 5000)  # below sparsity_min_context: no selection at all
+        assert np.array_equal(m.score(short, decode_from=500), default_model.score(short, decode_from=500))
+        assert m.get_current_sparsity_ratio() == 0.0
+        sparse = [m.score(ids, decode_from=ctx - decoded) for ids in docs]
+        layers = m.stats()["sparsity_layers"]
+        ratio = m.get_current_sparsity_ratio()
+    finally:
+        m.close()
+    for s, d in zip(sparse, dense):
+        # Prompt chunks are dense: bit for bit the same rows.
+        assert np.array_equal(s[:ctx - decoded], d[:ctx - decoded])
+    assert len(layers) == default_model.model_config["num_layers"]
+    assert ratio == pytest.approx(sum(l["blocks_skipped"] for l in layers) / sum(l["blocks_total"] for l in layers))
+    assert 0.3 < ratio <= 0.6
+    for l in layers:
+        # Every decode past min_context (ctx - decoded > 2048) selected in every layer.
+        assert l["selections"] == decoded * len(docs) * default_model.model_config["num_kv_heads"]
+        assert 0.1 - 1e-9 <= l["ratio"] <= 0.6 + 1e-9
+        assert l["mean_entropy_bits"] > 0 and 1 <= len(l["top_blocks"]) <= 8
+    agree = np.mean(np.concatenate([s[-decoded - 1:-1].argmax(1) == d[-decoded - 1:-1].argmax(1)
+                                    for s, d in zip(sparse, dense)]))
+    d_nll = np.concatenate([next_token_nll(d, ids, decoded) for d, ids in zip(dense, docs)])
+    s_nll = np.concatenate([next_token_nll(s, ids, decoded) for s, ids in zip(sparse, docs)])
+    ppl_ratio = float(np.exp(s_nll.mean() - d_nll.mean()))
+    assert agree >= 0.94, f"top-1 agreement {agree:.3f}"
+    assert ppl_ratio <= 1.03, f"perplexity ratio {ppl_ratio:.4f}"
+
+
+def test_score_decode_from_is_validated_and_matches_chunked_scoring(default_model):
+    ids = pydoc_ids(default_model, 300, 100)
+    chunked = default_model.score(ids)
+    stepwise = default_model.score(ids, decode_from=250)
+    # The same positions, computed one token per step: equal up to float32 GEMM rounding.
+    assert np.abs(chunked - stepwise).max() < 2e-3
+    assert (chunked.argmax(1) == stepwise.argmax(1)).mean() > 0.98
+    from k25.errors import RequestError
+    for bad in (-1, 2.5, True, "3"):
+        with pytest.raises(RequestError, match="decode_from"):
+            default_model.score(ids, decode_from=bad)
