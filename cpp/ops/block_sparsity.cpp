@@ -82,6 +82,8 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
     std::vector<float> ctr;    // [nb]: one query head's q . (block key centre)
     std::vector<float> est;    // [Hkv][nb]: like score, from the centres (for the count)
     std::vector<int32_t> order;
+    std::vector<double> mass;   // [nb]: one head's estimated softmax masses
+    std::vector<uint8_t> kept;  // [nb]: one head's selection
     for (int64_t s = sb; s < se; ++s) {
       const int32_t ctx = B.context_lens[s];
       if (B.query_start[s + 1] - B.query_start[s] != 1 || ctx <= p.min_context) continue;
@@ -124,9 +126,18 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
       int32_t n_mand = 0;
       for (int32_t j = 0; j < nb; ++j) n_mand += mandatory(j) ? 1 : 0;
       auto tokens = [&](int32_t j) { return j == nb - 1 ? ctx - (nb - 1) * bs : bs; };
+      // The non-mandatory blocks into `order`, best first by `sc`.
+      auto rank_others = [&](const float* sc) {
+        order.clear();
+        for (int32_t j = 0; j < nb; ++j) {
+          if (!mandatory(j)) order.push_back(j);
+        }
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
+      };
       // 2. Each head's need under the mass rule, with masses from the centre estimate.
       int32_t need = n_mand;
       SeqStats& st = stats[s];
+      mass.resize(nb);
       for (int32_t h = 0; h < Hkv; ++h) {
         // The count comes from the centre estimate: the bound exceeds it by the block's
         // spread, so masses estimated from bounds look peaked and the cap would always bind.
@@ -134,26 +145,22 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
         const float top = *std::max_element(sc, sc + nb);
         double total = 0, covered = 0;
         for (int32_t j = 0; j < nb; ++j) {
-          const double w = tokens(j) * std::exp(static_cast<double>(sc[j] - top));
-          total += w;
-          if (mandatory(j)) covered += w;
+          mass[j] = tokens(j) * std::exp(static_cast<double>(sc[j] - top));
+          total += mass[j];
+          if (mandatory(j)) covered += mass[j];
         }
         // Entropy (bits) of the estimated mass over blocks: low when a few blocks dominate.
         double ent = 0;
         for (int32_t j = 0; j < nb; ++j) {
-          const double w = tokens(j) * std::exp(static_cast<double>(sc[j] - top)) / total;
+          const double w = mass[j] / total;
           if (w > 0) ent -= w * std::log2(w);
         }
         st.entropy += ent;
-        order.clear();
-        for (int32_t j = 0; j < nb; ++j) {
-          if (!mandatory(j)) order.push_back(j);
-        }
-        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
+        rank_others(sc);
         int32_t k = n_mand;
         for (int32_t j : order) {
           if (covered >= p.mass_target * total) break;
-          covered += tokens(j) * std::exp(static_cast<double>(sc[j] - top));
+          covered += mass[j];
           ++k;
         }
         need = std::max(need, k);
@@ -166,18 +173,14 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
       // Every head: mandatory blocks plus its best others, in position order.
       for (int32_t h = 0; h < Hkv; ++h) {
         const float* sc = score.data() + static_cast<size_t>(h) * nb;
-        order.clear();
-        for (int32_t j = 0; j < nb; ++j) {
-          if (!mandatory(j)) order.push_back(j);
-        }
-        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
+        rank_others(sc);
         if (h == 0 && st.top.empty()) {
           std::vector<int32_t> all(nb);
           std::iota(all.begin(), all.end(), 0);
           std::stable_sort(all.begin(), all.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
           for (int32_t i = 0; i < std::min<int32_t>(8, nb); ++i) st.top.push_back(table[all[i]]);
         }
-        std::vector<uint8_t> kept(nb, 0);
+        kept.resize(nb);
         for (int32_t j = 0; j < nb; ++j) kept[j] = mandatory(j) ? 1 : 0;
         for (int32_t i = 0; i < keep - n_mand; ++i) kept[order[i]] = 1;
         int32_t* ht = out->head_tables.data() + (static_cast<size_t>(s) * Hkv + h) * MB;

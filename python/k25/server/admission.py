@@ -187,10 +187,7 @@ class Admission:
         waiter.cancelled = True
         if not waiter.future.done():
             waiter.future.cancel()
-            if waiter.spool_path:
-                self.spooled -= 1
-            else:
-                self.queued -= 1
+            self._stop_waiting(waiter)
         if waiter.spool_path and os.path.exists(waiter.spool_path):
             os.unlink(waiter.spool_path)
 
@@ -198,15 +195,26 @@ class Admission:
         self.running -= 1
         self._admit_next()
 
-    def _admit_next(self) -> None:
-        while self._heap and self.running < self.max_concurrent:
+    def _stop_waiting(self, waiter: _Waiter) -> None:
+        if waiter.spool_path:
+            self.spooled -= 1
+        else:
+            self.queued -= 1
+
+    def _pop_waiting(self) -> Optional[_Waiter]:
+        """The best live waiter, taken off the heap and out of the waiting counts."""
+        while self._heap:
             waiter = heapq.heappop(self._heap)
-            if waiter.cancelled or waiter.future.done():
-                continue
-            if waiter.spool_path:
-                self.spooled -= 1
-            else:
-                self.queued -= 1
+            if not (waiter.cancelled or waiter.future.done()):
+                self._stop_waiting(waiter)
+                return waiter
+        return None
+
+    def _admit_next(self) -> None:
+        while self.running < self.max_concurrent:
+            waiter = self._pop_waiting()
+            if waiter is None:
+                return
             self.running += 1
             waiter.future.set_result("admitted")
 
@@ -216,14 +224,7 @@ class Admission:
     def fail_waiters(self, error: ApiError) -> int:
         """Answers every waiter with `error` (end of a drain); returns how many."""
         n = 0
-        while self._heap:
-            waiter = heapq.heappop(self._heap)
-            if waiter.cancelled or waiter.future.done():
-                continue
-            if waiter.spool_path:
-                self.spooled -= 1
-            else:
-                self.queued -= 1
+        while (waiter := self._pop_waiting()) is not None:
             waiter.future.set_result(error)
             n += 1
         return n
