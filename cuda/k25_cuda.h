@@ -118,7 +118,9 @@ struct SampleOut {
 void sample_rows(float* logits, int64_t row_stride, int32_t vocab, const SampleRow* rows, int32_t num_rows,
                  PenaltyEntry* penalties, const int32_t* bans, float* scratch, SampleOut* out, cudaStream_t stream);
 
-// Index of the largest value of each row of a float32 [rows][n] matrix (lowest on ties).
-void argmax_rows(const float* x, int64_t rows, int32_t n, int32_t* out, cudaStream_t stream);
+// Index of the largest value of each row of a float32 [rows][n] matrix (lowest on ties;
+// NaN skipped). scratch: rows * argmax_chunks(n) 8-byte words.
+int32_t argmax_chunks(int32_t n);
+void argmax_rows(const float* x, int64_t rows, int32_t n, int32_t* out, void* scratch, cudaStream_t stream);
 
 }  // namespace k25::cuda

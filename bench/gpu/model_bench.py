@@ -93,6 +93,61 @@ def decode_rate(model, batch, ctx, new_tokens, **sampling):
     return n / (total - t_prefill), total - t_prefill
 
 
+def prefill_rate(model, n=4096, reps=3):
+    g = torch.Generator().manual_seed(n)
+    prompt = torch.randint(10, 100000, (n,), generator=g).tolist()
+    model.generate([prompt], max_new_tokens=1, temperature=0.0)
+    t = time.perf_counter()
+    for _ in range(reps):
+        model.generate([prompt], max_new_tokens=1, temperature=0.0)
+    return n * reps / (time.perf_counter() - t)
+
+
+def transformers_reference(path, batches, ctx, new_tokens, prefill_tokens=4096):
+    """The same checkpoint through Hugging Face transformers (bf16, sdpa): decode tok/s by
+    generate() (time of N new tokens minus the time of 1, i.e. without the prefill) and one
+    forward of a 4K prompt (logits of the last row only)."""
+    from transformers import AutoModelForCausalLM
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.cuda().eval()
+    out = {"decode": {}}
+    g = torch.Generator().manual_seed(7)
+
+    def gen(ids, n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    with torch.no_grad():
+        for b in batches:
+            ids = torch.randint(10, 100000, (b, ctx), generator=g).cuda()
+            gen(ids, 2)  # warm-up
+            t1 = gen(ids, 1)
+            tn = gen(ids, new_tokens)
+            rate = b * (new_tokens - 1) / (tn - t1)
+            out["decode"][b] = rate
+            print(f"transformers decode batch {b:4d} @1K: {rate:9.1f} tok/s", flush=True)
+        ids = torch.randint(10, 100000, (1, prefill_tokens), generator=g).cuda()
+        for _ in range(2):
+            hf(ids, use_cache=False, logits_to_keep=1)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(3):
+            hf(ids, use_cache=False, logits_to_keep=1)
+        torch.cuda.synchronize()
+        out["prefill_4k_tok_s"] = 3 * prefill_tokens / (time.perf_counter() - t)
+        print(f"transformers prefill 4K: {out['prefill_4k_tok_s']:9.1f} tok/s", flush=True)
+    del hf
+    torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
@@ -100,6 +155,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--no-reference", action="store_true", help="skip transformers and the unfused path")
     args = ap.parse_args()
     res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name()}
     bw = copy_bandwidth()
@@ -138,16 +194,43 @@ def main():
         res["decode_sampled"][b] = {"tok_s": rate, "vs_greedy": rate / res["decode"][b]["tok_s"]}
         print(f"decode batch {b:4d} @1K sampled (T 0.8, top-p 0.9, repetition 1.1): {rate:9.1f} tok/s "
               f"= {rate / res['decode'][b]['tok_s']:.3f} x greedy", flush=True)
-    g = torch.Generator().manual_seed(4096)
-    prompt = torch.randint(10, 100000, (4096,), generator=g).tolist()
-    m.generate([prompt], max_new_tokens=1, temperature=0.0)
-    t = time.perf_counter()
-    for _ in range(3):
-        m.generate([prompt], max_new_tokens=1, temperature=0.0)
-    dt = (time.perf_counter() - t) / 3
-    res["prefill_4k_tok_s"] = 4096 / dt
-    print(f"prefill 4K: {4096 / dt:9.1f} tok/s", flush=True)
+    res["prefill_4k_tok_s"] = prefill_rate(m)
+    print(f"prefill 4K: {res['prefill_4k_tok_s']:9.1f} tok/s", flush=True)
     m.close()
+    del m
+    torch.cuda.empty_cache()
+    if not args.no_reference:
+        # Fused vs unfused (enable_kernel_fusion=False: separate RoPE, cache write, norms,
+        # activation, attention through plain ops; eager). Per decoder layer = step time /
+        # layers: the LM head and sampling are the same in both, so the difference is the
+        # layers'.
+        cfg = dict(model_path=args.path, device="cuda", dtype="bfloat16", max_seq_len=8192, max_batch_size=128,
+                   max_num_batched_tokens=8192, prefill_chunk_size=4096)
+        res["fusion"] = {}
+        for fused in (True, False):
+            os.environ["K25_DISABLE_CUDA_GRAPHS"] = "1"  # both eager: the fusion alone differs
+            mf = K25Model(K25Config(enable_kernel_fusion=fused, **cfg))
+            os.environ.pop("K25_DISABLE_CUDA_GRAPHS")
+            r = {}
+            for b in (1, 32):
+                rate, _ = decode_rate(mf, b, 1024, 32)
+                r[f"decode_b{b}_layer_us"] = 1e6 * b / rate / args.layers
+            r["prefill_4k_layer_us"] = 1e6 * 4096 / prefill_rate(mf, reps=2) / args.layers
+            res["fusion"]["fused" if fused else "unfused"] = r
+            mf.close()
+            del mf
+            torch.cuda.empty_cache()
+        f, u = res["fusion"]["fused"], res["fusion"]["unfused"]
+        for k in f:
+            print(f"per decoder layer ({k[:-9]}, eager): fused {f[k]:8.1f} us   unfused {u[k]:8.1f} us   "
+                  f"unfused / fused {u[k] / f[k]:.2f}", flush=True)
+        res["transformers"] = transformers_reference(args.path, [1, 32], 1024, 32)
+        hf = res["transformers"]
+        for b in (1, 32):
+            if b in res["decode"]:
+                print(f"k25 / transformers decode batch {b}: {res['decode'][b]['tok_s'] / hf['decode'][b]:.1f}x",
+                      flush=True)
+        print(f"k25 / transformers prefill 4K: {res['prefill_4k_tok_s'] / hf['prefill_4k_tok_s']:.2f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -264,8 +264,10 @@ std::vector<SampleOutput> sample(at::Tensor& logits, const std::vector<SampleSpe
 at::Tensor argmax_rows(const at::Tensor& logits) {
   need(logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.dim() == 2, "argmax input");
   at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kInt));
-  cuda::argmax_rows(logits.data_ptr<float>(), logits.size(0), static_cast<int32_t>(logits.size(1)),
-                    out.data_ptr<int32_t>(), stream());
+  const int32_t n = static_cast<int32_t>(logits.size(1));
+  at::Tensor scratch = at::empty({logits.size(0) * cuda::argmax_chunks(n)}, logits.options().dtype(at::kLong));
+  cuda::argmax_rows(logits.data_ptr<float>(), logits.size(0), n, out.data_ptr<int32_t>(), scratch.data_ptr(),
+                    stream());
   check_launch("argmax_rows");
   return out;
 }

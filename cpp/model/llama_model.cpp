@@ -290,24 +290,70 @@ void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta,
   const int64_t D = c.head_dim, Hq = c.num_heads, Hkv = c.num_kv_heads, bs = layout.block_size;
   const int32_t window = c.layer_sliding_window[layer];
   const int64_t num_blocks = kv.numel() / layout.block_elems();
+  const auto dev = kv.device();
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
   // [blocks, layers, K/V, heads, bs * D]
   at::Tensor pool = kv.view({num_blocks, layout.num_layers, 2, Hkv, bs * D}).select(1, layer);
+  // Blocks [n, 2, Hkv, bs * D] -> K and V as [n, Hkv, bs, D] views.
+  auto split_kv = [&](const at::Tensor& blocks, int64_t n) {
+    at::Tensor k = layout.k_transposed ? blocks.select(1, 0).view({n, Hkv, D, bs}).transpose(2, 3)
+                                       : blocks.select(1, 0).view({n, Hkv, bs, D});
+    return std::make_pair(k, blocks.select(1, 1).view({n, Hkv, bs, D}));
+  };
+  // Single-token queries (decodes) go through one padded SDPA call for all of them: plain
+  // ops, but not one small launch sequence per sequence (that measured the host, not the
+  // kernels). Keys past a sequence's context are masked and zeroed (never-written slots may
+  // hold anything).
+  std::vector<int64_t> dec;
+  int64_t nb_max = 0;
+  for (int32_t s = 0; s < meta.num_seqs(); ++s) {
+    if (meta.query_start[s + 1] - meta.query_start[s] != 1) continue;
+    dec.push_back(s);
+    nb_max = std::max<int64_t>(nb_max, (meta.context_lens[s] + bs - 1) / bs);
+  }
+  if (!dec.empty()) {
+    const int64_t S = static_cast<int64_t>(dec.size()), L = nb_max * bs;
+    std::vector<int64_t> table(S * nb_max), rows(S), ctxs(S);
+    for (int64_t i = 0; i < S; ++i) {
+      const int32_t s = static_cast<int32_t>(dec[i]);
+      const int32_t* bt = meta.block_tables.data() + static_cast<int64_t>(s) * meta.max_blocks_per_seq;
+      const int64_t nb = (meta.context_lens[s] + bs - 1) / bs;
+      for (int64_t j = 0; j < nb_max; ++j) table[i * nb_max + j] = bt[j < nb ? j : 0];
+      rows[i] = meta.query_start[s];
+      ctxs[i] = meta.context_lens[s];
+    }
+    auto [kb, vb] = split_kv(at::index_select(pool, 0, at::tensor(table, i64).to(dev)), S * nb_max);
+    // [S, Hkv, L, D]
+    at::Tensor k = kb.view({S, nb_max, Hkv, bs, D}).permute({0, 2, 1, 3, 4}).reshape({S, Hkv, L, D});
+    at::Tensor v = vb.view({S, nb_max, Hkv, bs, D}).permute({0, 2, 1, 3, 4}).reshape({S, Hkv, L, D});
+    at::Tensor kpos = at::arange(0, L, i64.device(dev)).unsqueeze(0);    // [1, L]
+    at::Tensor ctx = at::tensor(ctxs, i64).to(dev).unsqueeze(1);          // [S, 1]
+    at::Tensor valid = kpos < ctx;
+    if (window > 0) valid = at::logical_and(valid, kpos >= ctx - window);
+    at::Tensor keep = valid.view({S, 1, L, 1});
+    k = at::where(keep, k, at::zeros({}, k.options())).repeat_interleave(Hq / Hkv, 1);
+    v = at::where(keep, v, at::zeros({}, v.options())).repeat_interleave(Hq / Hkv, 1);
+    at::Tensor r = at::tensor(rows, i64).to(dev);
+    at::Tensor q = qkv.index_select(0, r).narrow(1, 0, Hq * D).reshape({S, Hq, 1, D});
+    at::Tensor o = at::scaled_dot_product_attention(q, k, v, valid.view({S, 1, 1, L}));  // [S, Hq, 1, D]
+    out.index_copy_(0, r, o.reshape({S, Hq * D}).to(out.scalar_type()));
+  }
   for (int32_t s = 0; s < meta.num_seqs(); ++s) {
     const int64_t q0 = meta.query_start[s], q_len = meta.query_start[s + 1] - q0;
+    if (q_len == 1) continue;
     const int64_t ctx = meta.context_lens[s];
     const int64_t nb = (ctx + bs - 1) / bs;
     std::vector<int64_t> table(meta.block_tables.begin() + static_cast<int64_t>(s) * meta.max_blocks_per_seq,
                                meta.block_tables.begin() + static_cast<int64_t>(s) * meta.max_blocks_per_seq + nb);
-    at::Tensor blocks = at::index_select(pool, 0, at::tensor(table, at::kLong).to(kv.device()));  // [nb, 2, Hkv, bs*D]
-    at::Tensor k = layout.k_transposed
-                       ? blocks.select(1, 0).view({nb, Hkv, D, bs}).permute({1, 0, 3, 2}).reshape({Hkv, nb * bs, D})
-                       : blocks.select(1, 0).view({nb, Hkv, bs, D}).permute({1, 0, 2, 3}).reshape({Hkv, nb * bs, D});
-    at::Tensor v = blocks.select(1, 1).view({nb, Hkv, bs, D}).permute({1, 0, 2, 3}).reshape({Hkv, nb * bs, D});
+    auto [kb, vb] = split_kv(at::index_select(pool, 0, at::tensor(table, i64).to(dev)), nb);
+    // [Hkv, nb * bs, D]
+    at::Tensor k = kb.permute({1, 0, 2, 3}).reshape({Hkv, nb * bs, D});
+    at::Tensor v = vb.permute({1, 0, 2, 3}).reshape({Hkv, nb * bs, D});
     k = k.narrow(1, 0, ctx).repeat_interleave(Hq / Hkv, 0);
     v = v.narrow(1, 0, ctx).repeat_interleave(Hq / Hkv, 0);
     at::Tensor q = qkv.narrow(0, q0, q_len).narrow(1, 0, Hq * D).reshape({q_len, Hq, D}).transpose(0, 1);
-    at::Tensor qpos = at::arange(ctx - q_len, ctx, at::TensorOptions().dtype(at::kLong).device(kv.device())).unsqueeze(1);
-    at::Tensor kpos = at::arange(0, ctx, at::TensorOptions().dtype(at::kLong).device(kv.device())).unsqueeze(0);
+    at::Tensor qpos = at::arange(ctx - q_len, ctx, i64.device(dev)).unsqueeze(1);
+    at::Tensor kpos = at::arange(0, ctx, i64.device(dev)).unsqueeze(0);
     at::Tensor mask = kpos <= qpos;
     if (window > 0) mask = at::logical_and(mask, kpos > qpos - window);
     at::Tensor o = at::scaled_dot_product_attention(q, k, v, mask);  // [Hq, q_len, D]

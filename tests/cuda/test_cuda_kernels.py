@@ -230,10 +230,17 @@ def test_paged_attention_random_shapes():
                  0, seqs)
 
 
-def test_argmax_rows_lowest_index_on_ties():
-    x = torch.randn(9, 50000, device="cuda")
-    x[3, 100] = x[3, 200] = 1e9
+@pytest.mark.parametrize("n", [1000, 50000, 128256])  # one CTA per row, and split into chunks
+def test_argmax_rows_lowest_index_on_ties(n):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(9, n, device="cuda", generator=g)
+    x[3, 100] = x[3, n - 5] = 1e9    # a tie across chunks: the lower index wins
+    x[4, 7] = x[4, 9] = 1e9          # a tie inside one chunk
+    x[5] = -1.0
+    x[5, n // 2] = 0.0
+    x[5, n // 3] = -0.0              # -0 == +0: the lower index wins, as in torch
+    x[6, :n // 2] = float("nan")     # NaN is skipped
     ids = cu.argmax_rows(x)
-    expect = x.argmax(-1).to(torch.int32)
-    expect[3] = 100
+    expect = torch.nan_to_num(x, nan=-float("inf")).argmax(-1).to(torch.int32)
+    expect[3], expect[4], expect[5] = 100, 7, n // 3
     assert torch.equal(ids, expect)

@@ -74,6 +74,13 @@ def test_unfused_path_matches_fused(k25_default):
         ga = k25_default.generate([ids], max_new_tokens=16, temperature=0.0)[0].token_ids
         gb = unfused.generate([ids], max_new_tokens=16, temperature=0.0)[0].token_ids
         assert ga == gb
+        # A batch of decodes over different context lengths (the unfused path pads them into
+        # one attention call).
+        p = prompts(k25_default)
+        batch = [ids, ids[: len(ids) // 3], p["chat"], p["chinese"]]
+        ga = [o.token_ids for o in k25_default.generate(batch, max_new_tokens=12, temperature=0.0)]
+        gb = [o.token_ids for o in unfused.generate(batch, max_new_tokens=12, temperature=0.0)]
+        assert ga == gb
     finally:
         unfused.close()
 
