@@ -85,6 +85,14 @@ void decode_attention(DType t, const void* q, int64_t q_stride, void* out, KVCac
 void prefill_attention(DType t, const void* q, int64_t q_stride, void* out, KVCache kv, int32_t layer,
                        const AttnBatch& batch, int32_t num_heads, float scale, int32_t window, int32_t first_item,
                        int32_t num_items, cudaStream_t stream);
+// The Hopper form of prefill_attention (wgmma, prefill_attention_sm90.cu), which
+// prefill_attention tries first: launches and returns true on a compute capability 9.0
+// device with an sm_90a build, for bf16 / fp16 and head_dim 128; otherwise returns false
+// and does nothing. The environment variable K25_PREFILL_ATTENTION=mma makes it decline
+// (read at every call), so tests can compare it with the mma.sync kernel.
+bool prefill_attention_sm90(DType t, const void* q, int64_t q_stride, void* out, KVCache kv, int32_t layer,
+                            const AttnBatch& batch, int32_t num_heads, float scale, int32_t window,
+                            int32_t first_item, int32_t num_items, cudaStream_t stream);
 // CTAs of the decode kernel resident on the whole device at once (one wave), for a dtype,
 // head_dim and GQA group: split counts aim at this so no CTA waits for a second wave.
 int32_t decode_attention_wave(DType t, int32_t head_dim, int32_t group);

@@ -395,6 +395,11 @@ void prefill_attention(DType t, const void* q, int64_t q_stride, void* out, KVCa
                        const AttnBatch& batch, int32_t num_heads, float scale, int32_t window, int32_t first_item,
                        int32_t num_items, cudaStream_t stream) {
   if (num_items <= 0) return;
+  // Hopper: the wgmma kernel, where it covers the case (bf16 / fp16, head_dim 128).
+  if (prefill_attention_sm90(t, q, q_stride, out, kv, layer, batch, num_heads, scale, window, first_item, num_items,
+                             stream)) {
+    return;
+  }
   switch (kv.head_dim) {
     case 64:
       launch_dtype<64>(t, q, q_stride, out, kv, layer, batch, num_heads, scale, window, first_item, num_items,

@@ -2,8 +2,9 @@
 
 Fresh random inputs per case; ragged batches mixing prefill chunks and decodes, permuted
 block tables, GQA ratios 1-8, head dims 64 and 128, float32/float16/bfloat16, sliding
-windows, split-KV decode, long prefill chunks (bf16/fp16 take the tensor-core kernel), and
-NaN in every KV slot that must not be read.
+windows, split-KV decode, long prefill chunks (bf16/fp16 take the tensor-core kernel: wgmma on
+compute capability 9.0 for head_dim 128, mma.sync otherwise), and NaN in every KV slot that
+must not be read.
 """
 import math
 
@@ -117,7 +118,8 @@ def ref_attention(q, k, v, positions, window):
     return torch.einsum("hnc,chd->nhd", torch.softmax(s, -1), vv)
 
 
-def run_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decode_splits=0):
+def build_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decode_splits=0):
+    """(call, q buffer, float64 reference) of one random paged-attention case."""
     g = torch.Generator().manual_seed(seed)
     L, layer = 2, 1
     layout = (L, Hkv, D, bs)
@@ -148,8 +150,12 @@ def run_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decode_
     buf[:, :Hq * D] = qcat
     call = cu.AttentionCall(kv, layout, layer, torch.tensor(qs, dtype=torch.int32), torch.tensor(cl, dtype=torch.int32),
                             tables, Hq, 1.0 / math.sqrt(D), window, parallelism, decode_splits)
+    return call, buf, torch.cat(refs).reshape(buf.shape[0], Hq * D)
+
+
+def run_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decode_splits=0):
+    call, buf, ref = build_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism, decode_splits)
     out, merges = call.run(buf), call.merges
-    ref = torch.cat(refs).reshape(out.shape)
     assert torch.isfinite(out).all()
     err = rel_err(out, ref)
     assert err < TOL[dtype] / 2, f"relative error {err}"
@@ -209,6 +215,44 @@ def test_paged_attention_long_prefill_chunks(dtype, group, D, bs, window):
     # (not a power of two), next to a decode.
     seqs = [(1500, 1500), (1200, 300), (700, 1)]
     run_case(group * 1000 + D + bs + window, dtype, 2 * group, 2, D, bs, window, seqs)
+
+
+# Compute capability 9.0 (H100 / H200): bf16 / fp16 prefill items of head_dim 128 take the
+# wgmma kernel (cuda/prefill_attention_sm90.cu), so every tensor-core test above runs it there;
+# K25_PREFILL_ATTENTION=mma sends them to the mma.sync kernel instead.
+SM90 = cu is not None and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not SM90, reason="the wgmma prefill kernel runs on compute capability 9.0 only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4, 6, 8])
+@pytest.mark.parametrize("bs", [16, 48])
+@pytest.mark.parametrize("window", [0, 100])
+def test_prefill_sm90_matches_mma_and_float64(monkeypatch, dtype, group, bs, window):
+    # A whole 1500-token prompt, chunks at offsets (the causal edge inside a tile, items whose
+    # two warpgroups see different tile ranges), a 4K context with a 700-token chunk (many
+    # trips around the stage ring) and a decode, through both kernels: each within the
+    # tolerance of float64, the wgmma kernel no less accurate than the mma.sync one, and the
+    # two not bit-identical (so the wgmma kernel did run).
+    seqs = [(1500, 1500), (1200, 300), (4100, 700), (333, 77), (700, 1)]
+    call, buf, ref = build_case(group * 100 + bs + window, dtype, 2 * group, 2, 128, bs, window, seqs)
+    monkeypatch.delenv("K25_PREFILL_ATTENTION", raising=False)
+    out90 = call.run(buf)
+    monkeypatch.setenv("K25_PREFILL_ATTENTION", "mma")
+    out80 = call.run(buf)
+    monkeypatch.delenv("K25_PREFILL_ATTENTION")
+    assert torch.isfinite(out90).all()
+    e90, e80 = rel_err(out90, ref), rel_err(out80, ref)
+    assert e90 < TOL[dtype] / 2, f"wgmma kernel: relative error {e90}"
+    assert e80 < TOL[dtype] / 2, f"mma.sync kernel: relative error {e80}"
+    assert e90 <= 1.5 * e80 + 1e-6, f"wgmma {e90} vs mma.sync {e80}"
+    assert not torch.equal(out90, out80), "identical outputs: the wgmma kernel did not run"
+    # Row by row too: a wrong mask or tile shows up as rows of O(1) error under a small total.
+    def worst_row(out):
+        diff = (out.double() - ref).view(-1, 128).norm(dim=-1)
+        return (diff / ref.view(-1, 128).norm(dim=-1).clamp_min(1e-30)).max().item()
+
+    assert worst_row(out90) <= 3 * worst_row(out80) + 1e-3
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,639 @@
+// Paged prefill attention for Hopper (sm_90a) on warpgroup MMA (wgmma.mma_async), bf16 / fp16,
+// head_dim 128. Same work items, masks, numerics and output formats as prefill_attention.cu
+// (the mma.sync kernel, which every other GPU, dtype and head size keeps using).
+//
+// Why a second kernel: on the H200 mma.sync tops out far below the tensor cores' rate (the
+// mma.sync kernel reaches ~266 TFLOP/s on causal 16K against SDPA's ~650). wgmma reads its B
+// operand (and optionally A) straight from shared memory through a descriptor, runs
+// asynchronously to the issuing warps, and is what Hopper's full rate needs.
+//
+// Shape of a CTA (384 threads = 3 warpgroups, one CTA per work item of up to 128 rows):
+//  - warpgroup 0, the producer: gathers Q once and then K/V tiles of kKeys = 128 keys row by
+//    row through the block table with cp.async (16-token pages rule out one TMA box per tile)
+//    into a ring of kStages = 3 stages, and hands each tile to the consumers through mbarriers.
+//    It gives most of its registers away (setmaxnreg) since it only computes addresses.
+//  - warpgroups 1 and 2, the consumers: 64 rows each (wgmma's M). Per key tile:
+//        S = Q K^T          (wgmma, A = Q and B = K from shared memory, fp32 accumulators)
+//        online softmax on S in registers (exp2, scale * log2(e) folded in one FMA)
+//        O += P V           (wgmma, A = P rounded to T from registers, B = V from shared memory)
+//    and the S of tile j is issued together with the P V of tile j - 1, so the softmax of
+//    tile j runs on the CUDA cores while the tensor cores do the P V product of tile j - 1
+//    (FlashAttention-3's intra-warpgroup overlap). The two consumer warpgroups are not kept
+//    in lockstep, so one's softmax also overlaps the other's matrix products.
+//
+// Shared memory (1024-byte aligned; 224 KB + barriers, one CTA per SM):
+//   Q: 128 rows x 128 dims; each K tile and each V tile: 128 keys x 128 dims, 3 stages of K+V.
+// Every tile is stored as two 64-column halves ([half][row][64 elements], 128-byte rows) in
+// the 128-byte swizzle that wgmma's descriptors describe: the 16-byte chunk c (0..7) of row r
+// of a half sits at chunk c ^ (r % 8). The hardware applies the swizzle to address bits
+// (bits 4-6 ^= bits 7-9), so every tile half starts at a multiple of 1024 bytes.
+//
+// Descriptors (64-bit; fields in 16-byte units): start address bits 0-13, leading byte offset
+// (LBO) bits 16-29, stride byte offset (SBO) bits 32-45, swizzle mode bits 62-63 (1 = 128B).
+//  - Q (A) and K (B) are K-major (the reduction dimension, head_dim, is contiguous): SBO =
+//    1024 bytes between groups of 8 rows; LBO is unused for swizzled K-major layouts (set to
+//    1). A k16 step inside a 64-column half advances the start address by 32 bytes (the
+//    swizzle is applied after the address arithmetic, so this addresses logical chunks
+//    2kk, 2kk + 1 of every row); steps 4..7 use the second half.
+//  - V (B of P V) is [key][dim]: N = dim contiguous, i.e. MN-major, read with the transpose
+//    bit (allowed for 16-bit types). In the MN-major canonical layout an atom is 64 N-elements
+//    (128 bytes) x 8 K-rows; LBO = 16384 bytes is the stride between atoms along N (the two
+//    dim halves), SBO = 1024 bytes the stride between groups of 8 keys, and a k16 step (16
+//    keys) advances the start address by 2048 bytes. So V is stored exactly like K.
+//
+// Accumulator layout of m64nNk16 (fp32), per warp w of the warpgroup (rows 16w..16w+15),
+// lane = 4g + t: d[4i + 0..1] = (row g, cols 8i + 2t, + 1), d[4i + 2..3] = (row g + 8, same
+// cols). The register A operand (16-bit) of a k16 step: a0 = (g, 2t..2t+1), a1 = (g + 8,
+// 2t..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..) — so P's A fragment for keys
+// 16kk..16kk+15 is S's d[8kk .. 8kk + 7] rounded pairwise, with no data movement.
+//
+// Synchronisation:
+//  - Each producer thread publishes its copies of a tile with cp.async.mbarrier.arrive.noinc
+//    on the stage's "full" barrier (count 128, one arrival per producer thread): the barrier
+//    completes once every copy has landed, and the producer never waits for its own copies,
+//    so it runs up to kStages tiles ahead. cp.async writes through the generic proxy while
+//    wgmma reads shared memory through the async proxy: every consumer thread issues
+//    fence.proxy.async after its wait on a "full" barrier (and on Q's), before its wgmma.
+//  - A consumer warp arrives on the stage's "empty" barrier (count 8, one per consumer warp)
+//    once wgmma.wait_group says the products reading that stage are complete; the producer
+//    waits on it before refilling the stage. Every consumer warp waits for and releases
+//    every tile in order, also the tiles its rows skip, so barrier phases never mix.
+//  - wgmma.fence before each batch of wgmma (their accumulator and A registers were written
+//    by ordinary instructions), commit_group after each product, wait_group before reading
+//    accumulators. Empty asm statements that "modify" the accumulator arrays pin the
+//    compiler's ordering of register reads/writes to these points.
+#include <cfloat>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define K25_SM90A 1
+#endif
+
+namespace k25::cuda {
+
+namespace {
+
+constexpr int kD = 128;           // head_dim (the only size this kernel takes)
+constexpr int kRows = 128;        // rows per CTA: 2 consumer warpgroups x 64
+constexpr int kKeys = 128;        // keys per tile
+constexpr int kStages = 3;        // K/V ring depth: tiles j - 1 (P V), j (Q K) and j + 1 (loading)
+constexpr int kThreads = 384;     // producer warpgroup + 2 consumer warpgroups
+static_assert(kRows == kPrefillRows, "one work item per CTA: the planner's rows per item");
+
+constexpr uint32_t kHalfBytes = kRows * 128;             // 64 columns x 128 rows (= keys)
+constexpr uint32_t kTileBytes = 2 * kHalfBytes;          // Q, one K or one V tile: 32 KB
+constexpr uint32_t kStageBytes = 2 * kTileBytes;         // K + V
+constexpr uint32_t kStageOff = kTileBytes;  // Q at offset 0
+constexpr uint32_t kBarOff = kStageOff + kStages * kStageBytes;  // full[3], empty[3], q_full
+constexpr uint32_t kSmemBytes = kBarOff + 64 + 1024;     // + slack to align the base to 1024
+static_assert(kKeys == kRows, "tiles of Q, K and V share one layout");
+static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA on sm_90");
+
+#ifdef K25_SM90A
+
+constexpr int kProducerRegs = 56;   // setmaxnreg budgets: 128 * 56 + 256 * 224 = 64512,
+constexpr int kConsumerRegs = 224;  // the 168 x 384 the launch bounds give the CTA
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Byte offset of 16-byte chunk c (0..15, 8 elements each) of row r in a swizzled tile.
+__device__ __forceinline__ constexpr uint32_t tile_off(int r, int c) {
+  return static_cast<uint32_t>((c >> 3) * kHalfBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 16 : 0));
+}
+// Arrives (without raising the expected count: the barrier's count includes it) on an
+// mbarrier once all of this thread's earlier cp.async copies have landed, so the producer
+// never waits for its own copies.
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Orders generic-proxy shared-memory accesses (the cp.async writes this thread has observed
+// through a barrier, or its own stores) with its later / earlier async-proxy accesses (the
+// wgmma operand reads).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Returns once the barrier's phase of the given parity has completed (acquire).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// The compiler sees a wgmma as reading and writing its accumulators at the issuing
+// instruction; these empty statements "modify" the registers so that no read or write of
+// them is moved across a wait_group or a fence.
+__device__ __forceinline__ void reg_fence(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void reg_fence(uint32_t (&a)[8][4]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+  }
+}
+
+// Shared-memory matrix descriptor: 128-byte swizzle, offsets in bytes.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+#define K25_D8(i)                                                                                      \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define K25_D64 K25_D8(0), K25_D8(8), K25_D8(16), K25_D8(24), K25_D8(32), K25_D8(40), K25_D8(48), K25_D8(56)
+#define K25_DREGS                                                                                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "   \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// d (64 x 128, fp32) = [d +] A (64 x 16, shared, K-major) * B (16 x 128, shared, K-major).
+#define K25_WGMMA_SS(TY)                                                                  \
+  asm volatile(                                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                        \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " K25_DREGS              \
+      ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                   \
+      : K25_D64                                                                           \
+      : "l"(da), "l"(db), "r"(accumulate))
+template <typename T>
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    K25_WGMMA_SS("bf16");
+  } else {
+    K25_WGMMA_SS("f16");
+  }
+}
+
+// d (64 x 128, fp32) += A (64 x 16, registers) * B (16 x 128, shared, MN-major: transposed).
+#define K25_WGMMA_RS(TY)                                                                  \
+  asm volatile(                                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                        \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " K25_DREGS              \
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                     \
+      : K25_D64                                                                           \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+template <typename T>
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    K25_WGMMA_RS("bf16");
+  } else {
+    K25_WGMMA_RS("f16");
+  }
+}
+
+// Two floats rounded to T, lo in the low half (the lower column of a fragment pair).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t u;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    memcpy(&u, &v, 4);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    memcpy(&u, &v, 4);
+  }
+  return u;
+}
+
+// 2^x on the SFU (what exp2f becomes under --use_fast_math, independent of the flag); -inf -> 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+#endif  // K25_SM90A
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_sm90_kernel(const T* __restrict__ q, int64_t q_stride, T* __restrict__ out, KVCache kv, int layer,
+                        AttnBatch batch, int num_heads, float scale, int window, int first_item) {
+#ifdef K25_SM90A
+  extern __shared__ unsigned char smem_raw[];
+  // wgmma's swizzle works on absolute address bits: every tile half starts 1024-aligned.
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* const smem = smem_raw + (base - raw);
+  const uint32_t s_q = base, s_kv = base + kStageOff;
+  auto full_bar = [&](int s) { return base + kBarOff + 8u * s; };
+  auto empty_bar = [&](int s) { return base + kBarOff + 8u * (kStages + s); };
+  const uint32_t q_bar = base + kBarOff + 8u * (2 * kStages);
+
+  const AttnWork w = batch.work[first_item + blockIdx.x];
+  const int group = num_heads / kv.num_kv_heads;
+  const int q0 = batch.query_start[w.seq];
+  const int q_len = batch.query_start[w.seq + 1] - q0;
+  const int first_pos = batch.context_lens[w.seq] - q_len + w.q_begin;  // position of row 0's token
+  const int rows = (w.q_end - w.q_begin) * group;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+  // Keys row r may see: [lo, hi]. Both only grow with r (rows are in token order).
+  auto limits = [&](int r, int& lo, int& hi) {
+    const int pos = first_pos + r / group;
+    lo = max(w.key_begin, window > 0 ? pos - window + 1 : 0);
+    hi = min(w.key_end - 1, pos);
+  };
+  int key_lo, key_hi, unused;
+  limits(0, key_lo, unused);
+  limits(rows - 1, unused, key_hi);
+  const int num_tiles = key_hi >= key_lo ? (key_hi - key_lo) / kKeys + 1 : 0;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_bar(s), 128);  // every producer thread publishes its own copies
+      mbar_init(empty_bar(s), 8);   // every consumer warp releases
+    }
+    mbar_init(q_bar, 128);
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // ---------------- producer warpgroup ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    // Thread p copies chunk c = p % 16 of rows r0 + 8k (k = 0..15) of every tile: all its rows
+    // share r % 8 = r0, so its destinations are one offset plus k * 1024.
+    const int c = tid & 15, r0 = tid >> 4;
+    const uint32_t dst0 = tile_off(r0, c);
+    for (int k = 0; k < kRows / 8; ++k) {
+      const int r = r0 + 8 * k;
+      const bool ok = r < rows;  // rows past the item: zero-filled, finite, never stored
+      const T* src = q;
+      if (ok) {
+        const int token = q0 + w.q_begin + r / group, head = w.kv_head * group + r % group;
+        src = q + static_cast<int64_t>(token) * q_stride + static_cast<int64_t>(head) * kD + c * 8;
+      }
+      cp_async16(s_q + dst0 + 1024u * k, src, ok);
+    }
+    cp_async_arrive(q_bar);
+
+    const T* cache = static_cast<const T*>(kv.data);
+    const int bs = kv.block_size;
+    const int64_t head_elems = static_cast<int64_t>(bs) * kD;
+    const int64_t block_elems = static_cast<int64_t>(kv.num_layers) * 2 * kv.num_kv_heads * head_elems;
+    const T* k_base = cache + (static_cast<int64_t>(layer) * 2 * kv.num_kv_heads + w.kv_head) * head_elems + c * 8;
+    const int64_t v_delta = static_cast<int64_t>(kv.num_kv_heads) * head_elems;
+    const int* table = batch.block_tables + static_cast<int64_t>(w.seq) * batch.max_blocks;
+    const bool pow2 = (bs & (bs - 1)) == 0;
+    const int bs_shift = __ffs(bs) - 1;
+    for (int i = 0; i < num_tiles; ++i) {
+      const int s = i % kStages;
+      if (i >= kStages) mbar_wait(empty_bar(s), (i / kStages - 1) & 1);  // consumers done with tile i - 3
+      const uint32_t dst = s_kv + s * kStageBytes + dst0;
+      const int p0 = key_lo + i * kKeys + r0;
+#pragma unroll 4
+      for (int k = 0; k < kKeys / 8; ++k) {
+        const int p = p0 + 8 * k;
+        const bool ok = p <= key_hi;  // past the last key: zero-filled (never a slot nobody wrote)
+        const T* src = cache;
+        if (ok) {
+          const int blk = table[pow2 ? p >> bs_shift : p / bs];
+          const int slot = pow2 ? p & (bs - 1) : p % bs;
+          src = k_base + blk * block_elems + static_cast<int64_t>(slot) * kD;
+        }
+        cp_async16(dst + 1024u * k, src, ok);
+        cp_async16(dst + kTileBytes + 1024u * k, ok ? src + v_delta : cache, ok);
+      }
+      cp_async_arrive(full_bar(s));  // tile i is published when it has landed
+    }
+    cp_async_wait_all();  // no copy outlives its thread
+    return;
+  }
+
+  // ---------------- consumer warpgroups ----------------
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int wg = warp / 4 - 1, wl = warp % 4;  // consumer warpgroup (rows 64 wg ..), warp in it
+  const int g = lane / 4, t = lane % 4;
+  const int row0 = 64 * wg + 16 * wl + g;  // this thread's rows: row0 and row0 + 8
+
+  int rlo[2], rhi[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (row0 + 8 * i < rows) {
+      limits(row0 + 8 * i, rlo[i], rhi[i]);
+    } else {
+      rlo[i] = 1;
+      rhi[i] = 0;
+    }
+  }
+  // The warpgroup's tiles: from its first row's lowest key to its last valid row's highest.
+  // The wgmma are warpgroup-wide, so skipping and masking are decided per warpgroup.
+  int lo_first = 0, hi_first = -1, lo_last = 0, hi_last = -1;
+  const bool has_rows = 64 * wg < rows;
+  if (has_rows) {
+    limits(64 * wg, lo_first, hi_first);
+    limits(min(64 * wg + 63, rows - 1), lo_last, hi_last);
+  }
+  int j_first = num_tiles, j_last = num_tiles - 1;
+  if (has_rows && hi_last >= lo_first) {  // lo_first >= key_lo and hi_last <= key_hi
+    j_first = (lo_first - key_lo) / kKeys;
+    j_last = (hi_last - key_lo) / kKeys;
+  }
+
+  const uint64_t desc_q = make_desc(s_q + wg * 64 * 128, 16, 1024);
+  auto desc_k = [&](int s) { return make_desc(s_kv + s * kStageBytes, 16, 1024); };
+  auto desc_v = [&](int s) { return make_desc(s_kv + s * kStageBytes + kTileBytes, kHalfBytes, 1024); };
+  // Tile j has landed; the fence orders those generic-proxy writes before this thread's
+  // wgmma reads of them (async proxy).
+  auto wait_full = [&](int j) {
+    mbar_wait(full_bar(j % kStages), (j / kStages) & 1);
+    fence_proxy_async();
+  };
+  auto release = [&](int j) {
+    if (lane == 0) mbar_arrive(empty_bar(j % kStages));
+  };
+
+  float o[64], sc[64];  // O (64 x 128 per warpgroup) and S, in the accumulator layout
+  uint32_t pf[8][4];    // P as the A fragments of the 8 k16 steps of P V
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = sc[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) pf[i][0] = pf[i][1] = pf[i][2] = pf[i][3] = 0u;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // max of raw scores; this thread's sum
+  const float sl2 = scale * kLog2e;
+
+  // S = Q K^T over the 8 k16 steps of head_dim: steps 0-3 in the first 64-column half
+  // (+32 bytes each), 4-7 in the second.
+  auto issue_qk = [&](int s) {
+    const uint64_t dk = desc_k(s);
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const uint64_t off = ((kk >> 2) * kHalfBytes + (kk & 3) * 32) >> 4;
+      wgmma_ss<T>(sc, desc_q + off, dk + off, kk > 0);
+    }
+  };
+  // O += P V over the 8 k16 steps of the tile's keys (2048 bytes = 16 key rows each).
+  auto issue_pv = [&](int s) {
+    const uint64_t dv = desc_v(s);
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) wgmma_rs<T>(o, pf[kk], dv + ((kk * 2048) >> 4));
+  };
+  // Masks and the online softmax of tile j on sc (exponentials left in sc); alpha: the
+  // factor O must be rescaled by.
+  auto softmax = [&](int j, float (&alpha)[2]) {
+    const int tb = key_lo + j * kKeys, te = tb + kKeys - 1;
+    if (tb < lo_last || te > hi_first) {  // the tile cuts through some row's key range
+      // Element e of column group i is key tb + 2t + (8i + (e & 1)): compare the constant
+      // part against each row's limits shifted once, so the unrolled loop needs no per-key
+      // index registers.
+      const int base_key = tb + 2 * t;
+      const int clo[2] = {rlo[0] - base_key, rlo[1] - base_key};
+      const int chi[2] = {rhi[0] - base_key, rhi[1] - base_key};
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * i + (e & 1);
+          if (col < clo[e >> 1] || col > chi[e >> 1]) sc[4 * i + e] = -INFINITY;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // row g (h = 0) and row g + 8; a row's four lanes share it
+      float mx = m[h];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row with no key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+      const float mb = mx == -INFINITY ? 0.0f : mx * sl2;
+      alpha[h] = fast_exp2(m[h] * sl2 - mb);
+      m[h] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          sc[4 * i + e] = fast_exp2(fmaf(sc[4 * i + e], sl2, -mb));
+          sum += sc[4 * i + e];
+        }
+      }
+      l[h] = l[h] * alpha[h] + sum;
+    }
+  };
+  auto to_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) pf[kk][x] = pack2<T>(sc[8 * kk + 2 * x], sc[8 * kk + 2 * x + 1]);
+    }
+  };
+
+  mbar_wait(q_bar, 0);  // also before the epilogue reuses Q's rows: the copies have landed
+  fence_proxy_async();
+  int j = 0;
+  for (; j < j_first; ++j) {  // tiles before this warpgroup's rows (sliding window)
+    wait_full(j);
+    release(j);
+  }
+  if (j_first <= j_last) {
+    float alpha[2];
+    auto rescale_o = [&]() {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        o[4 * i] *= alpha[0];
+        o[4 * i + 1] *= alpha[0];
+        o[4 * i + 2] *= alpha[1];
+        o[4 * i + 3] *= alpha[1];
+      }
+    };
+    wait_full(j_first);
+    reg_fence(sc);
+    wgmma_fence();
+    issue_qk(j_first % kStages);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(sc);
+    softmax(j_first, alpha);
+    to_p();
+    if (j_first < j_last) wait_full(j_first + 1);
+    // Each step: O (complete up to tile j - 2) is rescaled to tile j - 1's max, then S of
+    // tile j and O += P V of tile j - 1 are issued together, and the softmax of tile j runs
+    // while the tensor cores do P V. Tile j + 1's barrier is waited for between the softmax
+    // and the wait for P V: besides being needed next, its spin loop is a block boundary
+    // that keeps ptxas from hoisting that wait above the softmax (it does so within a
+    // block, which would serialise the softmax behind P V).
+    for (j = j_first + 1; j <= j_last; ++j) {
+      rescale_o();
+      reg_fence(sc);
+      reg_fence(o);
+      reg_fence(pf);
+      wgmma_fence();
+      issue_qk(j % kStages);  // S of tile j ...
+      wgmma_commit();
+      issue_pv((j - 1) % kStages);  // ... while O += P V of tile j - 1
+      wgmma_commit();
+      wgmma_wait<1>();  // S is in
+      reg_fence(sc);
+      softmax(j, alpha);
+      reg_fence(sc);
+      if (j < j_last) wait_full(j + 1);
+      wgmma_wait<0>();  // P V of tile j - 1 is in: its stage is free, and so are pf and o
+      reg_fence(o);
+      reg_fence(pf);
+      release(j - 1);
+      to_p();
+    }
+    rescale_o();
+    reg_fence(o);
+    reg_fence(pf);
+    wgmma_fence();
+    issue_pv(j_last % kStages);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(o);
+    release(j_last);
+    j = j_last + 1;
+  }
+  for (; j < num_tiles; ++j) {  // tiles past this warpgroup's rows (causal)
+    wait_full(j);
+    release(j);
+  }
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  if (w.partial >= 0) {
+    // Split-KV (single-token items of a group past the decode kernel's): unnormalised,
+    // with the max in natural-log units for the merge.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + 8 * h;
+      if (r >= rows) continue;
+      float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r % group) * (kD + 2);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        *reinterpret_cast<float2*>(pr + 8 * i + 2 * t) = make_float2(o[4 * i + 2 * h], o[4 * i + 2 * h + 1]);
+      }
+      if (t == 0) {
+        pr[kD] = l[h] > 0.0f ? m[h] * scale : -FLT_MAX;
+        pr[kD + 1] = l[h];
+      }
+    }
+    return;
+  }
+  // Normalised rows go through this warp's own 16 Q rows in shared memory (read only by
+  // its warpgroup's wgmma, all complete) so the stores to out are whole 16-byte chunks.
+  fence_proxy_async();  // async-proxy reads of these bytes before the generic writes below
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+    const int r = row0 + 8 * h;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      *reinterpret_cast<uint32_t*>(smem + tile_off(r, i) + 4 * t) =
+          pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+    }
+  }
+  __syncwarp();
+  const int wr0 = 64 * wg + 16 * wl;
+#pragma unroll
+  for (int e = lane; e < 16 * 16; e += 32) {
+    const int r = wr0 + e / 16, c = e % 16;
+    if (r >= rows) break;
+    const int token = q0 + w.q_begin + r / group, head = w.kv_head * group + r % group;
+    *reinterpret_cast<int4*>(out + (static_cast<int64_t>(token) * num_heads + head) * kD + c * 8) =
+        *reinterpret_cast<const int4*>(smem + tile_off(r, c));
+  }
+#else
+  // Built for another architecture: the host never launches this (see usable()).
+  __trap();
+#endif
+}
+
+// The binary holds an sm_90a build of the kernel (not one JIT-compiled from older PTX, whose
+// body is empty), checked once per instantiation.
+template <typename T>
+bool usable() {
+  static const bool ok = [] {
+    cudaFuncAttributes a{};
+    if (cudaFuncGetAttributes(&a, prefill_sm90_kernel<T>) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    if (a.ptxVersion < 90 || a.binaryVersion < 90) return false;
+    if (cudaFuncSetAttribute(prefill_sm90_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kSmemBytes)) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return true;
+  }();
+  return ok;
+}
+
+bool is_sm90_device() {
+  static int cached[32] = {};  // per device: 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  if (dev < 0 || dev >= 32) return false;
+  if (cached[dev] == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    cached[dev] = major == 9 && minor == 0 ? 1 : 2;
+  }
+  return cached[dev] == 1;
+}
+
+template <typename T>
+bool launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, const AttnBatch& b, int num_heads,
+            float scale, int window, int first_item, int num_items, cudaStream_t stream) {
+  if (!usable<T>()) return false;
+  prefill_sm90_kernel<T><<<num_items, kThreads, kSmemBytes, stream>>>(
+      static_cast<const T*>(q), q_stride, static_cast<T*>(out), kv, layer, b, num_heads, scale, window, first_item);
+  return true;
+}
+
+}  // namespace
+
+bool prefill_attention_sm90(DType t, const void* q, int64_t q_stride, void* out, KVCache kv, int32_t layer,
+                            const AttnBatch& batch, int32_t num_heads, float scale, int32_t window,
+                            int32_t first_item, int32_t num_items, cudaStream_t stream) {
+  if (kv.head_dim != kD || (t != DType::kBF16 && t != DType::kF16)) return false;
+  // K25_PREFILL_ATTENTION=mma forces the mma.sync kernel (tests compare the two).
+  if (const char* e = std::getenv("K25_PREFILL_ATTENTION"); e != nullptr && std::strcmp(e, "mma") == 0) return false;
+  if (!is_sm90_device()) return false;
+  if (num_items <= 0) return true;
+  if (t == DType::kBF16) {
+    return launch<__nv_bfloat16>(q, q_stride, out, kv, layer, batch, num_heads, scale, window, first_item, num_items,
+                                 stream);
+  }
+  return launch<__half>(q, q_stride, out, kv, layer, batch, num_heads, scale, window, first_item, num_items, stream);
+}
+
+}  // namespace k25::cuda
