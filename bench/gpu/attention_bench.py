@@ -11,6 +11,7 @@ is checked against SDPA's before it is timed.
 import argparse
 import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +156,13 @@ def prefill_case(L, fi, results):
     out = call.run(qkv).view(L, HQ, D)
     row["k25_err"] = rel(out, ref)
     row["k25_TFLOPs"] = flops / 1e12 / (time_ms(lambda: call.run(qkv), iters=3, warmup=1) / 1e3)
+    # The mma.sync kernel (forced), next to the one the device takes (wgmma on Hopper).
+    os.environ["K25_PREFILL_ATTENTION"] = "mma"
+    try:
+        row["k25_mma_err"] = rel(call.run(qkv).view(L, HQ, D), ref)
+        row["k25_mma_TFLOPs"] = flops / 1e12 / (time_ms(lambda: call.run(qkv), iters=3, warmup=1) / 1e3)
+    finally:
+        del os.environ["K25_PREFILL_ATTENTION"]
     if fi is not None:
         try:
             ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
@@ -178,6 +186,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--skip-flashinfer", action="store_true")
     ap.add_argument("--prefill-len", type=int, default=16384)
+    ap.add_argument("--prefill-only", action="store_true")
     args = ap.parse_args()
     fi = None
     if not args.skip_flashinfer:
@@ -188,7 +197,7 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "flashinfer",
           getattr(fi, "__version__", None) if fi else None, flush=True)
     results = []
-    for B, L in [(8, 32768), (32, 8192), (1, 32768), (1, 1024), (8, 1024)]:
+    for B, L in [] if args.prefill_only else [(8, 32768), (32, 8192), (1, 32768), (1, 1024), (8, 1024)]:
         try:
             decode_case(B, L, fi, results)
         except Exception as e:
