@@ -1,11 +1,16 @@
 // Paged attention for single-token (decode) queries: the memory-bound case.
 //
 // One CTA per (sequence, KV head, key range). A decode reads every cached key and value
-// of its range once, so the kernel is built around keeping many 16-byte loads in flight:
-// a key row of D elements is spread over D / (16 / sizeof(T)) lanes (16 for bf16 with
-// D = 128), so one warp-wide load instruction covers 32 / that many keys, and each lane
-// issues kLoads such loads for K and for V before it uses any of them. The GQA group's
-// query rows (up to G = 8) share every K/V load.
+// of its range once, so both kernels here are built around keeping many 16-byte loads in
+// flight while spending as few instructions as possible per byte. The GQA group's query
+// rows (up to kDecodeMaxGroup = 8) share every K/V load.
+//
+// bf16 / fp16 run on tensor cores (tc::decode_tc_kernel, described at its namespace);
+// float32 keeps the CUDA-core kernel below.
+//
+// CUDA-core kernel: a key row of D elements is spread over D / (16 / sizeof(T)) lanes, so
+// one warp-wide load instruction covers 32 / that many keys, and each lane issues kLoads
+// such loads for K and for V before it uses any of them.
 //
 // Per iteration a warp takes kKeysPerIter keys: every lane forms its partial dot products
 // (kLoads keys x G rows over its 16 bytes of the head), and a transposing butterfly sums
@@ -17,8 +22,10 @@
 // lanes of one slice, then the warps, are combined once at the end.
 #include <algorithm>
 #include <cfloat>
+#include <type_traits>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace k25::cuda {
 
@@ -31,16 +38,6 @@ constexpr int kLoads = 4;   // K (and V) 16-byte pieces per lane per iteration
 constexpr int kStages = 4;  // ring slots per warp (iterations of loads in flight + 1)
 constexpr int kSlotVecs = 2 * kLoads * 32;  // 16-byte pieces per slot: K then V, by lane
 constexpr size_t kRingBytes = static_cast<size_t>(kWarps) * kStages * kSlotVecs * 16;
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(pred ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 template <typename T, int D, int G>
 struct Cfg {
@@ -55,27 +52,22 @@ struct Cfg {
   static_assert((kVals & (kVals - 1)) == 0, "the butterfly halves a power of two");
 };
 
-__device__ __forceinline__ void to_floats(const int4& raw, float* f, float) {
-  const float* p = reinterpret_cast<const float*>(&raw);
+// The 16 bytes of one load as floats (a template, so the element types the kernel is not
+// instantiated for leave no unused overloads behind).
+template <typename T>
+__device__ __forceinline__ void to_floats(const int4& raw, float* f) {
+  if constexpr (std::is_same_v<T, float>) {
+    const float* p = reinterpret_cast<const float*>(&raw);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) f[i] = p[i];
-}
-__device__ __forceinline__ void to_floats(const int4& raw, float* f, __half) {
-  const __half2* p = reinterpret_cast<const __half2*>(&raw);
+    for (int i = 0; i < 4; ++i) f[i] = p[i];
+  } else {
+    using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+    const T2* p = reinterpret_cast<const T2*>(&raw);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __half22float2(p[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-__device__ __forceinline__ void to_floats(const int4& raw, float* f, __nv_bfloat16) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(p[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = to_f(p[i].x);
+      f[2 * i + 1] = to_f(p[i].y);
+    }
   }
 }
 
@@ -138,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
     if (r < group) {
       const int4 raw = *reinterpret_cast<const int4*>(q + static_cast<int64_t>(token) * q_stride +
                                                       static_cast<int64_t>(w.kv_head * group + r) * D + slice * kVec);
-      to_floats(raw, qf[r], T{});
+      to_floats<T>(raw, qf[r]);
 #pragma unroll
       for (int x = 0; x < kVec; ++x) qf[r][x] *= scale * kLog2e;  // scores in log2 units: exp2
     } else {
@@ -181,8 +173,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
       const bool ok = it < iters && p <= hi;
       const int blk = pow2 ? p >> bs_shift : p / kv.block_size;
       const int64_t off = ok ? table[blk] * block_elems + static_cast<int64_t>(p - blk * kv.block_size) * D : 0;
-      cp_async16(slot + k * 32 + lane, cache + k_base + off, ok);
-      cp_async16(slot + (kLoads + k) * 32 + lane, cache + v_base + off, ok);
+      cp_async16(smem_u32(slot + k * 32 + lane), cache + k_base + off, ok);
+      cp_async16(smem_u32(slot + (kLoads + k) * 32 + lane), cache + v_base + off, ok);
     }
     cp_async_commit();
   };
@@ -207,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
       float kf[kVec];
-      to_floats(kr[k], kf, T{});
+      to_floats<T>(kr[k], kf);
 #pragma unroll
       for (int r = 0; r < G; ++r) {
         float d = 0.0f;
@@ -249,7 +241,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
       float vf[kVec];
-      to_floats(vr[k], vf, T{});
+      to_floats<T>(vr[k], vf);
 #pragma unroll
       for (int r = 0; r < G; ++r) {
         const float pr = valid[k] ? exp2f(sm.scores[warp][k * KPL + sub][r] - m[r]) : 0.0f;
@@ -363,14 +355,329 @@ int wave_group(int group) {
   return wave<T, D, 8>();
 }
 
+// ---- Tensor-core kernel (bf16 / fp16, D = 64 or 128) ----
+//
+// The CUDA-core kernel is issue-bound (about 650 instructions per 4 KB of K/V per warp:
+// FMAs, conversions, butterflies), so here the dot products and P V run on m16n8k16
+// mma.sync (mma.cuh) and the per-byte work is a few copies, ldmatrix loads and mmas.
+//
+// The GQA group's query heads are the 16 mma rows: group <= 8 uses rows 0..7 (rows past
+// the group have zero q; they are computed and never stored) and rows 8..15 are constant
+// zero registers in the A fragments. Half the tensor work is wasted, which costs nothing
+// that matters: per 8 KB of K/V a warp issues 32 mmas, far below the tensor pipe's rate
+// at HBM speed. S = Q K^T takes K through plain ldmatrix (keys are the n columns), P is
+// rounded to T and reused in registers as the A operand of O += P V (the C and A layouts
+// line up), V through ldmatrix.trans; the online softmax (FA2) runs per row in registers,
+// the row's four lanes (same g) sharing its max by two shuffles.
+//
+// Each of the 4 warps walks its own tiles, tile i of the item going to warp i % 4 (at a
+// ragged end the warps differ by at most one tile), through its own ring of kStages
+// shared-memory slots filled with cp.async by its own lanes: no CTA barrier until the
+// final merge, so the warps drift freely and a slow tile stalls one warp only. A tile is
+// 8 KB of K + V (16 keys at D = 128, 32 at D = 64): 3 slots x 4 warps = 96 KB a CTA, two
+// CTAs (8 warps) per SM on sm_90, with 2 tiles = 16 KB a warp, 128 KB an SM, in flight
+// while one is computed: several times the ~35 KB an SM needs in flight to stream its
+// share of 4.3 TB/s at about a microsecond of loaded latency. Smaller tiles than the
+// prefill's keep the ring deep at two CTAs per SM (tails of one CTA overlap the other's
+// streaming); the per-tile softmax cost they add is small next to the mmas.
+//
+// Keys are gathered through the block table row by row, so a tile may start anywhere in
+// a block and span several blocks (any block_size). Lane j looks up key j of a tile one
+// tile ahead (its table read is in flight during a tile's compute) and the copying lanes
+// fetch the row index by shuffle. Keys past the range are zero-filled (a stale slot may
+// hold NaN; 0 x NaN would poison the sums) and their scores masked to -inf.
+//
+// At the end each warp leaves (max, sum, accumulators) of its rows in its own ring and the
+// CTA combines the four, exactly as the CUDA-core kernel does, in the same output format.
+namespace tc {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 3;         // ring slots per warp: kStages - 1 tiles in flight while one is computed
+constexpr int kStageBytes = 8192;  // K + V of one warp tile
+constexpr int kWarpBytes = kStages * kStageBytes;
+constexpr int kSmemBytes = kWarps * kWarpBytes;
+constexpr int kRows = kDecodeMaxGroup;  // query rows used of the 16 (the rest are zero)
+static_assert(kRows <= 8, "rows g + 8 of the mma tile are the constant-zero half");
+
+template <int D>
+struct Shape {
+  static constexpr int kChunks = D / 8;                 // 16-byte chunks per K/V row
+  static constexpr int kKeys = kStageBytes / (4 * D);   // keys per tile (K and V, 2 bytes each)
+  static constexpr int kTileBytes = kKeys * D * 2;      // the K (or the V) half of a slot
+  static constexpr int kRowsPerCopy = 32 / kChunks;     // key rows per warp-wide cp.async
+  static constexpr int kCopies = kKeys / kRowsPerCopy;  // cp.async per lane for a tile's K (and V)
+  static_assert(kKeys % 16 == 0 && kKeys <= 32, "whole mma k-steps of keys; one lane looks up each key");
+  static_assert(32 % kChunks == 0, "whole rows per warp-wide copy");
+  // The final merge leaves [kRows][D] accumulators, then kRows maxima and sums, in a ring.
+  static_assert(kRows * (D + 2) * 4 <= kWarpBytes, "a warp's merge data fits its ring");
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2)
+    decode_tc_kernel(const T* __restrict__ q, int64_t q_stride, T* __restrict__ out, KVCache kv, int layer,
+                     AttnBatch batch, int num_heads, float scale, int window) {
+  using S = Shape<D>;
+  constexpr int CH = S::kChunks, NK = S::kKeys;
+  constexpr int NT = NK / 8;  // 8-key column tiles of S
+  constexpr int DT = D / 8;   // 8-wide column tiles of O
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x);
+  if (w.partial == kNoWork) return;  // uniform over the CTA: before any barrier
+  const int group = num_heads / kv.num_kv_heads;  // <= kDecodeMaxGroup: the caller's rule
+  const int rows = min(group, kRows);
+  const int token = batch.query_start[w.seq];
+  const int ctx = batch.context_lens[w.seq];
+  const int lo = max(window > 0 ? max(0, ctx - window) : 0, w.key_begin);
+  const int hi = min(ctx - 1, w.key_end - 1);
+  const int num_tiles = hi >= lo ? (hi - lo) / NK + 1 : 0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int my_tiles = num_tiles > warp ? (num_tiles - 1 - warp) / kWarps + 1 : 0;
+  // First key of this warp's j-th tile; every tile's first key is in range.
+  auto tile_base = [&](int j) { return lo + (warp + j * kWarps) * NK; };
+
+  // Row g's A fragments (dims 16kd + 2t.. and 16kd + 8 + 2t..); rows past the group are zero.
+  uint32_t qa[D / 16][2];
+  {
+    const bool real = g < rows;
+    const int head = w.kv_head * group + (real ? g : 0);
+    const T* qr = q + static_cast<int64_t>(token) * q_stride + static_cast<int64_t>(head) * D + 2 * t;
+#pragma unroll
+    for (int kd = 0; kd < D / 16; ++kd) {
+      qa[kd][0] = real ? *reinterpret_cast<const uint32_t*>(qr + 16 * kd) : 0u;
+      qa[kd][1] = real ? *reinterpret_cast<const uint32_t*>(qr + 16 * kd + 8) : 0u;
+    }
+  }
+
+  // Cache addresses in rows of D elements from the pool's start: 32 bits hold any pool
+  // (2^32 rows of at least 128 bytes are 512 GB), and one wide multiply-add makes the pointer.
+  const T* cache = static_cast<const T*>(kv.data);
+  const int bs = kv.block_size;
+  const uint32_t block_rows = static_cast<uint32_t>(kv.num_layers) * 2 * kv.num_kv_heads * bs;
+  const uint32_t k_row0 = (static_cast<uint32_t>(layer) * 2 * kv.num_kv_heads + w.kv_head) * bs;
+  const int64_t v_delta = static_cast<int64_t>(kv.num_kv_heads) * bs * D;  // K row -> its V row, in elements
+  const int* table = batch.block_tables + static_cast<int64_t>(w.seq) * batch.max_blocks;
+  const bool pow2 = (bs & (bs - 1)) == 0;  // the usual case: shifts, not divisions
+  const int bs_shift = __ffs(bs) - 1;
+
+  // Lane j < NK: the K row of key j of the warp's j-th tile (0 where there is none).
+  auto lookup = [&](int j) -> uint32_t {
+    const int p = tile_base(j) + lane;
+    if (j >= my_tiles || lane >= NK || p > hi) return 0;
+    const int blk = pow2 ? p >> bs_shift : p / bs;
+    return static_cast<uint32_t>(table[blk]) * block_rows + k_row0 + static_cast<uint32_t>(p - blk * bs);
+  };
+  // Tile j into slot j % kStages: lane copies chunk cc of key rows cr + i * kRowsPerCopy.
+  // One commit group per tile, empty past the warp's last: the waits count tiles.
+  const uint32_t ring = smem_u32(smem) + warp * kWarpBytes;
+  const int cc = lane % CH, cr = lane / CH;
+  auto copy = [&](int j, uint32_t key_rows) {
+    if (j < my_tiles) {  // uniform over the warp: the shuffles see every lane
+      const uint32_t st = ring + (static_cast<unsigned>(j) % kStages) * kStageBytes;
+      const int base = tile_base(j);
+#pragma unroll
+      for (int i = 0; i < S::kCopies; ++i) {
+        const int r = cr + i * S::kRowsPerCopy;
+        const uint32_t row = __shfl_sync(0xffffffffu, key_rows, r);
+        const bool ok = base + r <= hi;  // else row is 0: a valid address, not read
+        const T* src = cache + static_cast<uint64_t>(row) * D + cc * 8;
+        cp_async16(st + swz<CH>(r, cc), src, ok);
+        cp_async16(st + S::kTileBytes + swz<CH>(r, cc), src + v_delta, ok);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // The first kStages - 1 tiles, with all their table reads issued before the first copy.
+  uint32_t first_rows[kStages - 1];
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) first_rows[j] = lookup(j);
+  uint32_t next = lookup(kStages - 1);
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) copy(j, first_rows[j]);
+
+  const float sl2 = scale * kLog2e;  // scores in log2 units: exp2
+  float o[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float mb = -INFINITY, l = 0.0f;  // row g: max score so far (log2 units); this lane's share of the sum
+
+  for (int j = 0; j < my_tiles; ++j) {
+    copy(j + kStages - 1, next);   // into the slot of tile j - 1, released by the __syncwarp below
+    next = lookup(j + kStages);
+    cp_async_wait<kStages - 1>();  // tile j has landed (this lane's copies) ...
+    __syncwarp();                  // ... and every lane's
+    const uint32_t sk = ring + (static_cast<unsigned>(j) % kStages) * kStageBytes, sv = sk + S::kTileBytes;
+    const int base = tile_base(j);
+
+    // S = Q K^T (rows g + 8 stay zero and are ignored). B(k = dim, n = key) is K row-major,
+    // so the plain ldmatrix of 8 key rows x 8 dims is b0 / b1. Matrices: keys 16np + 0..7
+    // at dims 16kd + 0..7 and + 8..15, then keys 16np + 8..15 likewise.
+    float s[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+#pragma unroll
+      for (int kd = 0; kd < D / 16; ++kd) {
+        uint32_t b[4];
+        ldsm_x4(b, sk + swz<CH>(16 * np + (lane & 7) + ((lane >> 4) << 3), 2 * kd + ((lane >> 3) & 1)));
+        const uint32_t a[4] = {qa[kd][0], 0u, qa[kd][1], 0u};
+        mma16816<T>(s[2 * np], a, b[0], b[1]);
+        mma16816<T>(s[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    if (base + NK - 1 > hi) {  // the item's last tile: keys past the range
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        if (base + 8 * n + 2 * t > hi) s[n][0] = -INFINITY;
+        if (base + 8 * n + 2 * t + 1 > hi) s[n][1] = -INFINITY;
+      }
+    }
+    // Online softmax of row g. The tile's first key is in range, so the new max is finite
+    // and the first tile's alpha is exp2(-inf) = 0.
+    float mx = fmaxf(s[0][0], s[0][1]);
+#pragma unroll
+    for (int n = 1; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][0], s[n][1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mb_new = fmaxf(mb, mx * sl2);
+    const float alpha = exp2f(mb - mb_new);
+    mb = mb_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      s[n][0] = exp2f(fmaf(s[n][0], sl2, -mb_new));
+      s[n][1] = exp2f(fmaf(s[n][1], sl2, -mb_new));
+      sum += s[n][0] + s[n][1];
+    }
+    l = fmaf(l, alpha, sum);
+#pragma unroll
+    for (int d = 0; d < DT; ++d) {
+      o[d][0] *= alpha;
+      o[d][1] *= alpha;
+    }
+    // O += P V. P's A fragment for keys 16kk..16kk+15 is S tiles 2kk (a0) and 2kk + 1 (a2),
+    // rows g + 8 zero. B(k = key, n = dim) is V row-major read transposed: matrices keys
+    // 16kk + 0..7 and + 8..15 at dims 16jp + 0..7, then the same keys at dims 16jp + 8..15.
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; ++kk) {
+      const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), 0u, pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             0u};
+#pragma unroll
+      for (int jp = 0; jp < D / 16; ++jp) {
+        uint32_t b[4];
+        ldsm_x4_trans(b, sv + swz<CH>(16 * kk + (lane & 7) + (((lane >> 3) & 1) << 3), 2 * jp + (lane >> 4)));
+        mma16816<T>(o[2 * jp], a, b[0], b[1]);
+        mma16816<T>(o[2 * jp + 1], a, b[2], b[3]);
+      }
+    }
+    __syncwarp();  // every lane is done with slot j % kStages before the next copy refills it
+  }
+  cp_async_wait<0>();  // only empty groups can be pending; none may land in the merge data
+  __syncwarp();
+
+  // The warp's rows into its own ring: [kRows][D] accumulators, kRows maxima, kRows sums.
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  float* red = reinterpret_cast<float*>(smem + warp * kWarpBytes);
+  if (g < rows) {
+#pragma unroll
+    for (int d = 0; d < DT; ++d) {
+      *reinterpret_cast<float2*>(red + g * D + 8 * d + 2 * t) = make_float2(o[d][0], o[d][1]);
+    }
+    if (t == 0) {
+      red[kRows * D + g] = mb;
+      red[kRows * D + kRows + g] = l;
+    }
+  }
+  __syncthreads();
+  // The warps' results, rescaled to their common max; a warp without keys has sum 0.
+  for (int e = threadIdx.x; e < rows * D; e += kThreads) {
+    const int r = e / D, d = e % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) {
+      const float* ri = reinterpret_cast<const float*>(smem + i * kWarpBytes);
+      if (ri[kRows * D + kRows + r] > 0.0f) mx = fmaxf(mx, ri[kRows * D + r]);
+    }
+    float lsum = 0.0f, a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) {
+      const float* ri = reinterpret_cast<const float*>(smem + i * kWarpBytes);
+      const float li = ri[kRows * D + kRows + r];
+      if (li > 0.0f) {
+        const float f = exp2f(ri[kRows * D + r] - mx);
+        lsum += li * f;
+        a += ri[r * D + d] * f;
+      }
+    }
+    if (w.partial >= 0) {
+      float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r) * (D + 2);
+      pr[d] = a;
+      if (d == 0) {
+        pr[D] = lsum > 0.0f ? mx * kLn2 : -FLT_MAX;  // the merge works in natural-log units
+        pr[D + 1] = lsum;
+      }
+    } else {
+      out[static_cast<int64_t>(token) * num_heads * D + static_cast<int64_t>(w.kv_head * group + r) * D + d] =
+          from_f<T>(lsum > 0.0f ? a / lsum : 0.0f);
+    }
+  }
+}
+
+template <typename T, int D>
+void configure() {
+  cudaFuncSetAttribute(decode_tc_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  // All of the unified L1 / shared memory as shared (the K/V copies bypass L1 anyway), so
+  // two CTAs fit on an SM.
+  cudaFuncSetAttribute(decode_tc_kernel<T, D>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                       cudaSharedmemCarveoutMaxShared);
+}
+
+template <typename T, int D>
+void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, const AttnBatch& b, int num_heads,
+            float scale, int window, int num_items, cudaStream_t stream) {
+  static bool configured = false;  // per instantiation; the attributes are idempotent
+  if (!configured) {
+    configure<T, D>();
+    configured = true;
+  }
+  decode_tc_kernel<T, D><<<num_items, kThreads, kSmemBytes, stream>>>(
+      static_cast<const T*>(q), q_stride, static_cast<T*>(out), kv, layer, b, num_heads, scale, window);
+}
+
+// One kernel serves every group (the rows are runtime), so one occupancy for all.
+template <typename T, int D>
+int wave() {
+  static int blocks = 0;
+  if (blocks == 0) {
+    int device = 0, sms = 0, per_sm = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    configure<T, D>();
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_tc_kernel<T, D>, kThreads, kSmemBytes);
+    blocks = std::max(1, sms * per_sm);
+  }
+  return blocks;
+}
+
+}  // namespace tc
+
 }  // namespace
 
 int32_t decode_attention_wave(DType t, int32_t head_dim, int32_t group) {
   int n = 0;
   if (head_dim == 64) {
-    K25_DISPATCH_DTYPE(t, n = wave_group<T, 64>(group));
+    n = t == DType::kBF16  ? tc::wave<__nv_bfloat16, 64>()
+        : t == DType::kF16 ? tc::wave<__half, 64>()
+                           : wave_group<float, 64>(group);
   } else if (head_dim == 128) {
-    K25_DISPATCH_DTYPE(t, n = wave_group<T, 128>(group));
+    n = t == DType::kBF16  ? tc::wave<__nv_bfloat16, 128>()
+        : t == DType::kF16 ? tc::wave<__half, 128>()
+                           : wave_group<float, 128>(group);
   }
   return n > 0 ? n : 1;
 }
@@ -379,14 +686,26 @@ void decode_attention(DType t, const void* q, int64_t q_stride, void* out, KVCac
                       const AttnBatch& batch, int32_t num_heads, float scale, int32_t window, int32_t num_items,
                       cudaStream_t stream) {
   if (num_items <= 0) return;
+  // bf16 / fp16 on tensor cores; float32 on the CUDA-core kernel.
   switch (kv.head_dim) {
     case 64:
-      K25_DISPATCH_DTYPE(t, launch_group<T, 64>(q, q_stride, out, kv, layer, batch, num_heads, scale, window,
-                                                num_items, stream));
+      if (t == DType::kBF16) {
+        tc::launch<__nv_bfloat16, 64>(q, q_stride, out, kv, layer, batch, num_heads, scale, window, num_items, stream);
+      } else if (t == DType::kF16) {
+        tc::launch<__half, 64>(q, q_stride, out, kv, layer, batch, num_heads, scale, window, num_items, stream);
+      } else {
+        launch_group<float, 64>(q, q_stride, out, kv, layer, batch, num_heads, scale, window, num_items, stream);
+      }
       break;
     case 128:
-      K25_DISPATCH_DTYPE(t, launch_group<T, 128>(q, q_stride, out, kv, layer, batch, num_heads, scale, window,
-                                                 num_items, stream));
+      if (t == DType::kBF16) {
+        tc::launch<__nv_bfloat16, 128>(q, q_stride, out, kv, layer, batch, num_heads, scale, window, num_items,
+                                       stream);
+      } else if (t == DType::kF16) {
+        tc::launch<__half, 128>(q, q_stride, out, kv, layer, batch, num_heads, scale, window, num_items, stream);
+      } else {
+        launch_group<float, 128>(q, q_stride, out, kv, layer, batch, num_heads, scale, window, num_items, stream);
+      }
       break;
     default:
       break;  // rejected by the launcher's caller (supported head dims: 64, 128)

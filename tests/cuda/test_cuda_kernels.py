@@ -2,9 +2,9 @@
 
 Fresh random inputs per case; ragged batches mixing prefill chunks and decodes, permuted
 block tables, GQA ratios 1-8, head dims 64 and 128, float32/float16/bfloat16, sliding
-windows, split-KV decode, long prefill chunks (bf16/fp16 take the tensor-core kernel: wgmma on
-compute capability 9.0 for head_dim 128, mma.sync otherwise), and NaN in every KV slot that
-must not be read.
+windows, split-KV decode, long prefill chunks and decodes (bf16/fp16 take the tensor-core
+kernels: wgmma for prefill on compute capability 9.0 with head_dim 128, mma.sync otherwise),
+block sizes that tiles do not align to, and NaN in every KV slot that must not be read.
 """
 import math
 
@@ -202,6 +202,37 @@ def test_paged_attention_decode_long_context(window):
     run_case(window + 1, torch.bfloat16, 32, 8, 128, 16, window, [(20000, 1), (4099, 1)])
     run_case(window + 2, torch.bfloat16, 32, 8, 128, 16, window, [(20000, 1)], decode_splits=48)
     run_case(window + 3, torch.float16, 32, 8, 128, 16, window, [(9000, 1)], parallelism=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("bs", [16, 48, 5])
+def test_decode_tc_block_sizes_and_splits(dtype, group, D, bs):
+    # The tensor-core decode kernel: key tiles (16 or 32 keys) that start anywhere in a
+    # block and span several (pages of 16, 48, 5), contexts shorter than a tile or than the
+    # four warps' first tiles, ragged ends, unsplit and split work lists, device-derived
+    # splits, and a window that is no multiple of a tile.
+    seqs = [(1, 1), (2, 1), (15, 1), (16, 1), (17, 1), (100, 1), (1000, 1), (3001, 1)]
+    seed = group * 1000 + D + bs
+    Hq, Hkv = 2 * group, 2
+    assert run_case(seed, dtype, Hq, Hkv, D, bs, 0, seqs, parallelism=1) == 0
+    assert run_case(seed + 1, dtype, Hq, Hkv, D, bs, 0, seqs) > 0
+    assert run_case(seed + 2, dtype, Hq, Hkv, D, bs, 0, seqs, decode_splits=7) == len(seqs) * Hkv
+    run_case(seed + 3, dtype, Hq, Hkv, D, bs, 50, seqs)
+    run_case(seed + 4, dtype, Hq, Hkv, D, bs, 50, seqs, decode_splits=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [4, 8])
+def test_decode_tc_32k(dtype, group):
+    # 32 query heads at 32K keys (and 32K + 3: a ragged last tile): one CTA walking every
+    # key of a head (thousands of tiles per warp), work-list splits and derived splits.
+    seqs = [(32771, 1), (32768, 1)]
+    Hkv = 32 // group
+    assert run_case(group, dtype, 32, Hkv, 128, 16, 0, seqs, parallelism=1) == 0
+    assert run_case(group + 1, dtype, 32, Hkv, 128, 16, 0, seqs) > 0
+    run_case(group + 2, dtype, 32, Hkv, 128, 16, 0, seqs, decode_splits=64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
