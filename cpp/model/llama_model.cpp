@@ -292,6 +292,12 @@ void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta,
   const int64_t num_blocks = kv.numel() / layout.block_elems();
   const auto dev = kv.device();
   const auto i64 = at::TensorOptions().dtype(at::kLong);
+  // Index lists go up through pinned memory without a stream sync: a synchronous upload
+  // per layer would drain the device queue each time and measure the host, not the ops.
+  auto upload = [&](const std::vector<int64_t>& v) {
+    at::Tensor h = at::tensor(v, i64);
+    return kv.is_cuda() ? h.pin_memory().to(dev, /*non_blocking=*/true) : h;
+  };
   // [blocks, layers, K/V, heads, bs * D]
   at::Tensor pool = kv.view({num_blocks, layout.num_layers, 2, Hkv, bs * D}).select(1, layer);
   // Blocks [n, 2, Hkv, bs * D] -> K and V as [n, Hkv, bs, D] views.
@@ -313,27 +319,29 @@ void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta,
   }
   if (!dec.empty()) {
     const int64_t S = static_cast<int64_t>(dec.size()), L = nb_max * bs;
-    std::vector<int64_t> table(S * nb_max), rows(S), ctxs(S);
+    // One upload: [block table S x nb_max | query rows S | context lengths S].
+    std::vector<int64_t> ints(S * nb_max + 2 * S);
     for (int64_t i = 0; i < S; ++i) {
       const int32_t s = static_cast<int32_t>(dec[i]);
       const int32_t* bt = meta.block_tables.data() + static_cast<int64_t>(s) * meta.max_blocks_per_seq;
       const int64_t nb = (meta.context_lens[s] + bs - 1) / bs;
-      for (int64_t j = 0; j < nb_max; ++j) table[i * nb_max + j] = bt[j < nb ? j : 0];
-      rows[i] = meta.query_start[s];
-      ctxs[i] = meta.context_lens[s];
+      for (int64_t j = 0; j < nb_max; ++j) ints[i * nb_max + j] = bt[j < nb ? j : 0];
+      ints[S * nb_max + i] = meta.query_start[s];
+      ints[S * nb_max + S + i] = meta.context_lens[s];
     }
-    auto [kb, vb] = split_kv(at::index_select(pool, 0, at::tensor(table, i64).to(dev)), S * nb_max);
+    at::Tensor d_ints = upload(ints);
+    at::Tensor r = d_ints.narrow(0, S * nb_max, S);
+    auto [kb, vb] = split_kv(at::index_select(pool, 0, d_ints.narrow(0, 0, S * nb_max)), S * nb_max);
     // [S, Hkv, L, D]
     at::Tensor k = kb.view({S, nb_max, Hkv, bs, D}).permute({0, 2, 1, 3, 4}).reshape({S, Hkv, L, D});
     at::Tensor v = vb.view({S, nb_max, Hkv, bs, D}).permute({0, 2, 1, 3, 4}).reshape({S, Hkv, L, D});
     at::Tensor kpos = at::arange(0, L, i64.device(dev)).unsqueeze(0);    // [1, L]
-    at::Tensor ctx = at::tensor(ctxs, i64).to(dev).unsqueeze(1);          // [S, 1]
+    at::Tensor ctx = d_ints.narrow(0, S * nb_max + S, S).unsqueeze(1);    // [S, 1]
     at::Tensor valid = kpos < ctx;
     if (window > 0) valid = at::logical_and(valid, kpos >= ctx - window);
     at::Tensor keep = valid.view({S, 1, L, 1});
     k = at::where(keep, k, at::zeros({}, k.options())).repeat_interleave(Hq / Hkv, 1);
     v = at::where(keep, v, at::zeros({}, v.options())).repeat_interleave(Hq / Hkv, 1);
-    at::Tensor r = at::tensor(rows, i64).to(dev);
     at::Tensor q = qkv.index_select(0, r).narrow(1, 0, Hq * D).reshape({S, Hq, 1, D});
     at::Tensor o = at::scaled_dot_product_attention(q, k, v, valid.view({S, 1, 1, L}));  // [S, Hq, 1, D]
     out.index_copy_(0, r, o.reshape({S, Hq * D}).to(out.scalar_type()));
@@ -345,7 +353,7 @@ void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta,
     const int64_t nb = (ctx + bs - 1) / bs;
     std::vector<int64_t> table(meta.block_tables.begin() + static_cast<int64_t>(s) * meta.max_blocks_per_seq,
                                meta.block_tables.begin() + static_cast<int64_t>(s) * meta.max_blocks_per_seq + nb);
-    auto [kb, vb] = split_kv(at::index_select(pool, 0, at::tensor(table, i64).to(dev)), nb);
+    auto [kb, vb] = split_kv(at::index_select(pool, 0, upload(table)), nb);
     // [Hkv, nb * bs, D]
     at::Tensor k = kb.permute({1, 0, 2, 3}).reshape({Hkv, nb * bs, D});
     at::Tensor v = vb.permute({1, 0, 2, 3}).reshape({Hkv, nb * bs, D});
