@@ -296,34 +296,61 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     cp_async_arrive(q_bar);
 
+    // K/V addressing. A key's K row lives at k_base + row * kD and its V row at v_base + row * kD,
+    // where row = block * rows_per_block + slot counts 256-byte rows of
+    // the whole cache (32 bits cover a cache of up to 2^32 * 256 bytes = 1 TB).
+    //
+    // The block table is read one tile ahead and once per key, not once per copy: lane L of
+    // producer warp w looks up row 2w + (L & 1) + 8 (L >> 1) of the tile, which are exactly
+    // the 32 rows the warp copies (rows r0 + 8k, r0 = 2w or 2w + 1), and a copying thread
+    // takes row r0 + 8k's value from lane 2k + (r0 & 1) by shuffle. The previous form looked
+    // up the table right before each cp.async (a dependent L1 round trip per row, with a
+    // 64-bit multiply chain and a branch around it: ~40 instructions and ~40+ cycles of
+    // latency per row, serialised, 16 rows per tile), which left the producer too slow to
+    // keep the ring full (profile: long-scoreboard stalls the top reason, tensor pipe 33%).
     const T* cache = static_cast<const T*>(kv.data);
     const int bs = kv.block_size;
     const int64_t head_elems = static_cast<int64_t>(bs) * kD;
-    const int64_t block_elems = static_cast<int64_t>(kv.num_layers) * 2 * kv.num_kv_heads * head_elems;
+    const uint32_t rows_per_block = static_cast<uint32_t>(kv.num_layers) * 2u * kv.num_kv_heads * bs;
     const T* k_base = cache + (static_cast<int64_t>(layer) * 2 * kv.num_kv_heads + w.kv_head) * head_elems + c * 8;
-    const int64_t v_delta = static_cast<int64_t>(kv.num_kv_heads) * head_elems;
+    const T* v_base = k_base + static_cast<int64_t>(kv.num_kv_heads) * head_elems;
+    // Byte pointers, so that a row's address is one IMAD.WIDE.U32 (row * 256 + base).
+    const char* k_bytes = reinterpret_cast<const char*>(k_base);
+    const char* v_bytes = reinterpret_cast<const char*>(v_base);
     const int* table = batch.block_tables + static_cast<int64_t>(w.seq) * batch.max_blocks;
     const bool pow2 = (bs & (bs - 1)) == 0;
     const int bs_shift = __ffs(bs) - 1;
+    const int hi = r0 & 1;
+    const int look_row = 2 * (warp & 3) + (lane & 1) + 8 * (lane >> 1);
+    // This lane's row of tile i (0 past the last key: a valid address; such copies read
+    // nothing and zero-fill).
+    auto lookup = [&](int i) -> uint32_t {
+      const int p = key_lo + i * kKeys + look_row;
+      uint32_t row = 0;
+      if (i < num_tiles && p <= key_hi) {
+        const int blk = __ldg(table + (pow2 ? p >> bs_shift : p / bs));
+        const int slot = pow2 ? p & (bs - 1) : p % bs;
+        row = static_cast<uint32_t>(blk) * rows_per_block + static_cast<uint32_t>(slot);
+      }
+      return row;
+    };
+    uint32_t look = lookup(0);
     for (int i = 0; i < num_tiles; ++i) {
+      const uint32_t look_next = lookup(i + 1);  // consumed next tile: its latency is hidden
       const int s = i % kStages;
       if (i >= kStages) mbar_wait(empty_bar(s), (i / kStages - 1) & 1);  // consumers done with tile i - 3
       const uint32_t dst = s_kv + s * kStageBytes + dst0;
-      const int p0 = key_lo + i * kKeys + r0;
-#pragma unroll 4
+      const int room = key_hi - (key_lo + i * kKeys + r0);  // row r0 + 8k holds a key iff 8k <= room
+#pragma unroll
       for (int k = 0; k < kKeys / 8; ++k) {
-        const int p = p0 + 8 * k;
-        const bool ok = p <= key_hi;  // past the last key: zero-filled (never a slot nobody wrote)
-        const T* src = cache;
-        if (ok) {
-          const int blk = table[pow2 ? p >> bs_shift : p / bs];
-          const int slot = pow2 ? p & (bs - 1) : p % bs;
-          src = k_base + blk * block_elems + static_cast<int64_t>(slot) * kD;
-        }
-        cp_async16(dst + 1024u * k, src, ok);
-        cp_async16(dst + kTileBytes + 1024u * k, ok ? src + v_delta : cache, ok);
+        const uint32_t row = __shfl_sync(0xffffffffu, look, 2 * k + hi);
+        const bool ok = 8 * k <= room;  // past the last key: zero-filled (never a slot nobody wrote)
+        const uint64_t off = static_cast<uint64_t>(row) * (kD * sizeof(T));
+        cp_async16(dst + 1024u * k, k_bytes + off, ok);
+        cp_async16(dst + kTileBytes + 1024u * k, v_bytes + off, ok);
       }
       cp_async_arrive(full_bar(s));  // tile i is published when it has landed
+      look = look_next;
     }
     cp_async_wait_all();  // no copy outlives its thread
     return;
