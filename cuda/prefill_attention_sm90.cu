@@ -10,7 +10,8 @@
 // Shape of a CTA (384 threads = 3 warpgroups, one CTA per work item of up to 128 rows):
 //  - warpgroup 0, the producer: gathers Q once and then K/V tiles of kKeys = 128 keys row by
 //    row through the block table with cp.async (16-token pages rule out one TMA box per tile)
-//    into a ring of kStages = 3 stages, and hands each tile to the consumers through mbarriers.
+//    into two rings (K and V) of kStages = 3 stages each, and hands each K tile and each V
+//    tile to the consumers through its own mbarriers.
 //    It gives most of its registers away (setmaxnreg) since it only computes addresses.
 //  - warpgroups 1 and 2, the consumers: 64 rows each (wgmma's M). Per key tile:
 //        S = Q K^T          (wgmma, A = Q and B = K from shared memory, fp32 accumulators)
@@ -22,7 +23,7 @@
 //    in lockstep, so one's softmax also overlaps the other's matrix products.
 //
 // Shared memory (1024-byte aligned; 224 KB + barriers, one CTA per SM):
-//   Q: 128 rows x 128 dims; each K tile and each V tile: 128 keys x 128 dims, 3 stages of K+V.
+//   Q: 128 rows x 128 dims, then 3 K tiles, then 3 V tiles (each 128 keys x 128 dims).
 // Every tile is stored as two 64-column halves ([half][row][64 elements], 128-byte rows) in
 // the 128-byte swizzle that wgmma's descriptors describe: the 16-byte chunk c (0..7) of row r
 // of a half sits at chunk c ^ (r % 8). The hardware applies the swizzle to address bits
@@ -49,13 +50,14 @@
 //
 // Synchronisation:
 //  - Each producer thread publishes its copies of a tile with cp.async.mbarrier.arrive.noinc
-//    on the stage's "full" barrier (count 128, one arrival per producer thread): the barrier
+//    on the K or V stage's "full" barrier (count 128, one arrival per producer thread): the barrier
 //    completes once every copy has landed, and the producer never waits for its own copies,
 //    so it runs up to kStages tiles ahead. cp.async writes through the generic proxy while
 //    wgmma reads shared memory through the async proxy: every consumer thread issues
 //    fence.proxy.async after its wait on a "full" barrier (and on Q's), before its wgmma.
 //  - A consumer warp arrives on the stage's "empty" barrier (count 8, one per consumer warp)
-//    once wgmma.wait_group says the products reading that stage are complete; the producer
+//    once wgmma.wait_group says the products reading that stage are complete (for K: S of
+//    that tile, mid-iteration; for V: P V, one iteration later); the producer
 //    waits on it before refilling the stage. Every consumer warp waits for and releases
 //    every tile in order, also the tiles its rows skip, so barrier phases never mix.
 //  - wgmma.fence before each batch of wgmma (their accumulator and A registers were written
@@ -81,16 +83,16 @@ namespace {
 constexpr int kD = 128;           // head_dim (the only size this kernel takes)
 constexpr int kRows = 128;        // rows per CTA: 2 consumer warpgroups x 64
 constexpr int kKeys = 128;        // keys per tile
-constexpr int kStages = 3;        // K/V ring depth: tiles j - 1 (P V), j (Q K) and j + 1 (loading)
+constexpr int kStages = 3;        // depth of the K ring and of the V ring (separate barriers)
 constexpr int kThreads = 384;     // producer warpgroup + 2 consumer warpgroups
 static_assert(kRows == kPrefillRows, "one work item per CTA: the planner's rows per item");
 
 constexpr uint32_t kHalfBytes = kRows * 128;             // 64 columns x 128 rows (= keys)
 constexpr uint32_t kTileBytes = 2 * kHalfBytes;          // Q, one K or one V tile: 32 KB
-constexpr uint32_t kStageBytes = 2 * kTileBytes;         // K + V
-constexpr uint32_t kStageOff = kTileBytes;  // Q at offset 0
-constexpr uint32_t kBarOff = kStageOff + kStages * kStageBytes;  // full[3], empty[3], q_full
-constexpr uint32_t kSmemBytes = kBarOff + 64 + 1024;     // + slack to align the base to 1024
+constexpr uint32_t kKOff = kTileBytes;                   // Q at offset 0, then the K ring,
+constexpr uint32_t kVOff = kKOff + kStages * kTileBytes; // then the V ring
+constexpr uint32_t kBarOff = kVOff + kStages * kTileBytes;  // k_full[3], v_full[3], k_empty[3], v_empty[3], q_full
+constexpr uint32_t kSmemBytes = kBarOff + 128 + 1024;    // + slack to align the base to 1024
 static_assert(kKeys == kRows, "tiles of Q, K and V share one layout");
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA on sm_90");
 
@@ -244,10 +246,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* const smem = smem_raw + (base - raw);
-  const uint32_t s_q = base, s_kv = base + kStageOff;
-  auto full_bar = [&](int s) { return base + kBarOff + 8u * s; };
-  auto empty_bar = [&](int s) { return base + kBarOff + 8u * (kStages + s); };
-  const uint32_t q_bar = base + kBarOff + 8u * (2 * kStages);
+  const uint32_t s_q = base, s_k = base + kKOff, s_v = base + kVOff;
+  auto k_full = [&](int s) { return base + kBarOff + 8u * s; };
+  auto v_full = [&](int s) { return base + kBarOff + 8u * (kStages + s); };
+  auto k_empty = [&](int s) { return base + kBarOff + 8u * (2 * kStages + s); };
+  auto v_empty = [&](int s) { return base + kBarOff + 8u * (3 * kStages + s); };
+  const uint32_t q_bar = base + kBarOff + 8u * (4 * kStages);
 
   const AttnWork w = batch.work[first_item + blockIdx.x];
   const int group = num_heads / kv.num_kv_heads;
@@ -270,8 +274,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full_bar(s), 128);  // every producer thread publishes its own copies
-      mbar_init(empty_bar(s), 8);   // every consumer warp releases
+      mbar_init(k_full(s), 128);  // every producer thread publishes its own copies
+      mbar_init(v_full(s), 128);
+      mbar_init(k_empty(s), 8);   // every consumer warp releases
+      mbar_init(v_empty(s), 8);
     }
     mbar_init(q_bar, 128);
   }
@@ -334,22 +340,38 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return row;
     };
-    uint32_t look = lookup(0);
-    for (int i = 0; i < num_tiles; ++i) {
-      const uint32_t look_next = lookup(i + 1);  // consumed next tile: its latency is hidden
-      const int s = i % kStages;
-      if (i >= kStages) mbar_wait(empty_bar(s), (i / kStages - 1) & 1);  // consumers done with tile i - 3
-      const uint32_t dst = s_kv + s * kStageBytes + dst0;
+    // Copies rows (this lane's looked-up row of) tile i into the tile at smem address dst.
+    auto copy_tile = [&](uint32_t look, int i, uint32_t dst, const char* src_bytes) {
       const int room = key_hi - (key_lo + i * kKeys + r0);  // row r0 + 8k holds a key iff 8k <= room
 #pragma unroll
       for (int k = 0; k < kKeys / 8; ++k) {
         const uint32_t row = __shfl_sync(0xffffffffu, look, 2 * k + hi);
         const bool ok = 8 * k <= room;  // past the last key: zero-filled (never a slot nobody wrote)
-        const uint64_t off = static_cast<uint64_t>(row) * (kD * sizeof(T));
-        cp_async16(dst + 1024u * k, k_bytes + off, ok);
-        cp_async16(dst + kTileBytes + 1024u * k, v_bytes + off, ok);
+        cp_async16(dst + 1024u * k, src_bytes + static_cast<uint64_t>(row) * (kD * sizeof(T)), ok);
       }
-      cp_async_arrive(full_bar(s));  // tile i is published when it has landed
+    };
+    // K and V go through separate rings (FA3's layout): a consumer is done with K of tile j
+    // as soon as S = Q K^T of tile j is complete (middle of its iteration j), with V of tile
+    // j only after P V (its iteration j + 1). With one barrier per K+V stage a stage stayed
+    // busy until the end of iteration j + 1, which left 3 stages only half an iteration of
+    // lead for the next load. Here step i copies K of tile i, then V of tile i - 1 (V of a
+    // tile is needed one iteration after its K): each has ~2 iterations of lead.
+    uint32_t look_prev = 0, look = lookup(0);
+    for (int i = 0; i <= num_tiles; ++i) {
+      const uint32_t look_next = lookup(i + 1);  // consumed next step: its latency is hidden
+      if (i < num_tiles) {
+        const int s = i % kStages;
+        if (i >= kStages) mbar_wait(k_empty(s), (i / kStages - 1) & 1);  // consumers done with K of tile i - 3
+        copy_tile(look, i, s_k + s * kTileBytes + dst0, k_bytes);
+        cp_async_arrive(k_full(s));  // K of tile i is published when it has landed
+      }
+      if (i > 0) {
+        const int v = i - 1, s = v % kStages;
+        if (v >= kStages) mbar_wait(v_empty(s), (v / kStages - 1) & 1);
+        copy_tile(look_prev, v, s_v + s * kTileBytes + dst0, v_bytes);
+        cp_async_arrive(v_full(s));
+      }
+      look_prev = look;
       look = look_next;
     }
     cp_async_wait_all();  // no copy outlives its thread
@@ -387,16 +409,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   const uint64_t desc_q = make_desc(s_q + wg * 64 * 128, 16, 1024);
-  auto desc_k = [&](int s) { return make_desc(s_kv + s * kStageBytes, 16, 1024); };
-  auto desc_v = [&](int s) { return make_desc(s_kv + s * kStageBytes + kTileBytes, kHalfBytes, 1024); };
-  // Tile j has landed; the fence orders those generic-proxy writes before this thread's
-  // wgmma reads of them (async proxy).
-  auto wait_full = [&](int j) {
-    mbar_wait(full_bar(j % kStages), (j / kStages) & 1);
-    fence_proxy_async();
+  auto desc_k = [&](int s) { return make_desc(s_k + s * kTileBytes, 16, 1024); };
+  auto desc_v = [&](int s) { return make_desc(s_v + s * kTileBytes, kHalfBytes, 1024); };
+  // K / V of tile j has landed. Before this thread's wgmma read it, a fence_proxy_async
+  // must order those generic-proxy writes before the async-proxy reads (one fence after
+  // the waits of a step covers them all).
+  auto wait_k = [&](int j) { mbar_wait(k_full(j % kStages), (j / kStages) & 1); };
+  auto wait_v = [&](int j) { mbar_wait(v_full(j % kStages), (j / kStages) & 1); };
+  auto release_k = [&](int j) {
+    if (lane == 0) mbar_arrive(k_empty(j % kStages));
   };
-  auto release = [&](int j) {
-    if (lane == 0) mbar_arrive(empty_bar(j % kStages));
+  auto release_v = [&](int j) {
+    if (lane == 0) mbar_arrive(v_empty(j % kStages));
+  };
+  // A tile this warpgroup's rows do not see: taken and given back in order (barrier phases
+  // must not mix), without reading it.
+  auto skip_tile = [&](int j) {
+    wait_k(j);
+    release_k(j);
+    wait_v(j);
+    release_v(j);
   };
 
   float o[64], sc[64];  // O (64 x 128 per warpgroup) and S, in the accumulator layout
@@ -478,10 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   mbar_wait(q_bar, 0);  // also before the epilogue reuses Q's rows: the copies have landed
   fence_proxy_async();
   int j = 0;
-  for (; j < j_first; ++j) {  // tiles before this warpgroup's rows (sliding window)
-    wait_full(j);
-    release(j);
-  }
+  for (; j < j_first; ++j) skip_tile(j);  // tiles before this warpgroup's rows (sliding window)
   if (j_first <= j_last) {
     float alpha[2];
     auto rescale_o = [&]() {
@@ -493,22 +522,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         o[4 * i + 3] *= alpha[1];
       }
     };
-    wait_full(j_first);
+    wait_k(j_first);
+    fence_proxy_async();
     reg_fence(sc);
     wgmma_fence();
     issue_qk(j_first % kStages);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(sc);
+    release_k(j_first);
     softmax(j_first, alpha);
     to_p();
-    if (j_first < j_last) wait_full(j_first + 1);
+    if (j_first < j_last) wait_k(j_first + 1);
+    wait_v(j_first);
+    fence_proxy_async();
     // Each step: O (complete up to tile j - 2) is rescaled to tile j - 1's max, then S of
-    // tile j and O += P V of tile j - 1 are issued together, and the softmax of tile j runs
-    // while the tensor cores do P V. Tile j + 1's barrier is waited for between the softmax
-    // and the wait for P V: besides being needed next, its spin loop is a block boundary
-    // that keeps ptxas from hoisting that wait above the softmax (it does so within a
-    // block, which would serialise the softmax behind P V).
+    // tile j and O += P V of tile j - 1 are issued together; K of tile j is given back as
+    // soon as S is in, and the softmax of tile j runs while the tensor cores do P V. K of
+    // tile j + 1 and V of tile j (the next step's operands) are waited for between the
+    // softmax and the wait for P V: besides being needed next, the spin loops are a block
+    // boundary that keeps ptxas from hoisting that wait above the softmax (it does so
+    // within a block, which would serialise the softmax behind P V).
     for (j = j_first + 1; j <= j_last; ++j) {
       rescale_o();
       reg_fence(sc);
@@ -519,15 +553,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_commit();
       issue_pv((j - 1) % kStages);  // ... while O += P V of tile j - 1
       wgmma_commit();
-      wgmma_wait<1>();  // S is in
+      wgmma_wait<1>();  // S is in: K of tile j is free
       reg_fence(sc);
+      release_k(j);
       softmax(j, alpha);
       reg_fence(sc);
-      if (j < j_last) wait_full(j + 1);
-      wgmma_wait<0>();  // P V of tile j - 1 is in: its stage is free, and so are pf and o
+      if (j < j_last) wait_k(j + 1);
+      wait_v(j);
+      fence_proxy_async();
+      wgmma_wait<0>();  // P V of tile j - 1 is in: its V stage is free, and so are pf and o
       reg_fence(o);
       reg_fence(pf);
-      release(j - 1);
+      release_v(j - 1);
       to_p();
     }
     rescale_o();
@@ -538,13 +575,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(o);
-    release(j_last);
+    release_v(j_last);
     j = j_last + 1;
   }
-  for (; j < num_tiles; ++j) {  // tiles past this warpgroup's rows (causal)
-    wait_full(j);
-    release(j);
-  }
+  for (; j < num_tiles; ++j) skip_tile(j);  // tiles past this warpgroup's rows (causal)
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
