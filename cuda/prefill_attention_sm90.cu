@@ -19,8 +19,9 @@
 //        O += P V           (wgmma, A = P rounded to T from registers, B = V from shared memory)
 //    and the S of tile j is issued together with the P V of tile j - 1, so the softmax of
 //    tile j runs on the CUDA cores while the tensor cores do the P V product of tile j - 1
-//    (FlashAttention-3's intra-warpgroup overlap). The two consumer warpgroups are not kept
-//    in lockstep, so one's softmax also overlaps the other's matrix products.
+//    (FlashAttention-3's intra-warpgroup overlap). The two consumer warpgroups take turns
+//    issuing their products (named barriers 1 and 2, FA3's ping-pong), so one's softmax
+//    also runs under the other's matrix products.
 //
 // Shared memory (1024-byte aligned; 224 KB + barriers, one CTA per SM):
 //   Q: 128 rows x 128 dims, then 3 K tiles, then 3 V tiles (each 128 keys x 128 dims).
@@ -60,6 +61,8 @@
 //    that tile, mid-iteration; for V: P V, one iteration later); the producer
 //    waits on it before refilling the stage. Every consumer warp waits for and releases
 //    every tile in order, also the tiles its rows skip, so barrier phases never mix.
+//  - The consumers' turns: see "Ping-pong" in the kernel (every consumer warpgroup takes
+//    exactly num_tiles + 1 turns, so the named barriers' counts always match).
 //  - wgmma.fence before each batch of wgmma (their accumulator and A registers were written
 //    by ordinary instructions), commit_group after each product, wait_group before reading
 //    accumulators. Empty asm statements that "modify" the accumulator arrays pin the
