@@ -141,7 +141,8 @@ void bind_engine(py::module_& m) {
       .def_readwrite("sparsity_min_context", &EngineConfig::sparsity_min_context)
       .def_readwrite("sparsity_recent_blocks", &EngineConfig::sparsity_recent_blocks)
       .def_readwrite("sparsity_sink_blocks", &EngineConfig::sparsity_sink_blocks)
-      .def_readwrite("sparsity_mass_target", &EngineConfig::sparsity_mass_target);
+      .def_readwrite("sparsity_mass_target", &EngineConfig::sparsity_mass_target)
+      .def_readwrite("sparsity_compensation", &EngineConfig::sparsity_compensation);
 
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init<>())
@@ -206,6 +207,7 @@ void bind_engine(py::module_& m) {
              sp.sink_blocks = cfg.sparsity_sink_blocks;
              sp.max_ratio = cfg.max_sparsity_ratio;
              sp.mass_target = cfg.sparsity_mass_target;
+             sp.compensation = cfg.sparsity_compensation;
              auto exec = make_executor(model, cfg.block_size, cfg.num_kv_blocks, fused, cfg.num_threads,
                                        cfg.enable_dynamic_sparsity ? &sp : nullptr);
              return std::make_unique<Engine>(cfg, std::move(exec), std::move(tb), std::move(eos));

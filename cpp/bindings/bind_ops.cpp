@@ -274,14 +274,17 @@ void bind_ops(py::module_& m) {
     return out;
   });
 
-  // Dynamic sparsity (ops/block_sparsity.h). summaries: float32 [blocks, layers, kv heads, 2, head_dim].
+  // Dynamic sparsity (ops/block_sparsity.h). summaries: float32 [blocks, layers, kv heads, 2 or 4,
+  // head_dim] (min, max; then the key and value sums used by compensation).
   auto summary_layout = [](const at::Tensor& summaries, const KVLayout& L) {
     check(summaries, at::kFloat, "summaries");
     if (!summaries.is_contiguous() || summaries.dim() != 5 || summaries.size(1) != L.num_layers ||
-        summaries.size(2) != L.num_kv_heads || summaries.size(3) != 2 || summaries.size(4) != L.head_dim) {
-      throw Error(ErrorCode::kInvalidArgument, "summaries must be contiguous [blocks, layers, kv_heads, 2, head_dim]");
+        summaries.size(2) != L.num_kv_heads || (summaries.size(3) != 2 && summaries.size(3) != 4) ||
+        summaries.size(4) != L.head_dim) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "summaries must be contiguous [blocks, layers, kv_heads, 2 or 4, head_dim]");
     }
-    return SummaryLayout{L.num_layers, L.num_kv_heads, L.head_dim};
+    return SummaryLayout{L.num_layers, L.num_kv_heads, L.head_dim, static_cast<int32_t>(summaries.size(3))};
   };
   ops.def("update_key_summaries", [=](const at::Tensor& kv, py::tuple layout, at::Tensor summaries, int32_t layer,
                                       const at::Tensor& query_start, const at::Tensor& context_lens,
@@ -299,7 +302,7 @@ void bind_ops(py::module_& m) {
       [=](const at::Tensor& q, const at::Tensor& kv, py::tuple layout, int32_t layer, const at::Tensor& query_start,
           const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& summaries,
           int32_t num_heads, double scale, int32_t min_context, int32_t recent_blocks, int32_t sink_blocks,
-          double max_ratio, double mass_target) {
+          double max_ratio, double mass_target, bool compensation) {
         check_rows(q, "q");
         check(kv, at::kFloat, "kv");
         const KVLayout L = layout_of(layout);
@@ -312,15 +315,28 @@ void bind_ops(py::module_& m) {
         p.sink_blocks = sink_blocks;
         p.max_ratio = static_cast<float>(max_ratio);
         p.mass_target = static_cast<float>(mass_target);
+        p.compensation = compensation;
+        if (compensation && S.fields != 4) {
+          throw Error(ErrorCode::kInvalidArgument, "compensation needs summaries with 4 fields (min, max, sums)");
+        }
         LayerSelection sel;
+        std::vector<float> lse;
         at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * L.head_dim}, q.options());
         {
           py::gil_scoped_release release;
           const bool any = select_blocks(q.data_ptr<float>(), q.stride(0), summaries.data_ptr<float>(), S, L, layer,
                                          b, num_heads, static_cast<float>(scale), p, &sel);
-          const cpu::AttentionBatch use = any ? sparse_batch(b, sel) : b;
+          cpu::AttentionBatch use = any ? sparse_batch(b, sel) : b;
+          if (any && compensation) {
+            lse.resize(static_cast<size_t>(q.size(0)) * num_heads);
+            use.row_lse = lse.data();
+          }
           cpu::paged_attention(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), kv.data_ptr<float>(), L,
                                layer, use, num_heads, static_cast<float>(scale), 0);
+          if (use.row_lse) {
+            compensate_skipped(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), use.row_lse,
+                               summaries.data_ptr<float>(), S, L, layer, b, sel, num_heads, static_cast<float>(scale));
+          }
         }
         py::dict info;
         info["context_lens"] = sel.context_lens;
@@ -336,7 +352,7 @@ void bind_ops(py::module_& m) {
       py::arg("q"), py::arg("kv"), py::arg("layout"), py::arg("layer"), py::arg("query_start"),
       py::arg("context_lens"), py::arg("block_tables"), py::arg("summaries"), py::arg("num_heads"), py::arg("scale"),
       py::arg("min_context") = 2048, py::arg("recent_blocks") = 2, py::arg("sink_blocks") = 1,
-      py::arg("max_ratio") = 0.6, py::arg("mass_target") = 0.95);
+      py::arg("max_ratio") = 0.6, py::arg("mass_target") = 0.95, py::arg("compensation") = false);
 }
 
 }  // namespace k25::bindings

@@ -181,7 +181,7 @@ class TorchExecutor : public ModelExecutor {
       }
       sparse_ = std::make_unique<SparseStep>();
       sparse_->params = *sparsity;
-      sparse_->layout = SummaryLayout{c.num_layers, c.num_kv_heads, c.head_dim};
+      sparse_->layout = SummaryLayout{c.num_layers, c.num_kv_heads, c.head_dim, sparsity->compensation ? 4 : 2};
       sparse_->layers.resize(c.num_layers);
       summaries_ = at::empty({static_cast<int64_t>(num_blocks) * sparse_->layout.block_elems()},
                              at::TensorOptions().dtype(at::kFloat));

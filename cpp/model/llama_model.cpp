@@ -223,12 +223,20 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
         if (window == 0 && select_blocks(qkv.data_ptr<float>(), qkv_dim, sparse->summaries, sparse->layout, layout,
                                          l, ab, Hq, scale, sparse->params, &sel)) {
           use = sparse_batch(ab, sel);
+          if (sparse->params.compensation) {
+            sparse->lse.resize(static_cast<size_t>(T) * Hq);
+            use.row_lse = sparse->lse.data();
+          }
         } else {
           sel.blocks_total = sel.blocks_kept = sel.selections = 0;
         }
       }
       cpu::paged_attention(qkv.data_ptr<float>(), qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l,
                            use, Hq, scale, window);
+      if (use.row_lse) {
+        compensate_skipped(qkv.data_ptr<float>(), qkv_dim, attn.data_ptr<float>(), use.row_lse, sparse->summaries,
+                           sparse->layout, layout, l, ab, sparse->layers[l], Hq, scale);
+      }
     } else {
       // RoPE as transformers writes it: x * cos + rotate_half(x) * sin, in the model dtype.
       at::Tensor cos = at::index_select(rope_cos_, 0, positions);

@@ -57,6 +57,7 @@ struct SparseStep {
   float* summaries = nullptr;
   SummaryLayout layout;
   std::vector<LayerSelection> layers;  // sized num_layers by the caller
+  std::vector<float> lse;              // [T][num_heads] scratch for compensation
 };
 
 class LlamaModel {

@@ -45,6 +45,15 @@ void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, 
               mx[d] = std::max(mx[d], k);
             }
           }
+          if (S.fields < 4) continue;
+          float* sk = mn + 2 * D;
+          float* sv = mn + 3 * D;
+          const float* v = kv + L.v_offset(block, layer, h) + static_cast<int64_t>(off) * D;
+          for (int32_t d = 0; d < D; ++d) {
+            const float k = key_at(K, L, off, d);
+            sk[d] = off == 0 ? k : sk[d] + k;
+            sv[d] = off == 0 ? v[d] : sv[d] + v[d];
+          }
         }
       }
     }
@@ -215,6 +224,65 @@ cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelect
   b.head_tables = sel.head_tables.data();
   b.sparse_seq = sel.sparse.data();
   return b;
+}
+
+void compensate_skipped(const float* q, int64_t q_stride, float* out, const float* lse, const float* summaries,
+                        const SummaryLayout& S, const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B,
+                        const LayerSelection& sel, int32_t num_heads, float scale) {
+  const int32_t Hkv = L.num_kv_heads, group = num_heads / Hkv, D = L.head_dim, bs = L.block_size;
+  const int32_t MB = B.max_blocks_per_seq;
+  if (S.fields < 4) return;
+  parallel_for(0, static_cast<int64_t>(B.num_seqs) * Hkv, 1, [&](int64_t ib, int64_t ie) {
+    std::vector<int32_t> skipped;
+    std::vector<float> c, mk, mv;
+    for (int64_t i = ib; i < ie; ++i) {
+      const int32_t s = static_cast<int32_t>(i / Hkv), h = static_cast<int32_t>(i % Hkv);
+      if (!sel.sparse[s]) continue;
+      // The kept table is a subsequence of the block table (position order): walk both.
+      const int32_t nb = (B.context_lens[s] + bs - 1) / bs;
+      const int32_t* table = B.block_tables + static_cast<int64_t>(s) * MB;
+      const int32_t* kept = sel.head_tables.data() + (static_cast<int64_t>(s) * Hkv + h) * MB;
+      skipped.clear();
+      for (int32_t j = 0, k = 0; j < nb; ++j) {
+        if (kept[k] == table[j]) {
+          ++k;
+        } else {
+          skipped.push_back(table[j]);  // never the last (partial) block: recent blocks stay
+        }
+      }
+      if (skipped.empty()) continue;
+      const int32_t row = B.query_start[s];
+      const float inv_n = 1.0f / static_cast<float>(bs), log_n = std::log(static_cast<float>(bs));
+      for (int32_t g = 0; g < group; ++g) {
+        const int32_t head = h * group + g;
+        const float* qh = q + static_cast<int64_t>(row) * q_stride + static_cast<int64_t>(head) * D;
+        float* o = out + static_cast<int64_t>(row) * num_heads * D + static_cast<int64_t>(head) * D;
+        const float base = lse[static_cast<int64_t>(row) * num_heads + head];
+        // Pseudo-key scores: scale * q·(sum_k / n) + log n; combined with the kept keys'
+        // softmax through their log-sum-exp.
+        c.resize(skipped.size());
+        float m = base;
+        for (size_t b = 0; b < skipped.size(); ++b) {
+          const float* sk = summaries + S.offset(skipped[b], layer, h) + 2 * D;
+          float dot = 0.0f;
+          for (int32_t d = 0; d < D; ++d) dot += qh[d] * sk[d];
+          c[b] = scale * dot * inv_n + log_n;
+          m = std::max(m, c[b]);
+        }
+        const float w0 = std::exp(base - m);
+        float den = w0;
+        mv.assign(D, 0.0f);
+        for (size_t b = 0; b < skipped.size(); ++b) {
+          const float w = std::exp(c[b] - m);
+          den += w;
+          const float* sv = summaries + S.offset(skipped[b], layer, h) + 3 * D;
+          for (int32_t d = 0; d < D; ++d) mv[d] += w * inv_n * sv[d];
+        }
+        const float inv = 1.0f / den;
+        for (int32_t d = 0; d < D; ++d) o[d] = (o[d] * w0 + mv[d]) * inv;
+      }
+    }
+  });
 }
 
 }  // namespace k25

@@ -20,6 +20,11 @@
 //      its own best blocks, so all heads of a sequence see one (virtual) length.
 // The kept blocks of a head become a block table in position order, and attention runs
 // over it unchanged: RoPE is already in the keys, so only the skipped keys are missing.
+// With compensation, each skipped block then comes back as one pseudo-key: the mean of
+// its keys and values with weight (token count), i.e. n * exp(scale * q·mean_k) * mean_v
+// in the softmax numerator and n * exp(scale * q·mean_k) in its denominator (Jensen: a
+// low estimate of the block's true mass, exact when its keys are alike). Summaries then
+// also keep the per-channel sums of keys and of values.
 #pragma once
 
 #include <cstdint>
@@ -37,20 +42,24 @@ struct SparsityParams {
   float min_ratio = 0.1f;       // skipped fraction is at least this ...
   float max_ratio = 0.6f;       // ... and at most this (max_sparsity_ratio)
   float mass_target = 0.95f;    // estimated softmax mass the kept blocks must reach
+  bool compensation = false;    // skipped blocks as mean pseudo-keys (needs summary sums)
 };
 
-// Key summaries: [num_blocks][num_layers][num_kv_heads][min, max][head_dim] floats.
+// Block summaries: [num_blocks][num_layers][num_kv_heads][fields][head_dim] floats, the
+// fields being min and max of the keys, then (fields == 4, for compensation) the sums of
+// the keys and of the values.
 struct SummaryLayout {
   int32_t num_layers = 0, num_kv_heads = 0, head_dim = 0;
-  int64_t block_elems() const { return static_cast<int64_t>(num_layers) * num_kv_heads * 2 * head_dim; }
+  int32_t fields = 2;
+  int64_t block_elems() const { return static_cast<int64_t>(num_layers) * num_kv_heads * fields * head_dim; }
   int64_t offset(int64_t block, int32_t layer, int32_t head) const {
-    return block * block_elems() + (static_cast<int64_t>(layer) * num_kv_heads + head) * 2 * head_dim;
+    return block * block_elems() + (static_cast<int64_t>(layer) * num_kv_heads + head) * fields * head_dim;
   }
 };
 
-// Folds the keys this step wrote for `layer` into their blocks' summaries, token by
-// token in position order: a block's first slot resets it. Keys are read back from the
-// cache (after RoPE), so any write path works.
+// Folds the keys (and with fields == 4 the values) this step wrote for `layer` into their
+// blocks' summaries, token by token in position order: a block's first slot resets it.
+// Keys are read back from the cache (after RoPE), so any write path works.
 void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
                           int32_t layer, const cpu::AttentionBatch& B);
 
@@ -75,5 +84,13 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
 
 // The batch attention should use after select_blocks: context lengths and per-head tables.
 cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelection& sel);
+
+// Compensation: folds every skipped block of the sparse sequences back into their output
+// rows as a mean pseudo-key. out: the attention output over the kept blocks; lse: its
+// per-(row, query head) log-sum-exp of the scaled scores ([T][num_heads], as
+// paged_attention writes it when AttentionBatch::row_lse is set). B: the original batch.
+void compensate_skipped(const float* q, int64_t q_stride, float* out, const float* lse, const float* summaries,
+                        const SummaryLayout& S, const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B,
+                        const LayerSelection& sel, int32_t num_heads, float scale);
 
 }  // namespace k25

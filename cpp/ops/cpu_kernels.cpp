@@ -243,11 +243,12 @@ inline float hsum16(v16 x) {
 // against every key they may see, 16 keys at a time, with an online softmax. One load
 // of each K/V vector serves all rows; the accumulators stay in vector registers.
 // With `partial`, rows write their unnormalised accumulator followed by (max, sum) for a
-// later merge, instead of the normalised output.
+// later merge, instead of the normalised output; otherwise a row with lrows[r] set also
+// writes its log-sum-exp there.
 template <int kD, int kR>
-void attend_tile(const float* const* qrows, float* const* orows, const int32_t* pos, const int32_t* lo,
-                 const float* kv, const KVLayout& L, int32_t layer, int32_t kv_head, const int32_t* table,
-                 float scale, bool partial) {
+void attend_tile(const float* const* qrows, float* const* orows, float* const* lrows, const int32_t* pos,
+                 const int32_t* lo, const float* kv, const KVLayout& L, int32_t layer, int32_t kv_head,
+                 const int32_t* table, float scale, bool partial) {
   constexpr int kC = kD / 16;
   const int32_t bs = L.block_size;
   v16 acc[kR][kC];
@@ -325,32 +326,35 @@ void attend_tile(const float* const* qrows, float* const* orows, const int32_t* 
     if (partial) {
       orows[r][kD] = m[r];
       orows[r][kD + 1] = l[r];
+    } else if (lrows[r]) {
+      *lrows[r] = m[r] + std::log(l[r]);
     }
   }
 }
 
 template <int kD>
-void attend_tile_rows(int rows, const float* const* q, float* const* o, const int32_t* pos, const int32_t* lo,
+void attend_tile_rows(int rows, const float* const* q, float* const* o, float* const* lse, const int32_t* pos,
+                      const int32_t* lo,
                       const float* kv, const KVLayout& L, int32_t layer, int32_t kv_head, const int32_t* table,
                       float scale, bool partial) {
   switch (rows) {
-    case 1: return attend_tile<kD, 1>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
-    case 2: return attend_tile<kD, 2>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
-    case 3: return attend_tile<kD, 3>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
-    case 4: return attend_tile<kD, 4>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
-    case 5: return attend_tile<kD, 5>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
-    case 6: return attend_tile<kD, 6>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
-    case 7: return attend_tile<kD, 7>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
-    default: return attend_tile<kD, 8>(q, o, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 1: return attend_tile<kD, 1>(q, o, lse, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 2: return attend_tile<kD, 2>(q, o, lse, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 3: return attend_tile<kD, 3>(q, o, lse, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 4: return attend_tile<kD, 4>(q, o, lse, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 5: return attend_tile<kD, 5>(q, o, lse, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 6: return attend_tile<kD, 6>(q, o, lse, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    case 7: return attend_tile<kD, 7>(q, o, lse, pos, lo, kv, L, layer, kv_head, table, scale, partial);
+    default: return attend_tile<kD, 8>(q, o, lse, pos, lo, kv, L, layer, kv_head, table, scale, partial);
   }
 }
 
 constexpr int kMaxTileRows = 8;
 
 // Any head_dim and block size: the same algorithm one key at a time.
-inline void attend_row_generic(const float* qr, float* out, const float* kv, const KVLayout& L, int32_t layer,
-                               int32_t kv_head, const int32_t* table, int32_t pos, int32_t lo, float scale,
-                               bool partial, std::vector<float>& acc) {
+inline void attend_row_generic(const float* qr, float* out, float* lse, const float* kv, const KVLayout& L,
+                               int32_t layer, int32_t kv_head, const int32_t* table, int32_t pos, int32_t lo,
+                               float scale, bool partial, std::vector<float>& acc) {
   const int32_t bs = L.block_size, D = L.head_dim;
   acc.assign(D, 0.0f);
   float m = kNegInf, l = 0.0f;
@@ -375,6 +379,7 @@ inline void attend_row_generic(const float* qr, float* out, const float* kv, con
     return;
   }
   for (int32_t d = 0; d < D; ++d) out[d] = acc[d] / l;
+  if (lse) *lse = m + std::log(l);
 }
 
 void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out, const float* kv,
@@ -393,14 +398,15 @@ void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out
   const bool fast = L.block_size % 16 == 0 && (D == 64 || D == 128);
   const float* qrows[kMaxTileRows];
   float* orows[kMaxTileRows];
+  float* lrows[kMaxTileRows];
   int32_t pos[kMaxTileRows], lo[kMaxTileRows];
   int rows = 0;
   auto flush = [&] {
     if (rows == 0) return;
     if (D == 64) {
-      attend_tile_rows<64>(rows, qrows, orows, pos, lo, kv, L, layer, w.kv_head, table, scale, partial);
+      attend_tile_rows<64>(rows, qrows, orows, lrows, pos, lo, kv, L, layer, w.kv_head, table, scale, partial);
     } else {
-      attend_tile_rows<128>(rows, qrows, orows, pos, lo, kv, L, layer, w.kv_head, table, scale, partial);
+      attend_tile_rows<128>(rows, qrows, orows, lrows, pos, lo, kv, L, layer, w.kv_head, table, scale, partial);
     }
     rows = 0;
   };
@@ -412,12 +418,14 @@ void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out
       const float* qr = q + static_cast<int64_t>(q0 + qi) * q_stride + static_cast<int64_t>(head) * D;
       float* o = partial ? partials.row(w.partial, j)
                          : out + static_cast<int64_t>(q0 + qi) * num_heads * D + static_cast<int64_t>(head) * D;
+      float* lse = !partial && B.row_lse ? B.row_lse + static_cast<int64_t>(q0 + qi) * num_heads + head : nullptr;
       if (!fast) {
-        attend_row_generic(qr, o, kv, L, layer, w.kv_head, table, p, l, scale, partial, scratch);
+        attend_row_generic(qr, o, lse, kv, L, layer, w.kv_head, table, p, l, scale, partial, scratch);
         continue;
       }
       qrows[rows] = qr;
       orows[rows] = o;
+      lrows[rows] = lse;
       pos[rows] = p;
       lo[rows] = l;
       if (++rows == kMaxTileRows) flush();
@@ -478,6 +486,7 @@ void paged_attention(const float* q, int64_t q_stride, float* out, const float* 
       }
       const float inv = 1.0f / l;
       for (int32_t d = 0; d < D; ++d) o[d] *= inv;
+      if (B.row_lse) B.row_lse[static_cast<int64_t>(row) * num_heads + kv_head * group + r] = m + std::log(l);
     }
   }
 }

@@ -20,6 +20,9 @@ struct AttentionBatch {
   // of its block table, and context_lens[s] is the kept keys' count.
   const int32_t* head_tables = nullptr;
   const uint8_t* sparse_seq = nullptr;
+  // When set, paged_attention also writes each (row, query head)'s log-sum-exp of the
+  // scaled scores here: [T][num_heads] (what compensation for skipped blocks needs).
+  float* row_lse = nullptr;
 };
 
 // out[t] = rmsnorm(x[t]) * w over rows of n; x and out may alias.

@@ -124,9 +124,9 @@ class K25Config:
              f"sparsity_mass_target must be in (0, 1], got {self.sparsity_mass_target!r}")
         need(isinstance(self.enable_dynamic_sparsity, bool), "enable_dynamic_sparsity must be a bool")
         need(isinstance(self.sparsity_compensation, bool), "sparsity_compensation must be a bool")
-        if self.sparsity_compensation:
-            raise ConfigError("sparsity_compensation=True is not implemented yet (skipped blocks are dropped, "
-                              "not approximated)")
+        if self.sparsity_compensation and not self.enable_dynamic_sparsity:
+            raise ConfigError("sparsity_compensation=True needs enable_dynamic_sparsity=True (it approximates "
+                              "the blocks that sparsity skips)")
         if self.enable_dynamic_sparsity:
             need(self.enable_kernel_fusion, "enable_dynamic_sparsity=True needs enable_kernel_fusion=True "
                                             "(the unfused path has no sparse attention)")

@@ -138,6 +138,54 @@ def test_sparse_attention_equals_dense_attention_over_the_kept_blocks(Hq):
     assert info["blocks_total"] == HKV * sum(-(-c // BS) for c in (3000, 2500))
 
 
+def test_compensation_folds_skipped_blocks_back_as_mean_pseudo_keys():
+    """With 4 summary fields the key and value sums are kept too; compensation adds, per
+    skipped block, a pseudo-key mean(k) with value mean(v) and weight = its token count."""
+    Hq, ctxs = 4, [2600, 3100]
+    pool, summ2, tables, ks, vs, q = random_sequences(5, ctxs, Hq)
+    summ = torch.zeros(summ2.shape[0], L, HKV, 4, D)
+    for t, c in zip(tables, ctxs):
+        qs, cl, bt = batch([c], [c], [t])
+        _C.ops.update_key_summaries(pool.view(-1), LAYOUT, summ, 0, qs, cl, bt)
+    assert torch.equal(summ[:, :, :, :2], summ2)
+    # Diffuse queries: the skipped blocks carry real mass, so compensation must matter.
+    q = q * 0.05
+    for i, (t, c) in enumerate(zip(tables, ctxs)):
+        for j in range(-(-c // BS)):
+            sl = slice(j * BS, min(c, (j + 1) * BS))
+            assert torch.allclose(summ[t[j], 0, :, 2], ks[i][sl].sum(0), atol=1e-4)
+            assert torch.allclose(summ[t[j], 0, :, 3], vs[i][sl].sum(0), atol=1e-4)
+    qs, cl, bt = batch(ctxs, [1, 1], tables)
+    kw = dict(min_context=1000, recent_blocks=4, sink_blocks=1, max_ratio=0.8, mass_target=0.5)
+    out, info = _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, 1 / math.sqrt(D),
+                                        compensation=True, **kw)
+    plain, info2 = _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, 1 / math.sqrt(D),
+                                           **kw)
+    assert info["head_tables"] == info2["head_tables"] and info["sparse"] == [1, 1]
+    heads = torch.tensor(info["head_tables"]).view(len(ctxs), HKV, -1)
+    group = Hq // HKV
+    for i, ctx in enumerate(ctxs):
+        nb = -(-ctx // BS)
+        for h in range(HKV):
+            kept = sorted(tables[i].index(b) for b in heads[i, h].tolist() if b >= 0)
+            skipped = [j for j in range(nb) if j not in kept]
+            assert skipped and nb - 1 not in skipped
+            pos = torch.cat([torch.arange(j * BS, min(ctx, (j + 1) * BS)) for j in kept])
+            k = ks[i][pos, h].double()                     # [n, D]
+            v = vs[i][pos, h].double()
+            mk = torch.stack([ks[i][j * BS:(j + 1) * BS, h].double().mean(0) for j in skipped])
+            mv = torch.stack([vs[i][j * BS:(j + 1) * BS, h].double().mean(0) for j in skipped])
+            qq = q[i].view(Hq, D)[h * group:(h + 1) * group].double()
+            s = torch.cat([qq @ k.T / math.sqrt(D), qq @ mk.T / math.sqrt(D) + math.log(BS)], 1)
+            ref = torch.softmax(s, -1) @ torch.cat([v, mv])
+            o = out[i].view(Hq, D)[h * group:(h + 1) * group].double()
+            assert (o - ref).abs().max().item() < 3e-5, (i, h)
+            assert (o - plain[i].view(Hq, D)[h * group:(h + 1) * group]).abs().max().item() > 1e-4
+    with pytest.raises(ValueError, match="4 fields"):
+        _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ2, Hq, 1 / math.sqrt(D),
+                                compensation=True, **kw)
+
+
 def upper_bound_scores(q, summ, table, Hq, nb, centre=False):
     """The documented score: per query head the Quest bound (scaled) minus the head's best,
     the max over the group, per KV head; with centre=True the same from q·(min + max)/2,
@@ -199,7 +247,7 @@ def test_selection_keeps_each_heads_best_blocks_and_follows_the_mass_rule():
 
 
 def test_engine_sparsity_switches_and_statistics(tmp_path):
-    with pytest.raises(ConfigError, match="sparsity_compensation"):
+    with pytest.raises(ConfigError, match="sparsity_compensation=True needs enable_dynamic_sparsity"):
         K25Config(sparsity_compensation=True)
     with pytest.raises(ConfigError, match="enable_kernel_fusion"):
         K25Config(device="cpu", enable_dynamic_sparsity=True, enable_kernel_fusion=False)

@@ -23,6 +23,7 @@ struct EngineConfig {
   int32_t sparsity_recent_blocks = 16;    // newest blocks always kept
   int32_t sparsity_sink_blocks = 1;      // first blocks always kept
   float sparsity_mass_target = 0.95f;    // estimated softmax mass the kept blocks reach
+  bool sparsity_compensation = false;    // skipped blocks folded back as mean pseudo-keys
 };
 
 }  // namespace k25
