@@ -1,11 +1,16 @@
-// Paged attention for mixed prefill chunks and decodes (and its split-KV merge).
+// Paged attention for mixed prefill chunks and decodes (and its split-KV merge: for
+// partials of the tiled kernels; the decode kernels merge their own, see AttnBatch::
+// split_counters, and merge_kernel is launched only for what they leave).
 //
 // One CTA per AttnWork item: up to kAttnMaxRows query rows (the GQA heads of one KV head
 // for a few tokens of one sequence) against a range of keys. K and V are staged through
 // shared memory 32 keys at a time, so each is read from device memory once per CTA
 // rather than once per row; each warp owns rows and keeps their online-softmax state
 // (max, sum, accumulator slice) in registers. Arithmetic is float32 on CUDA cores.
+#include <algorithm>
 #include <cfloat>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "common.cuh"
@@ -177,14 +182,16 @@ __global__ void merge_kernel(T* out, AttnBatch batch, int num_heads, int group, 
     const float* pr = batch.partials + (static_cast<int64_t>(first + k) * group + r) * (D + 2);
     if (pr[D + 1] > 0.0f) m = fmaxf(m, pr[D]);
   }
+  // Explicit fmaf (what contraction made of `l += pr * f` anyway): merge_in_cta (common.cuh),
+  // the decode kernels' own merge, repeats this arithmetic in this order, bit for bit.
   float l = 0.0f, acc[kSlice] = {};
   for (int k = 0; k < count; ++k) {
     const float* pr = batch.partials + (static_cast<int64_t>(first + k) * group + r) * (D + 2);
-    if (pr[D + 1] <= 0.0f) continue;
+    if (!(pr[D + 1] > 0.0f)) continue;
     const float f = __expf(pr[D] - m);
-    l += pr[D + 1] * f;
+    l = fmaf(pr[D + 1], f, l);
 #pragma unroll
-    for (int x = 0; x < kSlice; ++x) acc[x] += pr[lane + 32 * x] * f;
+    for (int x = 0; x < kSlice; ++x) acc[x] = fmaf(pr[lane + 32 * x], f, acc[x]);
   }
   const int token = batch.query_start[seq];
   T* o = out + static_cast<int64_t>(token) * num_heads * D + static_cast<int64_t>(kv_head * group + r) * D;
@@ -208,8 +215,21 @@ void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, c
   const int num_decode = group > kDecodeMaxGroup ? 0 : (b.decode_splits > 0 ? num_items : b.num_decode_work);
   const int num_merges =
       b.decode_splits > 0 ? (b.decode_splits > 1 ? b.num_seqs * kv.num_kv_heads : 0) : b.num_merges;
+  // Merges the decode kernel does itself (AttnBatch::split_counters): a work list's first
+  // num_decode_merges, or every derived one; merge_kernel takes the rest.
+  // K25_SPLIT_MERGE=kernel (read at every call) leaves them all to merge_kernel: tests
+  // compare the two paths bit for bit.
+  const char* env = std::getenv("K25_SPLIT_MERGE");
+  const bool merge_launch_only = env != nullptr && std::strcmp(env, "kernel") == 0;
+  int fused = 0;
+  if (num_decode > 0 && b.split_counters != nullptr && !merge_launch_only) {
+    fused = b.decode_splits > 0 ? (b.decode_splits <= kMaxFusedSplits ? num_merges : 0)
+                                : std::min(b.num_decode_merges, num_merges);
+  }
   if (num_decode > 0) {
-    decode_attention(dtype_of<T>(), q, q_stride, out, kv, layer, b, num_heads, scale, window, num_decode, stream);
+    AttnBatch db = b;
+    if (fused == 0) db.split_counters = nullptr;  // the decode kernel writes partials only
+    decode_attention(dtype_of<T>(), q, q_stride, out, kv, layer, db, num_heads, scale, window, num_decode, stream);
   }
   // A work list's other items (prefill chunks) take tensor cores in bf16 / fp16; float32
   // and the device-derived form keep the CUDA-core kernel.
@@ -226,8 +246,11 @@ void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, c
     attention_kernel<T, D><<<num_items - num_decode, kThreads, smem, stream>>>(
         static_cast<const T*>(q), q_stride, static_cast<T*>(out), kv, layer, rest, num_heads, scale, window);
   }
-  if (num_merges > 0) {
-    merge_kernel<T, D><<<num_merges, 32 * group, 0, stream>>>(static_cast<T*>(out), b, num_heads, group, window);
+  if (num_merges > fused) {  // derived splits: fused is all or nothing
+    AttnBatch mb = b;
+    if (b.decode_splits <= 0) mb.merge = b.merge + 4 * fused;
+    merge_kernel<T, D><<<num_merges - fused, 32 * group, 0, stream>>>(static_cast<T*>(out), mb, num_heads, group,
+                                                                      window);
   }
 }
 

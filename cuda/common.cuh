@@ -1,6 +1,8 @@
 // Element-type helpers shared by the kernels.
 #pragma once
 
+#include <cfloat>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -71,7 +73,143 @@ __device__ __forceinline__ AttnWork attn_work(const AttnBatch& batch, int num_kv
   w.key_begin = first + static_cast<int>(span * min(split, S) / S);
   w.key_end = first + static_cast<int>(span * min(split + 1, S) / S);
   w.partial = split >= S ? kNoWork : (S > 1 ? item : -1);
+  w.merge = -1;  // split_merge() derives the merge of this form
   return w;
+}
+
+// The merge that a decode CTA's partial takes part in when the decode kernel does it
+// itself (AttnBatch::split_counters): its counter, first partial slot and slot count;
+// counter < 0 when merge_kernel does it (or there is no partial). Device-derived splits
+// count exactly the derived S (unused splits exit with kNoWork and do not count).
+struct SplitMerge {
+  int counter = -1, first = 0, count = 0;
+};
+__device__ __forceinline__ SplitMerge split_merge(const AttnBatch& batch, const AttnWork& w, int num_kv_heads,
+                                                  int window) {
+  SplitMerge s;
+  if (batch.split_counters == nullptr || w.partial < 0) return s;
+  if (batch.decode_splits > 0) {
+    const int ctx = batch.context_lens[w.seq];
+    const int span = window > 0 ? min(ctx, window) : ctx;  // = attn_work's span
+    s.counter = w.seq * num_kv_heads + w.kv_head;
+    s.first = s.counter * batch.decode_splits;
+    s.count = derived_splits(span, batch.decode_splits);
+  } else if (w.merge >= 0) {
+    const int* mg = batch.merge + 4 * w.merge;
+    s.counter = w.merge;
+    s.first = mg[2];
+    s.count = mg[3];
+  }
+  return s;
+}
+
+// Floats of shared memory that merge_in_cta needs.
+constexpr int kFusedMergeFloats = 2 * kDecodeMaxGroup * kMaxFusedSplits + kDecodeMaxGroup;
+
+// Called by every thread of a decode CTA (uniformly: it has barriers) after the CTA wrote
+// its partial of merge `s` (rows [0, rows) of group, at stride D + 2): counts the CTA on
+// the merge's counter and, in the CTA that counts last, merges the merge's partials into
+// out_heads (the output row of the sequence's token at its KV head's first query head)
+// and sets the counter back to 0. The arithmetic and its order are merge_kernel's (per
+// row: max over the partials with a positive sum, weights __expf(m_k - m), the sum and
+// each output element accumulated by fmaf in slot order, skipping empty partials, times
+// 1 / sum), so the output is bit-identical to the two-kernel path. scratch: kFusedMergeFloats
+// floats of shared memory that the CTA no longer uses; s.count <= kMaxFusedSplits.
+template <typename T, int D, int kThreads>
+__device__ __forceinline__ void merge_in_cta(const AttnBatch& batch, const SplitMerge& s, int group, int rows,
+                                             T* out_heads, float* scratch) {
+  __shared__ int last;
+  __threadfence();  // this thread's partial writes, visible device-wide before the count
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(batch.split_counters + s.counter, 1);
+    last = prev == s.count - 1;
+    // Every split has counted: nobody else touches the counter in this launch.
+    if (last) batch.split_counters[s.counter] = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other CTAs' partials (fenced before their counts) are read after ours
+
+  constexpr int kW = kThreads / 32, kStride = D + 2;
+  const int count = s.count, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* lsum = scratch;                                    // [kDecodeMaxGroup][kMaxFusedSplits]
+  float* wt = scratch + kDecodeMaxGroup * kMaxFusedSplits;  // maxima, then weights
+  float* inv = wt + kDecodeMaxGroup * kMaxFusedSplits;      // [kDecodeMaxGroup]
+  const float* base = batch.partials + static_cast<int64_t>(s.first) * group * kStride;
+  // Every partial's max and sum (L2 reads, __ldcg: other SMs wrote them). Rows start at
+  // even float offsets, so (max, sum) and pairs of accumulators load as float2.
+  for (int i = threadIdx.x; i < rows * count; i += kThreads) {
+    const int r = i / count, k = i % count;
+    const float* pr = base + (static_cast<int64_t>(k) * group + r) * kStride;
+    const float2 ml = __ldcg(reinterpret_cast<const float2*>(pr + D));
+    wt[r * kMaxFusedSplits + k] = ml.x;
+    lsum[r * kMaxFusedSplits + k] = ml.y;
+  }
+  __syncthreads();
+  // A warp per row: the max (order-free), the weights, then the sum in slot order.
+  for (int r = warp; r < rows; r += kW) {
+    float* wr = wt + r * kMaxFusedSplits;
+    const float* lr = lsum + r * kMaxFusedSplits;
+    float m = -FLT_MAX;
+    for (int k = lane; k < count; k += 32) {
+      if (lr[k] > 0.0f) m = fmaxf(m, wr[k]);
+    }
+    m = warp_max(m);
+    for (int k = lane; k < count; k += 32) wr[k] = lr[k] > 0.0f ? __expf(wr[k] - m) : 0.0f;
+    __syncwarp();
+    if (lane == 0) {
+      float l = 0.0f;
+      for (int k = 0; k < count; ++k) {
+        if (lr[k] > 0.0f) l = fmaf(lr[k], wr[k], l);
+      }
+      inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
+    }
+  }
+  __syncthreads();
+  // Each output element: its partials in slot order. A thread holds kPer pairs of elements
+  // and loads kBatch partials of each before it adds any, so many loads are in flight.
+  static_assert(D % 2 == 0 && kStride % 2 == 0, "float2 pairs");
+  constexpr int kPer = (kDecodeMaxGroup * D / 2 + kThreads - 1) / kThreads, kBatch = 8;
+  const int n = rows * D / 2;  // pairs
+  float2 acc[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) acc[j] = make_float2(0.0f, 0.0f);
+  for (int k0 = 0; k0 < count; k0 += kBatch) {
+    float2 v[kBatch][kPer];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const float* pk = base + static_cast<int64_t>(k0 + b) * group * kStride;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int e = 2 * (threadIdx.x + j * kThreads);
+        v[b][j] = k0 + b < count && e < 2 * n ? __ldcg(reinterpret_cast<const float2*>(pk + (e / D) * kStride + e % D))
+                                              : make_float2(0.0f, 0.0f);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int k = k0 + b;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int e = 2 * (threadIdx.x + j * kThreads), r = e / D;
+        if (k < count && e < 2 * n && lsum[r * kMaxFusedSplits + k] > 0.0f) {
+          const float f = wt[r * kMaxFusedSplits + k];
+          acc[j].x = fmaf(v[b][j].x, f, acc[j].x);
+          acc[j].y = fmaf(v[b][j].y, f, acc[j].y);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int e = 2 * (threadIdx.x + j * kThreads);
+    if (e < 2 * n) {
+      const float iv = inv[e / D];
+      out_heads[e] = from_f<T>(acc[j].x * iv);
+      out_heads[e + 1] = from_f<T>(acc[j].y * iv);
+    }
+  }
 }
 
 // Calls f.template operator()<T>() with T matching the runtime dtype.

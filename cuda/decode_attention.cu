@@ -8,6 +8,12 @@
 // bf16 / fp16 run on tensor cores (tc::decode_tc_kernel, described at its namespace);
 // float32 keeps the CUDA-core kernel below.
 //
+// Split-KV: a CTA with a key range writes a partial (unnormalised accumulators, max, sum).
+// With batch.split_counters set, both kernels also merge them: each split CTA counts itself
+// on its merge's counter after its partial (fence, then atomicAdd), and the last one reads
+// the merge's partials and writes the output (merge_in_cta, common.cuh: merge_kernel's
+// arithmetic), so a decode-only batch needs no merge launch.
+//
 // CUDA-core kernel: a key row of D elements is spread over D / (16 / sizeof(T)) lanes, so
 // one warp-wide load instruction covers 32 / that many keys, and each lane issues kLoads
 // such loads for K and for V before it uses any of them.
@@ -113,6 +119,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
 
   const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x);
   if (w.partial == kNoWork) return;  // uniform over the CTA: before any barrier
+  const SplitMerge split = split_merge(batch, w, kv.num_kv_heads, window);  // read early, used at the end
   const int group = num_heads / kv.num_kv_heads;
   const int token = batch.query_start[w.seq];
   const int ctx = batch.context_lens[w.seq];
@@ -302,6 +309,14 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
           from_f<T>(lsum > 0.0f ? a / lsum : 0.0f);
     }
   }
+  // Split-KV: the merge's last CTA merges it here (the ring is free: every copy has landed).
+  if (split.counter >= 0) {
+    static_assert(kFusedMergeFloats * sizeof(float) <= kRingBytes, "the merge's scratch fits the ring");
+    merge_in_cta<T, D, kThreads>(batch, split, group, group,
+                                 out + static_cast<int64_t>(token) * num_heads * D +
+                                     static_cast<int64_t>(w.kv_head * group) * D,
+                                 reinterpret_cast<float*>(ring_raw));
+  }
 }
 
 template <typename T, int D, int G>
@@ -425,6 +440,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x);
   if (w.partial == kNoWork) return;  // uniform over the CTA: before any barrier
+  const SplitMerge split = split_merge(batch, w, kv.num_kv_heads, window);  // read early, used at the end
   const int group = num_heads / kv.num_kv_heads;  // <= kDecodeMaxGroup: the caller's rule
   const int rows = min(group, kRows);
   const int token = batch.query_start[w.seq];
@@ -625,6 +641,16 @@ __global__ void __launch_bounds__(kThreads, 2)
       out[static_cast<int64_t>(token) * num_heads * D + static_cast<int64_t>(w.kv_head * group + r) * D + d] =
           from_f<T>(lsum > 0.0f ? a / lsum : 0.0f);
     }
+  }
+  // Split-KV: the merge's last CTA merges it here (its first barrier ends the reads above
+  // of the rings, which become the merge's scratch).
+  if (split.counter >= 0) {
+    static_assert(kFusedMergeFloats * sizeof(float) <= static_cast<size_t>(kSmemBytes),
+                  "the merge's scratch fits the rings");
+    merge_in_cta<T, D, kThreads>(batch, split, group, rows,
+                                 out + static_cast<int64_t>(token) * num_heads * D +
+                                     static_cast<int64_t>(w.kv_head * group) * D,
+                                 reinterpret_cast<float*>(smem));
   }
 }
 

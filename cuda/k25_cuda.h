@@ -23,8 +23,11 @@ struct KVCache {
 // One unit of attention work: query tokens [q_begin, q_end) of sequence `seq` for the
 // query heads of KV head `kv_head`, against keys [key_begin, key_end); partial >= 0
 // writes an unnormalised partial result to that slot (split-KV) for a later merge.
+// merge >= 0 (a decode item with a partial, batch.split_counters set): the index in
+// batch.merge of its merge, which the decode kernel's last CTA of that merge does itself
+// (see AttnBatch::split_counters); -1 otherwise.
 struct AttnWork {
-  int32_t seq, kv_head, q_begin, q_end, key_begin, key_end, partial;
+  int32_t seq, kv_head, q_begin, q_end, key_begin, key_end, partial, merge;
 };
 
 struct AttnBatch {
@@ -45,7 +48,22 @@ struct AttnBatch {
   // context_lens, so the launch shape does not depend on the lengths (CUDA graphs).
   int32_t decode_splits = 0;
   int32_t num_seqs = 0;
+  // Split-KV merges done inside the decode kernel: one counter per merge, zero at rest.
+  // Each CTA of a split decode, after writing its partial, counts itself on its merge's
+  // counter; the last one merges the partials (merge_kernel's arithmetic and order), writes
+  // the output and sets the counter back to 0 (so CUDA-graph replays need no memset).
+  // Work list: merges [0, num_decode_merges) are done so (their pieces carry merge >= 0),
+  // merge_kernel does the rest. Device-derived splits: num_seqs * num_kv_heads counters,
+  // one per (sequence, KV head), every merge done so when the decode kernel runs them.
+  // Null: merge_kernel does every merge.
+  int32_t* split_counters = nullptr;
+  int32_t num_decode_merges = 0;
 };
+
+// At most this many partials per merge are merged inside the decode kernel (its shared
+// memory holds a weight and a sum per partial and GQA row); longer merges, and
+// decode_splits above it, go to merge_kernel.
+constexpr int32_t kMaxFusedSplits = 256;
 
 // Derived decode splits (decode_splits > 0) cover at least this many keys each.
 constexpr int32_t kMinSplitKeys = 256;

@@ -131,6 +131,9 @@ void bind_cuda_ops(py::module_& m) {
                db.partials = at::empty({static_cast<int64_t>(num_seqs) * c.layout.num_kv_heads * decode_splits *
                                         group * (c.layout.head_dim + 2)},
                                        at::TensorOptions().dtype(at::kFloat).device(dev));
+               if (decode_splits > 1) {
+                 db.split_counters = cuda_glue::derived_split_counters(num_seqs, c.layout.num_kv_heads, dev);
+               }
                c.merges = decode_splits > 1 ? num_seqs * c.layout.num_kv_heads : 0;
              } else {
                AttentionPlanParams pp;

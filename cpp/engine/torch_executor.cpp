@@ -334,6 +334,8 @@ class TorchExecutor : public ModelExecutor {
       b.partials = at::empty({static_cast<int64_t>(bucket) * c.num_kv_heads * b.decode_splits *
                               (c.num_heads / c.num_kv_heads) * (c.head_dim + 2)},
                              at::TensorOptions().dtype(at::kFloat).device(dev));
+      // Zero at rest: the decode kernel's merging CTAs set them back, so replays need no memset.
+      b.split_counters = cuda_glue::derived_split_counters(bucket, c.num_kv_heads, dev);
     }
     // Padding everywhere: run twice eagerly (lazy initialisation of cuBLAS and kernels),
     // then capture.

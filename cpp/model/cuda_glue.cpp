@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "k25/status.h"
 #include "k25_cuda.h"
@@ -78,14 +79,49 @@ DeviceBatch make_batch(const at::Tensor& query_start, const at::Tensor& context_
   b.num_merges = static_cast<int32_t>(plan.merges.size() / 4);
   b.num_decode_work = plan.num_decode;
   auto i32 = at::TensorOptions().dtype(at::kInt);
-  b.work = at::from_blob(const_cast<AttnWorkItem*>(plan.work.data()), {b.num_work, 7}, i32)
-               .to(device, /*non_blocking=*/false, /*copy=*/true);
-  if (b.num_merges > 0) {
-    b.merges = at::from_blob(const_cast<int32_t*>(plan.merges.data()), {b.num_merges, 4}, i32).to(device, false, true);
-    b.partials = at::empty({static_cast<int64_t>(plan.num_partials) * group * (head_dim + 2)},
-                           at::TensorOptions().dtype(at::kFloat).device(device));
+  if (b.num_merges == 0) {
+    b.work = at::from_blob(const_cast<AttnWorkItem*>(plan.work.data()), {b.num_work, 8}, i32)
+                 .to(device, /*non_blocking=*/false, /*copy=*/true);
+    return b;
   }
+  // Which merges the decode kernel does itself: all of whose pieces it runs (the planner
+  // splits single-token items only, and puts them first: all of a batch's merges or none).
+  const int32_t M = b.num_merges;
+  const bool decode_kernel = group <= cuda::kDecodeMaxGroup;
+  std::vector<int32_t> pieces(M, 0), in_decode(M, 0);
+  for (int32_t i = 0; i < b.num_work; ++i) {
+    const AttnWorkItem& w = plan.work[i];
+    if (w.partial < 0 || w.merge < 0 || w.merge >= M) continue;
+    ++pieces[w.merge];
+    if (decode_kernel && i < plan.num_decode) ++in_decode[w.merge];
+  }
+  std::vector<int32_t> order, renumber(M, -1);  // new position of each merge; -1: merge_kernel's
+  for (int32_t m = 0; m < M; ++m) {
+    const int32_t count = plan.merges[4 * m + 3];
+    if (in_decode[m] == count && pieces[m] == count && count <= cuda::kMaxFusedSplits) {
+      renumber[m] = static_cast<int32_t>(order.size());
+      order.push_back(m);
+    }
+  }
+  b.num_decode_merges = static_cast<int32_t>(order.size());
+  for (int32_t m = 0; m < M; ++m) {
+    if (renumber[m] < 0) order.push_back(m);
+  }
+  std::vector<int32_t> merges(4 * static_cast<size_t>(M));
+  for (int32_t j = 0; j < M; ++j) std::copy_n(plan.merges.begin() + 4 * order[j], 4, merges.begin() + 4 * j);
+  std::vector<AttnWorkItem> work(plan.work);
+  for (AttnWorkItem& w : work) w.merge = w.partial >= 0 && w.merge >= 0 && w.merge < M ? renumber[w.merge] : -1;
+  b.work = at::from_blob(work.data(), {b.num_work, 8}, i32).to(device, /*non_blocking=*/false, /*copy=*/true);
+  b.merges = at::from_blob(merges.data(), {M, 4}, i32).to(device, false, true);
+  b.partials = at::empty({static_cast<int64_t>(plan.num_partials) * group * (head_dim + 2)},
+                         at::TensorOptions().dtype(at::kFloat).device(device));
+  if (b.num_decode_merges > 0) b.split_counters = at::zeros({b.num_decode_merges}, i32.device(device));
   return b;
+}
+
+at::Tensor derived_split_counters(int32_t num_seqs, int32_t num_kv_heads, const at::Device& device) {
+  return at::zeros({static_cast<int64_t>(num_seqs) * num_kv_heads},
+                   at::TensorOptions().dtype(at::kInt).device(device));
 }
 
 void rms_norm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
@@ -158,6 +194,14 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
   ab.num_decode_work = b.num_decode_work;
   ab.decode_splits = b.decode_splits;
   ab.num_seqs = b.num_seqs;
+  if (b.split_counters.defined()) {
+    const int64_t need_counters =
+        b.decode_splits > 0 ? static_cast<int64_t>(b.num_seqs) * layout.num_kv_heads : b.num_decode_merges;
+    need(b.split_counters.scalar_type() == at::kInt && b.split_counters.numel() >= need_counters,
+         "split counters: int32, one per merge done in the decode kernel");
+    ab.split_counters = b.split_counters.data_ptr<int32_t>();
+    ab.num_decode_merges = b.num_decode_merges;
+  }
   cuda::paged_attention(dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), out.data_ptr(), cache_of(kv, layout), layer,
                         ab, num_heads, static_cast<float>(scale), window, stream());
   check_launch("paged_attention");

@@ -21,15 +21,27 @@ void device_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
 // The per-step attention batch on the device.
 struct DeviceBatch {
   at::Tensor query_start, context_lens, block_tables;  // int32
-  at::Tensor work, merges;                             // int32 [N, 7], [M, 4]
+  at::Tensor work, merges;                             // int32 [N, 8], [M, 4]
   at::Tensor partials;                                 // float32
+  // int32, zero at rest: one per merge that the decode kernel does itself (the first
+  // num_decode_merges of a work list; num_seqs * num_kv_heads for derived splits); see
+  // cuda::AttnBatch::split_counters. Undefined: merge_kernel does every merge.
+  at::Tensor split_counters;
   int32_t num_work = 0, num_merges = 0, max_blocks = 0;
   int32_t num_decode_work = 0;  // leading single-token items (AttentionPlan::num_decode)
+  int32_t num_decode_merges = 0;
   // > 0: decode-only, work derived on the device (see cuda::AttnBatch::decode_splits).
   int32_t decode_splits = 0, num_seqs = 0;
 };
+// The device form of a plan: its merges reordered so that those the decode kernel can do
+// itself come first (every piece one of the leading num_decode items, group <= the decode
+// kernel's, at most cuda::kMaxFusedSplits pieces), their pieces' merge fields renumbered,
+// every other item's merge -1, and zeroed counters for them.
 DeviceBatch make_batch(const at::Tensor& query_start, const at::Tensor& context_lens, const at::Tensor& block_tables,
                        const AttentionPlan& plan, int32_t group, int32_t head_dim, const at::Device& device);
+// The counters of a device-derived decode batch (decode_splits > 1) of num_seqs sequences:
+// zeroed, one per (sequence, KV head); allocate them with the partials, once per batch shape.
+at::Tensor derived_split_counters(int32_t num_seqs, int32_t num_kv_heads, const at::Device& device);
 
 void rms_norm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps);
 void add_rms_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, at::Tensor& out, double eps);

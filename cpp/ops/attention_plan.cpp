@@ -19,7 +19,7 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
     const int32_t q_len = query_start[s + 1] - query_start[s];
     for (int32_t h = 0; h < p.num_kv_heads; ++h) {
       for (int32_t b = 0; b < q_len; b += tile) {
-        plan.work.push_back({s, h, b, std::min(q_len, b + tile), 0, INT32_MAX, -1});
+        plan.work.push_back({s, h, b, std::min(q_len, b + tile), 0, INT32_MAX, -1, -1});
       }
     }
   }
@@ -43,9 +43,11 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
         kept.push_back(w);
         continue;
       }
+      const int32_t merge = static_cast<int32_t>(plan.merges.size() / 4);
       plan.merges.insert(plan.merges.end(), {w.seq, w.kv_head, plan.num_partials, parts});
       for (int32_t i = 0; i < parts; ++i) {
         AttnWorkItem piece = w;
+        piece.merge = merge;
         piece.key_begin = key_lo + static_cast<int32_t>(static_cast<int64_t>(span) * i / parts);
         piece.key_end = key_lo + static_cast<int32_t>(static_cast<int64_t>(span) * (i + 1) / parts);
         piece.partial = plan.num_partials++;

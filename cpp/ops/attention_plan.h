@@ -8,9 +8,10 @@
 
 namespace k25 {
 
-// The same layout as k25::cuda::AttnWork.
+// The same layout as k25::cuda::AttnWork. A piece of a split (partial >= 0) has merge =
+// the index of its merge in AttentionPlan::merges (4 ints each); -1 otherwise.
 struct AttnWorkItem {
-  int32_t seq, kv_head, q_begin, q_end, key_begin, key_end, partial;
+  int32_t seq, kv_head, q_begin, q_end, key_begin, key_end, partial, merge;
 };
 
 struct AttentionPlan {

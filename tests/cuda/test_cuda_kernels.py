@@ -294,6 +294,59 @@ def test_paged_attention_split_kv_large_group(dtype):
     assert merges > 0, "the plan was meant to split these decodes"
 
 
+def poisoned_run(call, buf, width):
+    """call.run(buf) into an output block that held NaN: the caching allocator hands back
+    the block just freed, so an output element that no kernel wrote shows up as NaN."""
+    junk = torch.full((buf.shape[0], width), float("nan"), device="cuda", dtype=buf.dtype)
+    del junk
+    return call.run(buf)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_merge_in_decode_kernel_counters_reset(monkeypatch, dtype):
+    # Split decodes are merged by the last CTA of each (sequence, KV head) in the decode
+    # kernel, which sets its counter back to 0: the same call again (a work list twice,
+    # derived splits several times, next to unsplit decodes) merges again, and every run
+    # equals the two-kernel path (K25_SPLIT_MERGE=kernel: merge_kernel) bit for bit.
+    monkeypatch.delenv("K25_SPLIT_MERGE", raising=False)
+    seqs = [(5000, 1), (1200, 1), (300, 1), (3, 1)]
+    for splits, runs in [(0, 2), (7, 4), (64, 5)]:
+        call, buf, ref = build_case(40 + splits, dtype, 32, 8, 128, 16, 0, seqs, decode_splits=splits)
+        assert call.merges > 0
+        outs = [poisoned_run(call, buf, 32 * 128) for _ in range(runs)]
+        for out in outs:
+            assert torch.isfinite(out).all()
+            assert rel_err(out, ref) < TOL[dtype] / 2
+            assert torch.equal(out, outs[0])
+        monkeypatch.setenv("K25_SPLIT_MERGE", "kernel")
+        two_kernels = poisoned_run(call, buf, 32 * 128)
+        monkeypatch.delenv("K25_SPLIT_MERGE")
+        assert torch.equal(two_kernels, outs[0]), "the decode kernel's merge differs from merge_kernel"
+        assert torch.equal(poisoned_run(call, buf, 32 * 128), outs[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [4, 16])
+def test_split_merge_mixed_batch(monkeypatch, dtype, group):
+    # Split decodes next to a prefill chunk in one launch. Group 4: a decode split into more
+    # than 256 pieces (kMaxFusedSplits) is left to merge_kernel while one of ~23 pieces is
+    # merged in the decode kernel, and the chunk writes its rows directly. Group 16: the
+    # split decodes run in the tiled kernels and merge_kernel merges them all. Twice, and
+    # bit for bit the two-kernel path.
+    monkeypatch.delenv("K25_SPLIT_MERGE", raising=False)
+    seqs = [(70000, 1), (6000, 1), (300, 40)]
+    Hq, Hkv = 2 * group, 2
+    call, buf, ref = build_case(group + 3, dtype, Hq, Hkv, 128, 16, 0, seqs, parallelism=4096)
+    assert call.merges == 2 * Hkv
+    outs = [poisoned_run(call, buf, Hq * 128) for _ in range(2)]
+    for out in outs:
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < TOL[dtype] / 2
+    assert torch.equal(outs[0], outs[1])
+    monkeypatch.setenv("K25_SPLIT_MERGE", "kernel")
+    assert torch.equal(poisoned_run(call, buf, Hq * 128), outs[0])
+
+
 def test_paged_attention_random_shapes():
     g = torch.Generator().manual_seed(77)
     for trial in range(8):
