@@ -321,3 +321,23 @@ def test_score_decode_from_is_validated_and_matches_chunked_scoring(default_mode
     for bad in (-1, 2.5, True, "3"):
         with pytest.raises(RequestError, match="decode_from"):
             default_model.score(ids, decode_from=bad)
+
+
+def test_engine_compensation_changes_only_the_sparse_decode_rows():
+    """sparsity_compensation=True is honoured end to end: prompt rows
+    bit-identical, the sparse decode rows differ (skipped blocks folded back in)."""
+    ctx, decoded = 2400, 6
+    runs = []
+    for comp in (False, True):
+        m = K25Model(K25Config(num_threads=2, kv_cache_bytes=256 << 20, enable_dynamic_sparsity=True,
+                               sparsity_compensation=comp))
+        try:
+            ids = pydoc_ids(m, ctx, 12000)
+            runs.append((m.score(ids, decode_from=ctx - decoded), m.get_current_sparsity_ratio()))
+        finally:
+            m.close()
+    (plain, r0), (comp, r1) = runs
+    assert r0 > 0 and r1 > 0
+    assert np.array_equal(plain[:ctx - decoded], comp[:ctx - decoded])
+    assert not np.allclose(plain[-decoded:], comp[-decoded:], atol=1e-4)
+    assert np.isfinite(comp).all()
