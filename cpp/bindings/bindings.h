@@ -9,5 +9,6 @@ void bind_model_files(pybind11::module_& m);  // bind_model_files.cpp: GGUF/safe
 void bind_engine(pybind11::module_& m);       // bind_engine.cpp: model loading, Engine
 void bind_scheduler(pybind11::module_& m);    // bind_scheduler.cpp: BlockPool, scheduler harness
 void bind_ops(pybind11::module_& m);          // bind_ops.cpp: CPU kernels on torch tensors
+void bind_tiers(pybind11::module_& m);        // bind_tiers.cpp: KV tier mover harness, crc32c
 
 }  // namespace k25::bindings
