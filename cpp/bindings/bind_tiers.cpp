@@ -133,6 +133,7 @@ class TierHarness {
   std::mutex mu_;
   std::vector<TierResult> done_;
   std::vector<std::string> logs_;
+  int64_t copied_ = 0;
 };
 
 py::object entry_dict(const std::optional<TierEntry>& e) {
@@ -172,7 +173,17 @@ void bind_tiers(py::module_& m) {
              const int64_t n = static_cast<int64_t>(h.l1_.size()) / bb;
              return py::array_t<uint8_t>({n, bb}, h.l1_.data(), self);  // a view; keeps the harness alive
            })
-      .def("demote", [](TierHarness& h, int32_t b) { return h.mgr().demote(b, h.record()); })
+      .def("demote",
+           [](TierHarness& h, int32_t b) {
+             return h.mgr().demote(b, h.record(), [&h](uint64_t) {
+               std::lock_guard<std::mutex> lk(h.mu_);
+               ++h.copied_;
+             });
+           })
+      .def_property_readonly("num_copied", [](TierHarness& h) {
+        std::lock_guard<std::mutex> lk(h.mu_);
+        return h.copied_;
+      }, "Demotes whose L1 source has been copied out.")
       .def("spill", [](TierHarness& h, uint64_t k) { return h.mgr().spill(k, h.record()); })
       .def("fetch", [](TierHarness& h, uint64_t k, int32_t b) { return h.mgr().fetch(k, b, h.record()); })
       .def("free", [](TierHarness& h, uint64_t k) { h.mgr().free(k); })

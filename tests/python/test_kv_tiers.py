@@ -131,6 +131,8 @@ class Model:
         self.begun = {}      # (key, op) -> transfers begun
         self.done = {}       # (key, op) -> completions seen
         self.results = {"demote": 0, "spill": 0, "fetch": 0, "cancelled": 0}
+        self.copied = 0
+        self.maybe_copied = 0
 
     def residents(self):
         return sum(1 for k in self.keys.values()
@@ -146,6 +148,13 @@ class Model:
         return self.h.counts()["l2_slots_used"]
 
     def absorb(self):
+        # A demote lets go of its L1 source once the bytes are copied out ("copied").
+        for key, k in self.keys.items():
+            e = self.h.entry(key)  # None: cancelled; its completion is below
+            if k["state"] == "demoting" and k["l1"] is not None and e is not None and e["l1_block"] < 0:
+                assert self.pinned.pop(k["l1"]) == key
+                k["l1"] = None
+                self.copied += 1
         for c in self.h.completions():
             key, op = c["key"], c["op"]
             self.done[(key, op)] = self.done.get((key, op), 0) + 1
@@ -153,6 +162,11 @@ class Model:
             assert c["ok"] or c["cancelled"], c  # no faults in this test
             if k["l1"] is not None and op in ("demote", "fetch"):
                 assert self.pinned.pop(k["l1"]) == key
+                if op == "demote":  # copied and completed within one step of the test
+                    if c["ok"]:
+                        self.copied += 1
+                    else:
+                        self.maybe_copied += 1  # cancelled: copied unless it never started
             if c["cancelled"]:
                 assert k["freed"]
                 del self.keys[key]
@@ -171,14 +185,17 @@ class Model:
 
     def check(self):
         h = self.h
+        assert self.copied <= h.num_copied <= self.copied + self.maybe_copied
         h.check_invariants()
         assert sorted(h.keys()) == sorted(self.keys)
         for key, k in self.keys.items():
             e = h.entry(key)
             assert e["state"] == k["state"], (key, e, k)
             assert e["free_requested"] == k["freed"]
-            if k["state"] in IN_FLIGHT and k["state"] != "spilling":
+            if k["state"] == "fetching":
                 assert h.l1_user(k["l1"]) == key
+            elif k["state"] == "demoting" and k["l1"] is not None:
+                assert h.l1_user(k["l1"]) == key and e["l1_block"] == k["l1"]
         c = h.counts()
         assert c["in_flight"] == sum(1 for k in self.keys.values() if k["state"] in IN_FLIGHT)
         assert c["l2_residents"] == self.residents() <= h.l2_capacity
@@ -295,6 +312,7 @@ def test_state_machine_every_block_in_one_state_and_no_transfer_lost(tmp_path_fa
     assert m.done == m.begun  # every transfer begun completed exactly once
     s = h.stats()
     assert s["offloads"] == m.results["demote"]
+    assert h.num_copied >= s["offloads"]  # every demote that landed was copied out first
     assert s["spills"] == m.results["spill"]
     assert s["fetches"] == m.results["fetch"]
     assert s["cancelled"] == m.results["cancelled"]

@@ -165,6 +165,14 @@ TierMove CacheStateMap::begin_fetch(uint64_t key, int32_t l1_block) {
   return TierMove{key, e.via, e.l1_block, e.l2_slot, e.l3_page};
 }
 
+void CacheStateMap::release_l1(uint64_t key) {
+  std::lock_guard<std::mutex> lk(mu_);
+  TierEntry& e = get(key, "L1 release");
+  if (e.state != BlockState::kDemoting || e.l1_block < 0) internal("L1 release of a block that is not being copied out");
+  l1_user_[e.l1_block] = 0;
+  e.l1_block = -1;
+}
+
 std::optional<int32_t> CacheStateMap::assign_staging(uint64_t key) {
   std::lock_guard<std::mutex> lk(mu_);
   TierEntry& e = get(key, "staging");
@@ -193,7 +201,7 @@ TierFinish CacheStateMap::finish(uint64_t key, bool ok) {
   }
   switch (e.state) {
     case BlockState::kDemoting:
-      l1_user_[e.l1_block] = 0;
+      if (e.l1_block >= 0) l1_user_[e.l1_block] = 0;
       e.l1_block = -1;
       if (!ok) {
         settle(e, BlockState::kLost);
@@ -312,7 +320,8 @@ void CacheStateMap::check_invariants_locked() const {
   };
   for (const auto& [key, e] : entries_) {
     if (key == 0 || key >= next_key_) internal("key out of range");
-    const bool l1_used = e.state == BlockState::kDemoting || e.state == BlockState::kFetching;
+    // A demote holds its L1 source until the bytes are copied out (release_l1).
+    const bool l1_used = e.state == BlockState::kFetching || (e.state == BlockState::kDemoting && e.l1_block >= 0);
     // An L3 transfer may still wait for its staging slot; everything else in L2 has one.
     const bool slot_optional = (e.state == BlockState::kDemoting || e.state == BlockState::kFetching) &&
                                e.via == Tier::kL3;
@@ -326,7 +335,10 @@ void CacheStateMap::check_invariants_locked() const {
       internal(std::string("L2 slot field wrong for a block ") + block_state_name(e.state));
     }
     if (page_used != (e.l3_page >= 0)) internal(std::string("L3 page field wrong for a block ") + block_state_name(e.state));
-    if (e.free_requested && !l1_used && e.state != BlockState::kSpilling) internal("settled entry marked freed");
+    if (e.free_requested && e.state != BlockState::kDemoting && e.state != BlockState::kSpilling &&
+        e.state != BlockState::kFetching) {
+      internal("settled entry marked freed");
+    }
     if (l1_used) claim(l1, e.l1_block, key, "L1 block");
     if (e.l2_slot >= 0) claim(l2, e.l2_slot, key, "L2 slot");
     if (page_used) claim(l3, e.l3_page, key, "L3 page");

@@ -7,6 +7,7 @@
 // free(key), exactly once, in any state. An entry is in exactly one state:
 //
 //   kDemoting  L1 -> L2 or L3 in flight; the L1 block is the source and must stay put
+//              until release_l1() says its bytes are copied (the write to L3 may go on)
 //   kInL2      held in an L2 slot
 //   kSpilling  L2 -> L3 in flight; the L2 slot is the source
 //   kInL3      held in an L3 page only
@@ -93,6 +94,9 @@ class CacheStateMap {
   std::optional<TierMove> begin_spill(uint64_t key);
   // kInL2 / kInL3 -> kFetching into l1_block (from L3: a staging slot, maybe still to come).
   TierMove begin_fetch(uint64_t key, int32_t l1_block);
+  // A demote's L1 source has been copied out: the block may be reused while the rest of
+  // the transfer (an L3 write) goes on.
+  void release_l1(uint64_t key);
   // Gives a staging slot to an L3 transfer that is waiting for one; nullopt while no slot
   // is free.
   std::optional<int32_t> assign_staging(uint64_t key);

@@ -124,3 +124,19 @@ void FileTier::read_page(int64_t page, void* buf, AsyncFile::Done done) {
 }
 
 }  // namespace k25
+
+namespace k25 {
+
+void FileTier::corrupt_page_for_test(int64_t page) {
+  const int fd = ::open(path_.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) fail(ErrorCode::kIOError, "corrupt_page_for_test: " + errno_text(errno));
+  const int64_t off = page_offset(page) + 17;
+  uint8_t b = 0;
+  bool ok = ::pread(fd, &b, 1, off) == 1;
+  b ^= 0x5A;
+  ok = ok && ::pwrite(fd, &b, 1, off) == 1 && ::fsync(fd) == 0;
+  ::close(fd);
+  if (!ok) fail(ErrorCode::kIOError, "corrupt_page_for_test: could not rewrite the byte");
+}
+
+}  // namespace k25

@@ -45,6 +45,10 @@ class FileTier {
   const char* backend() const { return file_->name(); }
   const std::string& path() const { return path_; }
 
+  // Tests: flips one byte of a page's data on disk, through the filesystem (a separate
+  // buffered descriptor), as a failing disk or a stray write would.
+  void corrupt_page_for_test(int64_t page);
+
   // One page from / to a page-aligned buffer of page_bytes().
   void write_page(int64_t page, const void* buf, AsyncFile::Done done);
   void read_page(int64_t page, void* buf, AsyncFile::Done done);

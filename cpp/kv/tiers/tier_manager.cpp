@@ -185,17 +185,38 @@ void TierManager::write_to_l3(const TierMove& mv, TierOp op, Clock::time_point t
   uint8_t* slot = l2_->slot(mv.l2_slot);
   seal_page(slot, config_.block_bytes, mv.key);
   l3_->write_page(mv.l3_page, slot, [this, mv, op, t0, done = std::move(done)](IoOutcome o) {
-    complete(mv, op, write_fault(o, page_bytes_), o.bytes == page_bytes_ && !o.err ? "" : io_detail(o, page_bytes_),
-             t0, done);
+    const TierFault fault = write_fault(o, page_bytes_);
+    if (fault == TierFault::kNone) {
+      bool corrupt = false;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (corrupt_next_ > 0) {
+          --corrupt_next_;
+          corrupt = true;
+        }
+      }
+      if (corrupt) {
+        try {
+          l3_->corrupt_page_for_test(mv.l3_page);
+        } catch (const std::exception& e) {
+          tier_log(log_, std::string("[KV_CACHE] test corruption failed: ") + e.what());
+        }
+      }
+    }
+    complete(mv, op, fault, fault == TierFault::kNone ? "" : io_detail(o, page_bytes_), t0, done);
   });
 }
 
-void TierManager::start(const TierMove& mv, TierOp op, Clock::time_point t0, TierCallback done) {
+void TierManager::start(const TierMove& mv, TierOp op, Clock::time_point t0, TierCallback done,
+                        std::function<void(uint64_t)> copied) {
   uint8_t* slot = l2_->slot(mv.l2_slot);
   if (op == TierOp::kSpill) return write_to_l3(mv, op, t0, std::move(done));
   if (op == TierOp::kDemote) {
-    copier_->copy_out(mv.l1_block, slot, [this, mv, t0, done = std::move(done)](bool ok) mutable {
+    copier_->copy_out(mv.l1_block, slot,
+                      [this, mv, t0, done = std::move(done), copied = std::move(copied)](bool ok) mutable {
       if (!ok) return complete(mv, TierOp::kDemote, TierFault::kCopyFailed, "", t0, done);
+      map_.release_l1(mv.key);
+      if (copied) copied(mv.key);
       if (mv.via == Tier::kL2) return complete(mv, TierOp::kDemote, TierFault::kNone, "", t0, done);
       write_to_l3(mv, TierOp::kDemote, t0, std::move(done));
     });
@@ -249,12 +270,12 @@ void TierManager::start_waiting() {
     if (w.mv.l2_slot < 0) {
       complete(w.mv, w.op, TierFault::kNone, "", w.t0, w.done);  // reports it cancelled
     } else {
-      start(w.mv, w.op, w.t0, std::move(w.done));
+      start(w.mv, w.op, w.t0, std::move(w.done), std::move(w.copied));
     }
   }
 }
 
-uint64_t TierManager::demote(int32_t l1_block, TierCallback done) {
+uint64_t TierManager::demote(int32_t l1_block, TierCallback done, std::function<void(uint64_t)> copied) {
   const auto t0 = Clock::now();
   const std::optional<TierMove> mv = map_.begin_demote(l1_block, l3_ != nullptr);
   if (!mv) {
@@ -266,11 +287,11 @@ uint64_t TierManager::demote(int32_t l1_block, TierCallback done) {
   if (mv->l2_slot < 0) {
     {
       std::lock_guard<std::mutex> lk(wait_mu_);
-      waiting_.push_back({*mv, TierOp::kDemote, t0, std::move(done)});
+      waiting_.push_back({*mv, TierOp::kDemote, t0, std::move(done), std::move(copied)});
     }
     start_waiting();  // a slot may have come back since begin_demote looked
   } else {
-    start(*mv, TierOp::kDemote, t0, std::move(done));
+    start(*mv, TierOp::kDemote, t0, std::move(done), std::move(copied));
   }
   return mv->key;
 }
@@ -296,7 +317,7 @@ void TierManager::fetch(uint64_t key, int32_t l1_block, TierCallback done) {
   if (mv.l2_slot < 0) {
     {
       std::lock_guard<std::mutex> lk(wait_mu_);
-      waiting_.push_back({mv, TierOp::kFetch, t0, std::move(done)});
+      waiting_.push_back({mv, TierOp::kFetch, t0, std::move(done), {}});
     }
     start_waiting();
   } else {
@@ -327,6 +348,11 @@ bool TierManager::run_pending(size_t index) {
 TierStats TierManager::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
   return stats_;
+}
+
+void TierManager::corrupt_next_l3_writes_for_test(int32_t n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  corrupt_next_ = n;
 }
 
 int64_t TierManager::l3_offset(uint64_t key) const {

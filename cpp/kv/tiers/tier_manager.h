@@ -85,9 +85,11 @@ class TierManager {
   TierManager& operator=(const TierManager&) = delete;
 
   // Starts moving l1_block out of L1. The block must keep its bytes (stay allocated and
-  // unwritten) until `done` runs. Returns the copy's key, or 0 when neither L2 nor L3
-  // has room (nothing started).
-  uint64_t demote(int32_t l1_block, TierCallback done);
+  // unwritten) until `copied` runs, or `done` if that comes first (no copy happened: it
+  // failed, or the key was freed before the copy started): from then on only the host
+  // copy is used. Returns the copy's key, or 0 when neither L2 nor L3 has room
+  // (nothing started; no callback).
+  uint64_t demote(int32_t l1_block, TierCallback done, std::function<void(uint64_t key)> copied = {});
   // Starts writing an L2 block to L3; false when L3 has no free page.
   bool spill(uint64_t key, TierCallback done);
   // Starts copying the block back into l1_block (allocated by the caller, not read until
@@ -111,6 +113,9 @@ class TierManager {
   const FileTier* l3() const { return l3_.get(); }
   // Byte offset in the L3 file of a block that is in L3 (-1 otherwise), for tests and tools.
   int64_t l3_offset(uint64_t key) const;
+  // Tests: the next n pages written to L3 get one byte flipped on disk right after the
+  // write succeeds (so their fetch must fail its checksum).
+  void corrupt_next_l3_writes_for_test(int32_t n);
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -119,7 +124,8 @@ class TierManager {
                 const TierCallback& done);
   void write_to_l3(const TierMove& mv, TierOp op, Clock::time_point t0, TierCallback done);
   // Runs a transfer that has all it needs (an L3 one: its staging slot).
-  void start(const TierMove& mv, TierOp op, Clock::time_point t0, TierCallback done);
+  void start(const TierMove& mv, TierOp op, Clock::time_point t0, TierCallback done,
+             std::function<void(uint64_t)> copied = {});
   void start_waiting();
 
   struct Waiting {
@@ -127,6 +133,7 @@ class TierManager {
     TierOp op;
     Clock::time_point t0;
     TierCallback done;
+    std::function<void(uint64_t)> copied;
   };
 
   TierConfig config_;
@@ -143,6 +150,7 @@ class TierManager {
   std::condition_variable idle_cv_;
   int32_t in_flight_ = 0;
   TierStats stats_;
+  int32_t corrupt_next_ = 0;  // tests
   std::mutex wait_mu_;
   std::deque<Waiting> waiting_;  // L3 transfers without a staging slot yet, oldest first
 };
