@@ -3,7 +3,8 @@
 Build with the torch you will run with (no build isolation):
     pip install --no-build-isolation -e .
 Environment: K25_CUDA=auto|on|off, K25_NATIVE=1|0, K25_BUILD_DIR (default: build/),
-K25_BUILD_JOBS (default: all cores), K25_CUDA_ARCHS (default: 90a;80).
+K25_BUILD_JOBS (default: all cores), K25_CUDA_ARCHS (default: 90a;80), K25_IO_URING=auto|off
+(io_uring for the L3 KV tier when liburing-dev is installed).
 """
 import os
 import subprocess
@@ -40,6 +41,7 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
             f"-DK25_CUDA={cuda}",
             f"-DK25_NATIVE={'ON' if native == '1' else 'OFF'}",
+            f"-DK25_IO_URING={os.environ.get('K25_IO_URING', 'auto')}",
         ]
         if "K25_CUDA_ARCHS" in os.environ:
             cfg.append(f"-DCMAKE_CUDA_ARCHITECTURES={os.environ['K25_CUDA_ARCHS']}")

@@ -24,4 +24,9 @@ fi
 if ! command -v ccache >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   apt-get install -y -q ccache >/dev/null 2>&1 || true
 fi
+# liburing-dev gives the L3 KV tier io_uring; optional (without it L3 I/O uses a few
+# pread/pwrite threads).
+if [ ! -e /usr/include/liburing.h ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q liburing-dev >/dev/null 2>&1 || true
+fi
 pip install -q --no-build-isolation -e .

@@ -7,6 +7,7 @@
 #include "engine/torch_executor.h"
 #include "k25/engine.h"
 #include "k25/status.h"
+#include "kv/tiers/tier_stats.h"
 #include "ops/parallel.h"
 
 namespace py = pybind11;
@@ -72,6 +73,9 @@ py::dict stats_dict(const EngineStats& s) {
     layers.append(ld);
   }
   d["sparsity_layers"] = layers;
+  d["swap_outs"] = s.swap_outs;
+  d["swap_ins"] = s.swap_ins;
+  d["swap_fallbacks"] = s.swap_fallbacks;
   return d;
 }
 
@@ -142,7 +146,11 @@ void bind_engine(py::module_& m) {
       .def_readwrite("sparsity_recent_blocks", &EngineConfig::sparsity_recent_blocks)
       .def_readwrite("sparsity_sink_blocks", &EngineConfig::sparsity_sink_blocks)
       .def_readwrite("sparsity_mass_target", &EngineConfig::sparsity_mass_target)
-      .def_readwrite("sparsity_compensation", &EngineConfig::sparsity_compensation);
+      .def_readwrite("sparsity_compensation", &EngineConfig::sparsity_compensation)
+      .def_readwrite("swap_preempted", &EngineConfig::swap_preempted)
+      .def_readwrite("l2_bytes", &EngineConfig::l2_bytes)
+      .def_readwrite("l3_path", &EngineConfig::l3_path)
+      .def_readwrite("l3_bytes", &EngineConfig::l3_bytes);
 
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init<>())
@@ -231,6 +239,12 @@ void bind_engine(py::module_& m) {
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>())
       .def("wait_outputs", &Engine::wait_outputs, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })
+      .def("corrupt_next_l3_writes_for_test", &Engine::corrupt_next_l3_writes_for_test, py::arg("n"))
+      .def("tier_stats", [](const Engine& e) -> py::object {
+        TierStats t;
+        if (!e.tier_stats(&t)) return py::none();
+        return tier_stats_dict(t);
+      })
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("drain_kv_events", [](Engine& e) {
         py::list out;

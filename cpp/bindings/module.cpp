@@ -31,4 +31,5 @@ PYBIND11_MODULE(_C, m) {
   k25::bindings::bind_engine(m);
   k25::bindings::bind_scheduler(m);
   k25::bindings::bind_ops(m);
+  k25::bindings::bind_tiers(m);
 }

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "engine/executor.h"
+#include "engine/kv_swap.h"
 #include "engine/scheduler.h"
 #include "engine/sequence.h"
 #include "k25/status.h"
@@ -44,6 +45,23 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
   stats_.blocks_total = pool_->num_total();
   stats_.blocks_free = pool_->num_total();
   stats_.block_size = config_.block_size;
+  if (config_.swap_preempted) {
+    last_tier_stats_ = std::make_shared<TierStats>();
+    if (config_.enable_dynamic_sparsity) {
+      // The per-block key summaries live beside the pool and would not move with a block.
+      fail(ErrorCode::kUnsupported, "swapping KV to tiers does not carry dynamic-sparsity summaries yet");
+    }
+    swap_ = std::make_unique<KVSwap>(
+        config_, executor_->kv_host_base(), executor_->kv_block_bytes(), scheduler_.get(), pool_.get(),
+        [this] {
+          // Taking mu_ orders this wake-up after the loop's check of its predicate.
+          { std::lock_guard<std::mutex> lk(mu_); }
+          cv_.notify_all();
+        },
+        [this](int64_t id, const std::vector<int32_t>& blocks, const std::string& reason) {
+          record_kv_event(id, blocks, reason.c_str(), true);
+        });
+  }
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -58,6 +76,16 @@ void Engine::shutdown() {
   // Concurrent callers all return after the thread has ended; only one joins it.
   std::lock_guard<std::mutex> join(join_mu_);
   if (thread_.joinable()) thread_.join();
+  // Then the tiers: wait for transfers in flight, close (and remove) the L3 file. Their
+  // last counters stay readable.
+  std::unique_ptr<KVSwap> swap;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    swap = std::move(swap_);
+  }
+  if (swap) {
+    swap.reset();  // outside mu_: draining runs callbacks that take it
+  }
 }
 
 int64_t Engine::add_request(RequestSpec spec) {
@@ -157,8 +185,22 @@ void Engine::emit(RequestOutput out) {
   out_cv_.notify_all();
 }
 
-void Engine::record_kv_event(int64_t id, const std::vector<int32_t>& blocks, const char* reason) {
-  if (blocks.empty()) return;
+bool Engine::tier_stats(TierStats* out) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (swap_) *last_tier_stats_ = swap_->tier_stats();
+  if (!last_tier_stats_) return false;
+  *out = *last_tier_stats_;
+  return true;
+}
+
+void Engine::corrupt_next_l3_writes_for_test(int32_t n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!swap_ || !swap_->tiers().has_l3()) fail(ErrorCode::kInvalidArgument, "this engine has no L3 tier");
+  swap_->tiers().corrupt_next_l3_writes_for_test(n);
+}
+
+void Engine::record_kv_event(int64_t id, const std::vector<int32_t>& blocks, const char* reason, bool always) {
+  if (blocks.empty() && !always) return;
   std::lock_guard<std::mutex> lk(mu_);
   kv_events_.push_back(KVEvent{id, blocks, reason});
   while (kv_events_.size() > 4096) kv_events_.pop_front();
@@ -177,6 +219,7 @@ void Engine::finish(Sequence* seq, int reason, const std::string& error,
   if (r == FinishReason::kAbort || r == FinishReason::kError) {
     record_kv_event(seq->id, seq->block_table, r == FinishReason::kAbort ? "abort" : "error");
   }
+  if (swap_) swap_->on_finish(seq);
   scheduler_->finish(seq, r);
   RequestOutput o;
   o.id = seq->id;
@@ -237,7 +280,9 @@ void Engine::loop() {
     {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] {
-        return stop_ || !inbox_.empty() || !aborts_.empty() || scheduler_->has_unfinished();
+        // A step that could run nothing until a tier transfer lands sleeps until one does.
+        const bool blocked = waiting_for_tiers_ && !swap_->has_completions();
+        return stop_ || !inbox_.empty() || !aborts_.empty() || (scheduler_->has_unfinished() && !blocked);
       });
       // Batching window: an idle engine that just got work waits a moment for more
       // arrivals, so that a burst starts in one step instead of one request at a time.
@@ -310,14 +355,23 @@ void Engine::refresh_gauges() {
 void Engine::step() {
   const double t0 = now_s();
   const int64_t preempt_before = scheduler_->num_preemptions();
+  waiting_for_tiers_ = false;
+  if (swap_) swap_->apply_completions();
   StepPlan plan = scheduler_->schedule();
   for (size_t i = 0; i < plan.preempted.size(); ++i) {
-    record_kv_event(plan.preempted[i], plan.preempted_blocks[i], "preempt_recompute");
+    const bool swapped = std::any_of(plan.swap_outs.begin(), plan.swap_outs.end(),
+                                     [&](const SwapOut& so) { return so.seq->id == plan.preempted[i]; });
+    if (!swapped) record_kv_event(plan.preempted[i], plan.preempted_blocks[i], "preempt_recompute");
   }
+  if (swap_) swap_->start(plan);  // records preempt_swap (or preempt_recompute) itself
   for (const ScheduledSeq& s : plan.seqs) {
     if (s.seq->first_scheduled_time < 0) s.seq->first_scheduled_time = t0;
   }
   std::vector<RequestOutput> outs;
+  if (plan.empty() && swap_ && (swap_->in_flight() > 0 || swap_->has_completions())) {
+    waiting_for_tiers_ = true;  // every sequence that could run waits for a transfer
+    return;
+  }
   if (plan.empty()) {
     // Unreachable when admission checks hold (an idle pool fits any admitted request);
     // fail the head of the queue rather than spin.
@@ -497,6 +551,12 @@ void Engine::step() {
     stats_.last_step_s = t1 - t0;
     stats_.last_step_tokens = plan.num_tokens;
     stats_.sparsity_layers = executor_->sparsity_stats();
+    if (swap_) {
+      const SwapCounters c = swap_->counters();
+      stats_.swap_outs = c.swap_outs;
+      stats_.swap_ins = c.swap_ins;
+      stats_.swap_fallbacks = c.swap_fallbacks;
+    }
   }
   for (RequestOutput& o : outs) emit(std::move(o));
 }

@@ -58,6 +58,10 @@ class ModelExecutor {
                        const std::vector<LogitsCopy>& copies) = 0;
   // Dynamic sparsity statistics per layer (empty when off); called on the engine thread.
   virtual std::vector<LayerSparsityStats> sparsity_stats() const { return {}; }
+  // The KV pool when it is in host memory (block b at base + b * kv_block_bytes()), for
+  // the tiers' L1 copies; nullptr on a device.
+  virtual void* kv_host_base() { return nullptr; }
+  virtual int64_t kv_block_bytes() const { return 0; }
 };
 
 }  // namespace k25

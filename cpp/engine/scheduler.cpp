@@ -52,17 +52,36 @@ bool Scheduler::grow(Sequence* seq, int32_t num_new_tokens) {
   return true;
 }
 
-void Scheduler::preempt(Sequence* seq) {
-  // Recompute: drop the KV, keep the tokens (prompt and what was generated so far).
+void Scheduler::preempt(Sequence* seq, StepPlan* plan) {
+  // Recompute: drop the KV, keep the tokens (prompt and what was generated so far). With
+  // swap the computed blocks' KV goes to L2/L3 first (the engine falls back to recompute
+  // when the tiers have no room).
   auto it = std::find(running_.begin(), running_.end(), seq);
   if (it == running_.end()) fail(ErrorCode::kInternal, "preempting a sequence that is not running");
+  if (seq->swap != SwapState::kNone) fail(ErrorCode::kInternal, "preempting a sequence that is swapping");
   running_.erase(it);
+  plan->preempted.push_back(seq->id);
+  plan->preempted_blocks.push_back(seq->block_table);
+  if (config_.swap_preempted && seq->num_computed > 0) {
+    const int32_t n = blocks_for_tokens(seq->num_computed, config_.block_size);
+    plan->swap_outs.push_back({seq, std::vector<int32_t>(seq->block_table.begin(), seq->block_table.begin() + n),
+                               seq->num_computed});
+    seq->swap = SwapState::kOut;
+    seq->swap_tokens = seq->num_computed;
+  }
   pool_->release_all(seq->block_table);
   seq->num_computed = 0;
   seq->status = SeqStatus::kWaiting;
   ++seq->num_preemptions;
   ++num_preemptions_;
   waiting_.push_back(seq);
+}
+
+Sequence* Scheduler::pick_victim() const {
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    if ((*it)->swap != SwapState::kIn) return *it;
+  }
+  return nullptr;
 }
 
 void Scheduler::sort_queues() {
@@ -87,6 +106,7 @@ StepPlan Scheduler::schedule() {
     auto fits = [&] {
       int32_t reserved = 0, left = budget;
       for (Sequence* r : running_) {
+        if (r->swap == SwapState::kIn) continue;  // not scheduled until its fetches land
         const int32_t n = std::min({r->num_tokens() - r->num_computed, r->step_limit(chunk), left});
         if (n <= 0) break;
         reserved += blocks_missing(*r, n);
@@ -97,11 +117,9 @@ StepPlan Scheduler::schedule() {
              blocks_missing(*w, first) + watermark + reserved <= pool_->num_free();
     };
     bool preempted = false;
-    while (!running_.empty() && running_.back()->priority > w->priority && !fits()) {
-      Sequence* victim = running_.back();
-      plan.preempted.push_back(victim->id);
-      plan.preempted_blocks.push_back(victim->block_table);
-      preempt(victim);
+    Sequence* victim;
+    while ((victim = pick_victim()) != nullptr && victim->priority > w->priority && !fits()) {
+      preempt(victim, &plan);
       preempted = true;
     }
     if (preempted) std::stable_sort(waiting_.begin(), waiting_.end(), ranks_before);
@@ -112,14 +130,16 @@ StepPlan Scheduler::schedule() {
   size_t i = 0;
   while (i < running_.size() && budget > 0) {
     Sequence* s = running_[i];
+    if (s->swap == SwapState::kIn) {
+      ++i;
+      continue;
+    }
     int32_t n = std::min({s->num_tokens() - s->num_computed, s->step_limit(chunk), budget});
     if (n <= 0) fail(ErrorCode::kInternal, "running sequence with nothing to compute");
     bool self_preempted = false;
     while (blocks_missing(*s, n) > pool_->num_free()) {
-      Sequence* victim = running_.back();
-      plan.preempted.push_back(victim->id);
-      plan.preempted_blocks.push_back(victim->block_table);
-      preempt(victim);
+      Sequence* victim = pick_victim();  // never null: s itself qualifies
+      preempt(victim, &plan);
       preempted_for_running = true;
       if (victim == s) {
         self_preempted = true;
@@ -143,6 +163,21 @@ StepPlan Scheduler::schedule() {
     size_t admitted = 0;
     while (admitted < waiting_.size() && budget > 0 && num_running() < config_.max_batch_size) {
       Sequence* s = waiting_[admitted];
+      if (s->swap == SwapState::kOut) {
+        // Parked KV: readmitted with blocks for it, once every block has landed in L2/L3
+        // (keys are filled in after this plan, so a sequence preempted in this very step
+        // waits too). It computes nothing until the engine's fetches complete.
+        if (s->swap_keys.empty() || s->swap_out_pending > 0) break;
+        const int32_t need = static_cast<int32_t>(s->swap_keys.size());
+        if (need + watermark > pool_->num_free()) break;
+        s->block_table = pool_->allocate(need);
+        s->swap = SwapState::kIn;
+        s->status = SeqStatus::kRunning;
+        running_.push_back(s);
+        plan.swap_ins.push_back(s);
+        ++admitted;
+        continue;
+      }
       int32_t n = std::min({s->num_tokens() - s->num_computed, s->step_limit(chunk), budget});
       if (blocks_missing(*s, n) + watermark > pool_->num_free()) break;
       grow(s, n);

@@ -1,12 +1,15 @@
 // The scheduler: pure policy. Decides which sequences run in a step and how many tokens
-// each computes, under one token budget; allocates their KV blocks; preempts by
-// recompute when blocks run out. It never touches tensors.
+// each computes, under one token budget; allocates their KV blocks; preempts when blocks
+// run out. It never touches tensors or tiers: with config.swap_preempted it lists in the
+// plan which blocks of a preempted sequence the engine should swap out (to L2/L3), and
+// which readmitted sequences need their parked blocks fetched; the engine moves them.
 //
 // Order: priority class (gold, silver, bronze), then arrival. Running sequences are
 // served first (decodes and unfinished prompt chunks), then waiting ones are admitted.
 // A waiting sequence of a higher class may preempt running sequences of a strictly
 // lower class when it cannot otherwise be admitted; a running sequence that needs a
-// block preempts the lowest-ranked running sequences (possibly itself).
+// block preempts the lowest-ranked running sequences (possibly itself). A sequence whose
+// swapped blocks are being fetched (SwapState::kIn) is neither scheduled nor preempted.
 #pragma once
 
 #include <cstdint>
@@ -26,8 +29,18 @@ struct ScheduledSeq {
   bool emits;              // this step computes the last known token: sample the next
 };
 
+// Blocks of a sequence preempted by swap: its first `num_tokens` tokens' KV. The blocks
+// are back in the pool already; the engine copies them out before the step reuses them.
+struct SwapOut {
+  Sequence* seq;
+  std::vector<int32_t> blocks;
+  int32_t num_tokens;
+};
+
 struct StepPlan {
   std::vector<ScheduledSeq> seqs;
+  std::vector<SwapOut> swap_outs;
+  std::vector<Sequence*> swap_ins;  // readmitted with blocks for their parked KV, to fetch
   std::vector<int64_t> preempted;  // ids preempted while planning this step
   std::vector<std::vector<int32_t>> preempted_blocks;  // the blocks each one gave back
   int32_t num_tokens = 0;
@@ -62,7 +75,9 @@ class Scheduler {
   void check_invariants() const;
 
  private:
-  void preempt(Sequence* seq);
+  void preempt(Sequence* seq, StepPlan* plan);
+  // The lowest-ranked running sequence that may be preempted (not swapping in).
+  Sequence* pick_victim() const;
   int32_t blocks_missing(const Sequence& seq, int32_t num_new_tokens) const;
   bool grow(Sequence* seq, int32_t num_new_tokens);
   void sort_queues();

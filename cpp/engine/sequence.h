@@ -4,7 +4,8 @@
 // tokens already have KV in the cache (num_computed). Each step computes some of the
 // rest: a chunk of the prompt, or the one newest token. There is no prefill/decode
 // phase; after a preemption by recompute num_computed is 0 again and the generated
-// tokens are recomputed along with the prompt.
+// tokens are recomputed along with the prompt. After a preemption by swap, num_computed
+// comes back when the parked KV has been fetched into new blocks.
 #pragma once
 
 #include <algorithm>
@@ -17,6 +18,11 @@
 namespace k25 {
 
 enum class SeqStatus { kWaiting, kRunning, kFinished };
+
+// Preemption by swap (cache_mode="hierarchical"): kOut while the computed KV is on its way
+// to, or parked in, L2/L3 (the sequence waits, holding no L1 blocks); kIn while it runs
+// with blocks allocated and fetches filling them (it is skipped until they land).
+enum class SwapState { kNone, kOut, kIn };
 
 enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
 const char* finish_reason_name(FinishReason r);
@@ -35,6 +41,13 @@ struct Sequence {
   SeqStatus status = SeqStatus::kWaiting;
   FinishReason finish_reason = FinishReason::kNone;
   int32_t num_preemptions = 0;
+  // Swap state (the engine's KVSwap owns the keys; the scheduler reads the rest).
+  SwapState swap = SwapState::kNone;
+  int32_t swap_tokens = 0;            // tokens whose KV is parked (num_computed to restore)
+  std::vector<uint64_t> swap_keys;    // tier key of block i of those tokens
+  int32_t swap_out_pending = 0;       // demotes not completed yet
+  int32_t swap_in_pending = 0;        // fetches not completed yet
+  int32_t swap_in_bad_block = -1;     // first block whose fetch failed (recomputed from there)
   bool want_prompt_logits = false;
   // Tokens from this index on are computed one per step, as decodes are (>= 0): scoring
   // a text the way generation would compute it (teacher-forced decoding).

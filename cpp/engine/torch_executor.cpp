@@ -200,6 +200,8 @@ class TorchExecutor : public ModelExecutor {
   }
   int32_t vocab_size() const override { return model_->config().vocab_size; }
   std::vector<LayerSparsityStats> sparsity_stats() const override { return stats_; }
+  void* kv_host_base() override { return kv_.is_cpu() ? kv_.data_ptr() : nullptr; }
+  int64_t kv_block_bytes() const override { return layout_.block_elems() * static_cast<int64_t>(kv_.element_size()); }
   int32_t max_positions() const override { return handle_->max_positions(); }
 
   void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,

@@ -41,11 +41,11 @@ class K25Config:
     sparsity_sink_blocks: int = 1
     sparsity_mass_target: float = 0.95  # estimated softmax mass the kept blocks must reach
     sparsity_compensation: bool = False
-    enable_async_offload: bool = False
-    cache_mode: str = "standard"
-    l2_bytes: Optional[int] = None
-    l3_path: Optional[str] = None
-    l3_bytes: Optional[int] = None
+    enable_async_offload: bool = False  # with cache_mode="hierarchical": tiered KV (docs/offload.md)
+    cache_mode: str = "standard"        # or "hierarchical"
+    l2_bytes: Optional[int] = None      # L2 host pool; None: as large as the primary KV pool
+    l3_path: Optional[str] = None       # L3 file or block device on an SSD (O_DIRECT); None: no L3
+    l3_bytes: Optional[int] = None      # L3 size, reserved when the model starts
     enable_kernel_fusion: bool = True
     batching_window_ms: float = 0.0  # an idle engine waits this long to gather a burst
     num_threads: Optional[int] = None  # None: every core this process may run on
@@ -130,15 +130,33 @@ class K25Config:
         if self.enable_dynamic_sparsity:
             need(self.enable_kernel_fusion, "enable_dynamic_sparsity=True needs enable_kernel_fusion=True "
                                             "(the unfused path has no sparse attention)")
+        need(isinstance(self.enable_async_offload, bool), "enable_async_offload must be a bool")
         if self.enable_async_offload and self.cache_mode != "hierarchical":
             raise ConfigError("enable_async_offload=True needs cache_mode='hierarchical' "
                               "(the standard cache has no tiers to offload to)")
-        if self.cache_mode == "hierarchical" or self.enable_async_offload:
-            raise ConfigError("cache_mode='hierarchical' (tiered KV offload) is not implemented yet")
-        for name in ("l2_bytes", "l3_path", "l3_bytes"):
-            if getattr(self, name) is not None:
-                raise ConfigError(f"{name} applies to cache_mode='hierarchical', which is not "
-                                  "implemented yet")
+        if self.cache_mode == "hierarchical":
+            # What works (docs/offload.md): preemption parks a sequence's KV in L2/L3 and
+            # fetches it back, on the CPU backend.
+            need(self.enable_async_offload, "cache_mode='hierarchical' needs enable_async_offload=True (tier "
+                                            "moves are asynchronous; there is no synchronous offload)")
+            need(not device.startswith("cuda"), "cache_mode='hierarchical' runs on the CPU backend only so far "
+                                                "(the CUDA copy stream into pinned L2 is not built yet); use "
+                                                "device='cpu'")
+            need(not self.enable_dynamic_sparsity, "cache_mode='hierarchical' with enable_dynamic_sparsity=True is "
+                                                   "not implemented yet (block key summaries do not move with "
+                                                   "swapped blocks)")
+            positive_int("l2_bytes", allow_none=True)
+            need((self.l3_path is None) == (self.l3_bytes is None),
+                 "l3_path and l3_bytes go together: set both for an L3 tier, or neither")
+            if self.l3_path is not None:
+                need(isinstance(self.l3_path, (str, os.PathLike)) and str(self.l3_path) != "",
+                     f"l3_path must be a file path, got {self.l3_path!r}")
+                positive_int("l3_bytes")
+        else:
+            for name in ("l2_bytes", "l3_path", "l3_bytes"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name} applies to cache_mode='hierarchical' (tiered KV), not "
+                                      f"cache_mode={self.cache_mode!r}")
         need(isinstance(self.enable_kernel_fusion, bool), "enable_kernel_fusion must be a bool")
         need(isinstance(self.batching_window_ms, (int, float)) and not isinstance(self.batching_window_ms, bool)
              and 0 <= self.batching_window_ms <= 1000,

@@ -226,6 +226,20 @@ class K25Model:
         self.kv_block_bytes = self._handle.kv_block_bytes(config.block_size)
         ec.num_kv_blocks = self._kv_blocks(config)
         self.kv_cache_bytes = ec.num_kv_blocks * self.kv_block_bytes
+        if config.cache_mode == "hierarchical":
+            ec.swap_preempted = True
+            page = _C.kv_page_bytes(self.kv_block_bytes)  # an L2 slot / L3 page
+            # Default L2: as many slots as the primary pool has blocks (plus the staging
+            # slots L3 transfers borrow).
+            ec.l2_bytes = config.l2_bytes if config.l2_bytes is not None else (ec.num_kv_blocks + 2) * page
+            if ec.l2_bytes < page:
+                raise ConfigError(f"l2_bytes={ec.l2_bytes} holds no L2 slot; one slot (a KV block of "
+                                  f"{self.kv_block_bytes} bytes and its page trailer) takes {page} bytes")
+            if config.l3_path is not None and config.l3_bytes < page:
+                raise ConfigError(f"l3_bytes={config.l3_bytes} holds no L3 page of {page} bytes")
+            if config.l3_path is not None:
+                ec.l3_path = os.fspath(config.l3_path)
+                ec.l3_bytes = config.l3_bytes
         token_bytes = self.tokenizer.token_bytes() if self.tokenizer is not None else []
         self._engine = _C.Engine(self._handle, ec, config.enable_kernel_fusion, token_bytes,
                                  self.eos_token_ids)
@@ -541,6 +555,10 @@ class K25Model:
         s["device"] = self.device
         s["dtype"] = self.dtype
         s["load_seconds"] = self.load_seconds
+        tiers = self._engine.tier_stats()
+        s["offload_count"] = int(tiers["offloads"]) if tiers else 0
+        if tiers:
+            s["tiers"] = tiers
         return s
 
     def get_gpu_memory_usage(self) -> int:
@@ -557,8 +575,15 @@ class K25Model:
         return sum(l["blocks_skipped"] for l in layers) / total if total else 0.0
 
     def get_offload_count(self) -> int:
-        """KV blocks moved between cache tiers (0: no tiers in cache_mode='standard')."""
-        return 0
+        """KV blocks moved out of the primary pool into L2/L3 (0 in cache_mode='standard')."""
+        tiers = self._engine.tier_stats()
+        return int(tiers["offloads"]) if tiers else 0
+
+    def tier_stats(self) -> Optional[Dict[str, Any]]:
+        """Counters of the KV tiers (None in cache_mode='standard'): offloads, spills and
+        fetches per tier, bytes moved per tier, faults by reason, latency histograms
+        (docs/offload.md)."""
+        return self._engine.tier_stats()
 
     # ---- lifetime ------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace k25 {
 
@@ -24,6 +25,13 @@ struct EngineConfig {
   int32_t sparsity_sink_blocks = 1;      // first blocks always kept
   float sparsity_mass_target = 0.95f;    // estimated softmax mass the kept blocks reach
   bool sparsity_compensation = false;    // skipped blocks folded back as mean pseudo-keys
+  // Tiered KV (cache_mode="hierarchical", docs/offload.md; CPU backend): preemption
+  // parks a sequence's computed KV in L2 host memory (L3 file when L2 is full) instead of
+  // dropping it, and fetches it back on readmission.
+  bool swap_preempted = false;
+  int64_t l2_bytes = 0;                  // L2 host pool
+  std::string l3_path;                   // L3 file or block device ("": no L3)
+  int64_t l3_bytes = 0;
 };
 
 }  // namespace k25

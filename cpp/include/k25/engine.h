@@ -22,8 +22,10 @@ namespace k25 {
 class ModelExecutor;
 class Scheduler;
 class BlockPool;
+class KVSwap;
 struct Sequence;
 struct StepPlan;
+struct TierStats;
 
 struct TokenLogprobOut {
   int32_t token;
@@ -54,7 +56,9 @@ struct RequestOutput {
 struct KVEvent {
   int64_t request_id = 0;
   std::vector<int32_t> blocks;
-  std::string reason;  // "preempt_recompute" | "abort" | "error"
+  // "preempt_recompute" | "preempt_swap" | "abort" | "error", or a tier fault that cost
+  // a swapped sequence its parked KV ("checksum_mismatch", "short_read", "no_space", ...)
+  std::string reason;
 };
 
 // Dynamic sparsity of one layer since the engine started (decode selections only).
@@ -86,6 +90,10 @@ struct EngineStats {
   double last_step_s = 0;
   int32_t last_step_tokens = 0;
   std::vector<LayerSparsityStats> sparsity_layers;  // empty unless sparsity is on
+  // Preemption by swap (cache_mode="hierarchical")
+  int64_t swap_outs = 0;       // sequences whose KV was parked in L2/L3
+  int64_t swap_ins = 0;        // sequences that got it back
+  int64_t swap_fallbacks = 0;  // sequences that recomputed (part of) it: no room, or a fault
 };
 
 struct RequestSpec {
@@ -116,6 +124,11 @@ class Engine {
   // KV evictions since the last call (bounded: the oldest are dropped past 4096).
   std::vector<KVEvent> drain_kv_events();
   const EngineConfig& config() const { return config_; }
+  // Tier counters (cache_mode="hierarchical"); false when the engine has no tiers.
+  bool tier_stats(TierStats* out) const;
+  // Tests: flips a byte on disk in each of the next n pages written to L3 (see
+  // TierManager). Throws kInvalidArgument without an L3 tier.
+  void corrupt_next_l3_writes_for_test(int32_t n);
   // Aborts what is left and stops the engine thread. Idempotent.
   void shutdown();
 
@@ -148,7 +161,7 @@ class Engine {
   EngineStats stats_;
 
   std::deque<KVEvent> kv_events_;  // guarded by mu_
-  void record_kv_event(int64_t id, const std::vector<int32_t>& blocks, const char* reason);
+  void record_kv_event(int64_t id, const std::vector<int32_t>& blocks, const char* reason, bool always = false);
 
   std::mutex out_mu_;
   std::condition_variable out_cv_;
@@ -156,6 +169,12 @@ class Engine {
 
   std::mutex join_mu_;
   std::thread thread_;
+
+  // Engine thread: the last step could not run anything until a tier transfer completes.
+  bool waiting_for_tiers_ = false;
+  // Tier counters as last read (guarded by mu_), so that they outlive shutdown.
+  std::shared_ptr<TierStats> last_tier_stats_;
+  std::unique_ptr<KVSwap> swap_;  // last: destroyed first (it drains transfers into the pool)
 };
 
 }  // namespace k25

@@ -1,0 +1,93 @@
+// KVSwap: preemption by swap for the engine (cache_mode="hierarchical").
+//
+// The scheduler decides (StepPlan::swap_outs, swap_ins); KVSwap moves the blocks through
+// the TierManager and keeps each sequence's swap fields in step with what completed:
+//   - swap-out: each computed block of a preempted sequence is demoted (L2, or L3 when L2
+//     is full). The blocks are back in the pool already and this step may hand them to
+//     others, so start() waits until their bytes are copied out (a memcpy on the CPU; an
+//     L3 write goes on in the background). Blocks the tiers have no room for, and every
+//     block after them, are recomputed instead.
+//   - swap-in: a readmitted sequence got fresh blocks; start() fetches its keys into them
+//     and the sequence is skipped until apply_completions() sees all of them land, then
+//     its num_computed comes back. A failed fetch (checksum, short read, ...) is logged
+//     as a KV event with the fault as reason; the sequence recomputes from that block on.
+// Completions arrive on tier threads; they are queued and applied on the engine thread,
+// which `wake` rouses (no polling).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <condition_variable>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/scheduler.h"
+#include "kv/block_pool.h"
+#include "kv/tiers/tier_manager.h"
+
+namespace k25 {
+
+struct SwapCounters {
+  int64_t swap_outs = 0;       // sequences whose KV went (at least partly) to the tiers
+  int64_t swap_ins = 0;        // sequences that got their KV back
+  int64_t swap_fallbacks = 0;  // sequences that recomputed some of it (no room, a fault)
+};
+
+class KVSwap {
+ public:
+  using EventSink = std::function<void(int64_t seq_id, const std::vector<int32_t>& blocks, const std::string& reason)>;
+
+  KVSwap(const EngineConfig& config, void* l1_base, int64_t block_bytes, Scheduler* scheduler, BlockPool* pool,
+         std::function<void()> wake, EventSink events);
+  ~KVSwap();  // waits for transfers in flight
+
+  // After schedule(), before the step runs.
+  void start(const StepPlan& plan);
+  // On the engine thread: applies the completions queued since the last call.
+  void apply_completions();
+  bool has_completions() const;
+  int32_t in_flight() const { return tiers_->in_flight(); }
+  // A sequence ends: its keys are freed; blocks that fetches still write into go back to
+  // the pool when those fetches end (the sequence's block table is emptied).
+  void on_finish(Sequence* seq);
+
+  TierStats tier_stats() const { return tiers_->stats(); }
+  TierManager& tiers() { return *tiers_; }
+  SwapCounters counters() const { return counters_; }
+
+ private:
+  struct KeyInfo {
+    int64_t seq;
+    int32_t index;   // block index within the sequence's swapped prefix
+    bool pending;    // a transfer of this key has not been applied yet
+    bool freed;      // dropped while pending: its completion only settles bookkeeping
+  };
+  struct Orphan {     // blocks of a finished sequence that fetches still write into
+    std::vector<int32_t> blocks;
+    int32_t pending;
+  };
+  void drop_key(uint64_t key);
+  void truncate(Sequence* s, int32_t index);
+  void finish_swap_in(Sequence* s);
+
+  EngineConfig config_;
+  Scheduler* scheduler_;
+  BlockPool* pool_;
+  std::function<void()> wake_;
+  EventSink events_;
+  SwapCounters counters_;
+  std::unordered_map<uint64_t, KeyInfo> keys_;  // engine thread only
+  std::unordered_map<int64_t, Orphan> orphans_;
+
+  mutable std::mutex mu_;  // done_, copies_pending_
+  std::condition_variable copied_cv_;
+  std::vector<TierResult> done_;
+  int32_t copies_pending_ = 0;
+
+  std::unique_ptr<TierManager> tiers_;  // last: destroyed (drained) first
+};
+
+}  // namespace k25

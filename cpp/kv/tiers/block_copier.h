@@ -1,0 +1,45 @@
+// The seam between the tier mover and the primary (L1) KV pool: copies one whole block
+// (all layers' K and V, contiguous in the pool's layout) between L1 and host memory.
+//
+// On the CPU the primary pool is host memory and a copy is a memcpy on a worker thread.
+// A CUDA implementation (not built yet) issues cudaMemcpyAsync on a copy stream into
+// pinned L2 slots and reports completion from cudaLaunchHostFunc, so that copies overlap
+// the compute stream; the mover does not change.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "kv/tiers/task_runner.h"
+
+namespace k25 {
+
+class BlockCopier {
+ public:
+  using Done = std::function<void(bool ok)>;
+  virtual ~BlockCopier() = default;
+  virtual int64_t block_bytes() const = 0;
+  virtual int32_t num_blocks() const = 0;
+  // L1 block -> host memory at dst; done() runs once the bytes are there.
+  virtual void copy_out(int32_t block, void* dst, Done done) = 0;
+  // Host memory at src -> L1 block; done() runs once the block holds them.
+  virtual void copy_in(const void* src, int32_t block, Done done) = 0;
+};
+
+// L1 in host memory: base points at block 0; blocks are block_bytes apart.
+class HostBlockCopier : public BlockCopier {
+ public:
+  HostBlockCopier(void* base, int64_t block_bytes, int32_t num_blocks, TaskRunner* runner);
+  int64_t block_bytes() const override { return block_bytes_; }
+  int32_t num_blocks() const override { return num_blocks_; }
+  void copy_out(int32_t block, void* dst, Done done) override;
+  void copy_in(const void* src, int32_t block, Done done) override;
+
+ private:
+  uint8_t* base_;
+  int64_t block_bytes_;
+  int32_t num_blocks_;
+  TaskRunner* runner_;
+};
+
+}  // namespace k25

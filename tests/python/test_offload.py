@@ -1,0 +1,157 @@
+"""Tiered KV in the engine (cache_mode="hierarchical"): preemption parks a sequence's KV in
+L2 host memory and an L3 file, and fetches it back instead of recomputing.
+
+A KV pool too small for the batch forces preemptions; the tokens must equal those of a
+run with a pool large enough for everyone (the batch-invariance tests show a request's
+tokens do not depend on its batch), and the prompts must be computed exactly once.
+"""
+import pytest
+
+from k25 import K25Config, K25Model, _C, errors
+
+from oracles import long_text
+
+NEW_TOKENS = 20
+BLOCK = 16
+
+
+def make_prompts(tok):
+    text = long_text()
+    return [
+        tok.encode_chat([{"role": "user", "content": "Name a colour."}]),
+        tok.encode(text[3000:12000])[:600],
+        tok.encode_chat([{"role": "user", "content": "Write a Python function that reverses a string."}]),
+        tok.encode(text[20000:26000])[:300],
+        tok.encode("1, 2, 3, 4,"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(default_model):
+    prompts = make_prompts(default_model.tokenizer)
+    outs = default_model.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+    return prompts, [o.token_ids for o in outs], default_model.kv_block_bytes
+
+
+def tiered(tmp_path, per_block, prompts, l2_slots, l3_pages, **kw):
+    page = _C.kv_page_bytes(per_block)
+    longest = max(len(p) for p in prompts) + NEW_TOKENS
+    l3 = dict(l3_path=str(tmp_path / "l3.bin"), l3_bytes=l3_pages * page) if l3_pages else {}
+    return K25Model(K25Config(num_threads=2, kv_cache_bytes=(-(-longest // BLOCK) + 2) * per_block,
+                              block_size=BLOCK, prefill_chunk_size=64, max_num_batched_tokens=96, max_batch_size=4,
+                              cache_mode="hierarchical", enable_async_offload=True, l2_bytes=l2_slots * page,
+                              **l3, **kw))
+
+
+def test_swap_through_l2_and_l3_gives_the_same_tokens_without_recompute(tmp_path, reference):
+    prompts, want, per_block = reference
+    # Three L2 slots, two of them staging for L3: almost every parked block goes to disk.
+    model = tiered(tmp_path, per_block, prompts, l2_slots=3, l3_pages=200)
+    try:
+        outs = model.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+        s = model.stats()
+        tiers = model.tier_stats()
+        events = model.drain_kv_events()
+        assert (tmp_path / "l3.bin").exists()
+    finally:
+        model.close()
+    assert not (tmp_path / "l3.bin").exists()  # created by the tier, removed with it
+    for i, (o, w) in enumerate(zip(outs, want)):
+        assert o.token_ids == w, f"prompt {i} differs after swapping"
+    assert s["preemptions"] > 0 and s["swap_outs"] == s["preemptions"] == s["swap_ins"]
+    assert s["swap_fallbacks"] == 0
+    assert s["prefill_tokens"] == sum(len(p) for p in prompts)  # nothing recomputed
+    assert tiers["offloads_to_l3"] > 0 and tiers["fetches_from_l3"] == tiers["offloads_to_l3"]
+    assert tiers["fetches"] == tiers["offloads"] == s["offload_count"] > 0
+    assert tiers["bytes_to_l3"] == tiers["bytes_from_l3"] > 0 and tiers["failures"] == 0
+    assert tiers["offload_latency"]["count"] == tiers["offloads"]
+    assert {e[2] for e in events} == {"preempt_swap"}
+    assert s["blocks_used"] == 0
+
+
+def test_l2_without_room_falls_back_to_recompute(tmp_path, reference):
+    prompts, want, per_block = reference
+    model = tiered(tmp_path, per_block, prompts, l2_slots=2, l3_pages=0)  # no L3, two slots
+    try:
+        outs = model.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+        s = model.stats()
+        tiers = model.tier_stats()
+    finally:
+        model.close()
+    assert [o.token_ids for o in outs] == want
+    assert s["preemptions"] > 0 and s["swap_fallbacks"] > 0  # parked what fit, recomputed the rest
+    assert tiers["refused"] > 0
+    assert s["prefill_tokens"] > sum(len(p) for p in prompts)
+
+
+def test_corrupted_l3_pages_are_recomputed_and_output_stays_correct(tmp_path, reference):
+    prompts, want, per_block = reference
+    model = tiered(tmp_path, per_block, prompts, l2_slots=3, l3_pages=200)
+    try:
+        model._engine.corrupt_next_l3_writes_for_test(3)  # real bytes flipped on disk
+        outs = model.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+        s = model.stats()
+        tiers = model.tier_stats()
+        reasons = [e[2] for e in model.drain_kv_events()]
+    finally:
+        model.close()
+    assert [o.token_ids for o in outs] == want
+    assert tiers["faults"]["checksum_mismatch"] == 3
+    assert reasons.count("checksum_mismatch") == 3
+    assert s["swap_fallbacks"] > 0 and s["prefill_tokens"] > sum(len(p) for p in prompts)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(cache_mode="hierarchical"), "needs enable_async_offload=True"),
+    (dict(cache_mode="hierarchical", enable_async_offload=True, l3_path="/tmp/x"), "go together"),
+    (dict(cache_mode="hierarchical", enable_async_offload=True, l3_bytes=1 << 20), "go together"),
+    (dict(cache_mode="hierarchical", enable_async_offload=True, l2_bytes=0), "l2_bytes"),
+    (dict(cache_mode="hierarchical", enable_async_offload=True, enable_dynamic_sparsity=True), "sparsity"),
+    (dict(l2_bytes=1 << 20), "applies to cache_mode='hierarchical'"),
+    (dict(enable_async_offload=True), "needs cache_mode='hierarchical'"),
+])
+def test_inconsistent_tier_configs_are_config_errors(kw, match):
+    with pytest.raises(errors.ConfigError, match=match):
+        K25Config(device="cpu", **kw)
+
+
+def test_tier_sizes_and_paths_are_checked_when_the_model_starts(tmp_path):
+    base = dict(num_threads=1, kv_cache_bytes=64 << 20, cache_mode="hierarchical", enable_async_offload=True)
+    with pytest.raises(errors.ConfigError, match="holds no L2 slot"):
+        K25Model(K25Config(l2_bytes=4096, **base))
+    with pytest.raises(errors.ConfigError, match="holds no L3 page"):
+        K25Model(K25Config(l2_bytes=64 << 20, l3_path=str(tmp_path / "l3.bin"), l3_bytes=4096, **base))
+    with pytest.raises(errors.K25IOError, match="cannot open l3_path"):
+        K25Model(K25Config(l2_bytes=64 << 20, l3_path="/nonexistent-k25/l3.bin", l3_bytes=64 << 20, **base))
+
+
+def test_aborts_while_swapped_or_fetching_leak_nothing(tmp_path, reference):
+    """Requests cancelled at every point of a swap; the rest still get their tokens."""
+    import asyncio
+
+    prompts, want, per_block = reference
+    model = tiered(tmp_path, per_block, prompts, l2_slots=3, l3_pages=200)
+
+    async def run(i, stop_after):
+        got = []
+        async for ev in model.stream_events(prompts[i], max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                            temperature=0.0):
+            got += ev.token_ids
+            if stop_after is not None and len(got) >= stop_after:
+                break  # aborts the request
+        return got
+
+    async def main():
+        plan = [None, 3, None, 1, 8, None, 2, None, 5, None]
+        return await asyncio.gather(*(run(k % len(prompts), s) for k, s in enumerate(plan))), plan
+
+    try:
+        outs, plan = asyncio.run(main())
+        s = model.stats()
+    finally:
+        model.close()
+    for k, (got, stop) in enumerate(zip(outs, plan)):
+        full = want[k % len(prompts)]
+        assert got == (full if stop is None else full[:len(got)])
+    assert s["preemptions"] > 0 and s["swap_outs"] > 0
+    assert s["blocks_used"] == 0 and s["running"] == 0 and s["waiting"] == 0
