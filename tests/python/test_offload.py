@@ -67,6 +67,36 @@ def test_swap_through_l2_and_l3_gives_the_same_tokens_without_recompute(tmp_path
     assert tiers["offload_latency"]["count"] == tiers["offloads"]
     assert {e[2] for e in events} == {"preempt_swap"}
     assert s["blocks_used"] == 0
+    check_prometheus_export(tiers)
+
+
+def check_prometheus_export(tiers):
+    """The server's /metrics view of these counters (k25.server.metrics.tier_metrics)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from k25.server.metrics import tier_metrics
+
+    class Collector:
+        def collect(self):
+            yield from tier_metrics({"m": {"tiers": tiers}, "plain": {"tiers": None}})
+
+    reg = CollectorRegistry()
+    reg.register(Collector())
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for x in fams["k25_offload_latency_seconds"].samples}
+    for op, n in (("offload", tiers["offloads"]), ("fetch", tiers["fetches"]), ("spill", tiers["spills"])):
+        assert samples[("k25_offload_latency_seconds_count", (("model", "m"), ("op", op)))] == n
+        buckets = sorted((float(dict(k[1])["le"]), v) for k, v in samples.items()
+                         if k[0] == "k25_offload_latency_seconds_bucket" and dict(k[1])["op"] == op)
+        assert buckets[-1] == (float("inf"), n) and all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))
+        assert samples[("k25_offload_latency_seconds_sum", (("model", "m"), ("op", op)))] == \
+            pytest.approx(tiers[f"{op}_latency"]["sum"])
+    assert tiers["offloads"] > 0
+    moved = {tuple(sorted(x.labels.items())): x.value for x in fams["k25_kv_tier_bytes"].samples}
+    assert moved[(("direction", "out"), ("model", "m"), ("tier", "l3"))] == tiers["bytes_to_l3"]
+    fetched = {tuple(sorted(x.labels.items())): x.value for x in fams["k25_kv_tier_fetches"].samples}
+    assert fetched[(("model", "m"), ("tier", "l3"))] == tiers["fetches_from_l3"]
+    assert not any(dict(k[1])["model"] == "plain" for k in samples)  # no tiers, no series
 
 
 def test_l2_without_room_falls_back_to_recompute(tmp_path, reference):

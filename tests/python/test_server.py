@@ -1036,3 +1036,34 @@ def test_metrics_count_a_request_with_n_choices_once(srv):
     assert after.get("k25_generation_tokens_total") - before.get("k25_generation_tokens_total") == \
         u["completion_tokens"]
     assert after.get("k25_time_to_first_token_seconds_count") - before.get("k25_time_to_first_token_seconds_count") == 1
+
+
+def test_tiered_kv_server_swaps_and_exports_offload_metrics(tmp_path):
+    """k25 serve --cache-mode hierarchical --enable-async-offload: a KV pool too small for
+    four concurrent requests preempts by swap to L2; every request completes, and /metrics
+    has the tiers' latency histogram and byte counters."""
+    s = Server(tmp_path, "--cache-mode", "hierarchical", "--enable-async-offload", "--l2-bytes", str(64 << 20),
+               "--max-num-batched-tokens", "128", "--prefill-chunk-size", "64", name="tiers", kv_bytes=10 << 20)
+    pool = ThreadPoolExecutor(4)
+    try:
+        text = " ".join(f"word{i}" for i in range(30))
+
+        def fire(i):
+            body = {"model": MODEL, "prompt": f"{i}: {text}", "max_tokens": 60, "temperature": 0,
+                    "ignore_eos": True}
+            return s.post(P, body, timeout=120)
+
+        rs = [f.result(timeout=180) for f in [pool.submit(fire, i) for i in range(4)]]
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        assert all(r.json()["usage"]["completion_tokens"] == 60 for r in rs)
+        m = s.metrics()
+        offloads = m.get("k25_offload_latency_seconds_count", op="offload")
+        assert offloads > 0, s.log()[-2000:]
+        assert m.get("k25_offload_latency_seconds_count", op="fetch") == offloads
+        assert m.get("k25_offload_latency_seconds_bucket", op="offload", le="+Inf") == offloads
+        assert m.get("k25_kv_tier_bytes_total", tier="l2", direction="out") > 0
+        assert m.get("k25_offload_total") == offloads
+        assert "preempt_swap" in s.log()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        s.kill()

@@ -86,6 +86,7 @@ class ServerState:
             s = dict(m.stats())
             s["sparsity_ratio"] = m.get_current_sparsity_ratio()
             s["offload_count"] = m.get_offload_count()
+            s["tiers"] = m.tier_stats()
             out[name] = s
         return out
 

@@ -32,3 +32,10 @@ def add_arguments(p) -> None:
                    help="block-sparse decode attention for long contexts (CPU backend; docs/sparsity.md)")
     p.add_argument("--max-sparsity-ratio", type=float, default=None,
                    help="most of a sequence-layer's KV blocks a decode step may skip (0.1-0.8, default 0.6)")
+    p.add_argument("--cache-mode", default=None, choices=["standard", "hierarchical"],
+                   help="hierarchical: tiered KV (needs --enable-async-offload; CPU backend; docs/offload.md)")
+    p.add_argument("--enable-async-offload", action="store_true", default=None,
+                   help="with --cache-mode hierarchical: preempted sequences' KV goes to L2/L3, not recomputed")
+    p.add_argument("--l2-bytes", type=int, default=None, help="L2 host pool of the tiered KV cache")
+    p.add_argument("--l3-path", default=None, help="L3 file of the tiered KV cache (with --l3-bytes)")
+    p.add_argument("--l3-bytes", type=int, default=None, help="size of the L3 file")

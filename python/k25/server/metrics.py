@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable, Dict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -59,6 +59,7 @@ class _EngineCollector:
         layer_entropy = GaugeMetricFamily("k25_sparsity_layer_entropy_bits",
                                           "Mean entropy of estimated attention mass over blocks, per layer",
                                           labels=["model", "layer"])
+        yield from tier_metrics(self.engine_stats())
         for model, s in self.engine_stats().items():
             for i, layer in enumerate(s.get("sparsity_layers", [])):
                 layer_ratio.add_metric([model, str(i)], layer["ratio"])
@@ -69,3 +70,36 @@ class _EngineCollector:
             sparsity.add_metric([model], s.get("sparsity_ratio", 0.0))
             offload.add_metric([model], s.get("offload_count", 0))
         yield from (used, free, pre, sparsity, offload, layer_ratio, layer_entropy)
+
+
+def tier_metrics(engine_stats: Dict[str, Dict]):
+    """The KV tiers of models with cache_mode='hierarchical' (stats["tiers"], from
+    K25Model.tier_stats()): transfer latency histograms, bytes and fetches per tier, faults."""
+    latency = HistogramMetricFamily("k25_offload_latency_seconds",
+                                    "KV tier transfer latency: offload (L1 -> L2/L3), fetch (-> L1), spill (L2 -> L3)",
+                                    labels=["model", "op"])
+    moved = CounterMetricFamily("k25_kv_tier_bytes", "KV bytes moved between L1 and a tier",
+                                labels=["model", "tier", "direction"])
+    fetches = CounterMetricFamily("k25_kv_tier_fetches", "KV blocks fetched back into L1, by the tier that had them",
+                                  labels=["model", "tier"])
+    faults = CounterMetricFamily("k25_kv_tier_faults", "KV tier transfers that failed, by reason",
+                                 labels=["model", "reason"])
+    for model, s in engine_stats.items():
+        t = s.get("tiers")
+        if not t:
+            continue
+        for op in ("offload", "fetch", "spill"):
+            h = t[f"{op}_latency"]
+            buckets, total = [], 0
+            for bound, n in zip(h["bounds"], h["counts"]):
+                total += n
+                buckets.append((repr(float(bound)), total))
+            buckets.append(("+Inf", h["count"]))
+            latency.add_metric([model, op], buckets, h["sum"])
+        for tier in ("l2", "l3"):
+            moved.add_metric([model, tier, "out"], t[f"bytes_to_{tier}"])
+            moved.add_metric([model, tier, "in"], t[f"bytes_from_{tier}"])
+            fetches.add_metric([model, tier], t[f"fetches_from_{tier}"])
+        for reason, n in t["faults"].items():
+            faults.add_metric([model, reason], n)
+    yield from (latency, moved, fetches, faults)

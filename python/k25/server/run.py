@@ -88,7 +88,9 @@ def serve(args) -> int:
                      max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                      prefill_chunk_size=args.prefill_chunk_size, device=args.device, dtype=args.dtype,
                      batching_window_ms=args.batching_window_ms,
-                     enable_dynamic_sparsity=args.enable_dynamic_sparsity, max_sparsity_ratio=args.max_sparsity_ratio)
+                     enable_dynamic_sparsity=args.enable_dynamic_sparsity, max_sparsity_ratio=args.max_sparsity_ratio,
+                     cache_mode=args.cache_mode, enable_async_offload=args.enable_async_offload,
+                     l2_bytes=args.l2_bytes, l3_path=args.l3_path, l3_bytes=args.l3_bytes)
     engine_kw = {k: v for k, v in engine_kw.items() if v is not None}
     models: Dict[str, K25Model] = {}
     primary = args.served_model_name or served_name(args.model)
@@ -98,7 +100,10 @@ def serve(args) -> int:
         target = degrade.split(":", 1)[1]
         name = served_name(target)
         if name not in models:
-            models[name] = K25Model(K25Config(model_path=None if target == DEFAULT_MODEL else target, **engine_kw))
+            # The fallback model gets no tiers of its own (an L3 file is one engine's).
+            fallback_kw = {k: v for k, v in engine_kw.items()
+                           if k not in ("cache_mode", "enable_async_offload", "l2_bytes", "l3_path", "l3_bytes")}
+            models[name] = K25Model(K25Config(model_path=None if target == DEFAULT_MODEL else target, **fallback_kw))
         degrade = f"fallback:{name}"
     # Default spool: one directory per port, so that a restart after a crash removes the
     # bodies a killed server left behind; it is deleted at a clean exit.
