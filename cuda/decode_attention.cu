@@ -40,6 +40,25 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+// One element (row r, channel d) of a decode item's result, from the warps' merged sum
+// `a`, softmax sum `lsum` and max `mx` (log2 units): an unnormalised partial for a
+// split-KV merge (max in natural-log units, as the merge works), or the output in T.
+template <typename T, int D>
+__device__ __forceinline__ void store_result(const AttnBatch& batch, const AttnWork& w, T* out, int token,
+                                             int num_heads, int group, int r, int d, float a, float lsum, float mx) {
+  if (w.partial >= 0) {
+    float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r) * (D + 2);
+    pr[d] = a;
+    if (d == 0) {
+      pr[D] = lsum > 0.0f ? mx * kLn2 : -FLT_MAX;
+      pr[D + 1] = lsum;
+    }
+  } else {
+    out[static_cast<int64_t>(token) * num_heads * D + static_cast<int64_t>(w.kv_head * group + r) * D + d] =
+        from_f<T>(lsum > 0.0f ? a / lsum : 0.0f);
+  }
+}
 constexpr int kLoads = 4;   // K (and V) 16-byte pieces per lane per iteration
 constexpr int kStages = 4;  // ring slots per warp (iterations of loads in flight + 1)
 constexpr int kSlotVecs = 2 * kLoads * 32;  // 16-byte pieces per slot: K then V, by lane
@@ -297,17 +316,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
       lsum += sm.l[i][r] * f;
       a += sm.acc[i][r][d] * f;
     }
-    if (w.partial >= 0) {
-      float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r) * (D + 2);
-      pr[d] = a;
-      if (d == 0) {
-        pr[D] = lsum > 0.0f ? mx * kLn2 : -FLT_MAX;  // the merge works in natural-log units
-        pr[D + 1] = lsum;
-      }
-    } else {
-      out[static_cast<int64_t>(token) * num_heads * D + static_cast<int64_t>(w.kv_head * group + r) * D + d] =
-          from_f<T>(lsum > 0.0f ? a / lsum : 0.0f);
-    }
+    store_result<T, D>(batch, w, out, token, num_heads, group, r, d, a, lsum, mx);
   }
   // Split-KV: the merge's last CTA merges it here (the ring is free: every copy has landed).
   if (split.counter >= 0) {
@@ -630,17 +639,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         a += ri[r * D + d] * f;
       }
     }
-    if (w.partial >= 0) {
-      float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r) * (D + 2);
-      pr[d] = a;
-      if (d == 0) {
-        pr[D] = lsum > 0.0f ? mx * kLn2 : -FLT_MAX;  // the merge works in natural-log units
-        pr[D + 1] = lsum;
-      }
-    } else {
-      out[static_cast<int64_t>(token) * num_heads * D + static_cast<int64_t>(w.kv_head * group + r) * D + d] =
-          from_f<T>(lsum > 0.0f ? a / lsum : 0.0f);
-    }
+    store_result<T, D>(batch, w, out, token, num_heads, group, r, d, a, lsum, mx);
   }
   // Split-KV: the merge's last CTA merges it here (its first barrier ends the reads above
   // of the rings, which become the merge's scratch).

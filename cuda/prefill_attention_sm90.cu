@@ -74,6 +74,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define K25_SM90A 1
@@ -216,19 +217,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
   }
 }
 
-// Two floats rounded to T, lo in the low half (the lower column of a fragment pair).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  uint32_t u;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    memcpy(&u, &v, 4);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    memcpy(&u, &v, 4);
-  }
-  return u;
-}
 
 // 2^x on the SFU (what exp2f becomes under --use_fast_math, independent of the flag); -inf -> 0.
 __device__ __forceinline__ float fast_exp2(float x) {
