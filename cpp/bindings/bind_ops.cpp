@@ -327,19 +327,9 @@ void bind_ops(py::module_& m) {
         at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * L.head_dim}, q.options());
         {
           py::gil_scoped_release release;
-          const bool any = select_blocks(q.data_ptr<float>(), q.stride(0), summaries.data_ptr<float>(), S, L, layer,
-                                         b, num_heads, static_cast<float>(scale), p, &sel);
-          cpu::AttentionBatch use = any ? sparse_batch(b, sel) : b;
-          if (any && compensation) {
-            lse.resize(static_cast<size_t>(q.size(0)) * num_heads);
-            use.row_lse = lse.data();
-          }
-          cpu::paged_attention(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), kv.data_ptr<float>(), L,
-                               layer, use, num_heads, static_cast<float>(scale), 0);
-          if (use.row_lse) {
-            compensate_skipped(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), use.row_lse,
-                               summaries.data_ptr<float>(), S, L, layer, b, sel, num_heads, static_cast<float>(scale));
-          }
+          sparse_decode_attention(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), kv.data_ptr<float>(), L,
+                                  layer, b, summaries.data_ptr<float>(), S, num_heads, static_cast<float>(scale), p,
+                                  &sel, &lse);
         }
         py::dict info;
         info["context_lens"] = sel.context_lens;

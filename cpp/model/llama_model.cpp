@@ -214,28 +214,23 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
     } else if (fused) {
       cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
                          rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), kv.data_ptr<float>(), layout, l);
-      cpu::AttentionBatch use = ab;
+      float* q = qkv.data_ptr<float>();
       if (sparse) {
         // Summaries follow every write (prefill too); selection is for decodes of layers
         // without a sliding window.
         update_key_summaries(kv.data_ptr<float>(), layout, sparse->summaries, sparse->layout, l, ab);
-        LayerSelection& sel = sparse->layers[l];
-        if (window == 0 && select_blocks(qkv.data_ptr<float>(), qkv_dim, sparse->summaries, sparse->layout, layout,
-                                         l, ab, Hq, scale, sparse->params, &sel)) {
-          use = sparse_batch(ab, sel);
-          if (sparse->params.compensation) {
-            sparse->lse.resize(static_cast<size_t>(T) * Hq);
-            use.row_lse = sparse->lse.data();
-          }
-        } else {
+      }
+      if (sparse && window == 0) {
+        sparse_decode_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab,
+                                sparse->summaries, sparse->layout, Hq, scale, sparse->params, &sparse->layers[l],
+                                &sparse->lse);
+      } else {
+        if (sparse) {
+          LayerSelection& sel = sparse->layers[l];
           sel.blocks_total = sel.blocks_kept = sel.selections = 0;
         }
-      }
-      cpu::paged_attention(qkv.data_ptr<float>(), qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l,
-                           use, Hq, scale, window);
-      if (use.row_lse) {
-        compensate_skipped(qkv.data_ptr<float>(), qkv_dim, attn.data_ptr<float>(), use.row_lse, sparse->summaries,
-                           sparse->layout, layout, l, ab, sparse->layers[l], Hq, scale);
+        cpu::paged_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, Hq, scale,
+                             window);
       }
     } else {
       // RoPE as transformers writes it: x * cos + rotate_half(x) * sin, in the model dtype.

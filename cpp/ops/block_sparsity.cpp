@@ -226,6 +226,22 @@ cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelect
   return b;
 }
 
+void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L,
+                             int32_t layer, const cpu::AttentionBatch& B, const float* summaries,
+                             const SummaryLayout& S, int32_t num_heads, float scale, const SparsityParams& p,
+                             LayerSelection* sel, std::vector<float>* lse) {
+  cpu::AttentionBatch use = B;
+  if (select_blocks(q, q_stride, summaries, S, L, layer, B, num_heads, scale, p, sel)) {
+    use = sparse_batch(B, *sel);
+    if (p.compensation) {
+      lse->resize(static_cast<size_t>(B.query_start[B.num_seqs]) * num_heads);
+      use.row_lse = lse->data();
+    }
+  }
+  cpu::paged_attention(q, q_stride, out, kv, L, layer, use, num_heads, scale, 0);
+  if (use.row_lse) compensate_skipped(q, q_stride, out, use.row_lse, summaries, S, L, layer, B, *sel, num_heads, scale);
+}
+
 void compensate_skipped(const float* q, int64_t q_stride, float* out, const float* lse, const float* summaries,
                         const SummaryLayout& S, const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B,
                         const LayerSelection& sel, int32_t num_heads, float scale) {

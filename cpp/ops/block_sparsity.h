@@ -85,6 +85,15 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
 // The batch attention should use after select_blocks: context lengths and per-head tables.
 cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelection& sel);
 
+// Decode attention with block selection, for a layer without a sliding window: selects
+// (select_blocks), attends over the kept blocks of the sequences that went sparse and
+// over all blocks of the others, then, with p.compensation, folds the skipped blocks back
+// in (compensate_skipped; `lse` is its scratch). `sel` receives the selection.
+void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L,
+                             int32_t layer, const cpu::AttentionBatch& B, const float* summaries,
+                             const SummaryLayout& S, int32_t num_heads, float scale, const SparsityParams& p,
+                             LayerSelection* sel, std::vector<float>* lse);
+
 // Compensation: folds every skipped block of the sparse sequences back into their output
 // rows as a mean pseudo-key. out: the attention output over the kept blocks; lse: its
 // per-(row, query head) log-sum-exp of the scaled scores ([T][num_heads], as
