@@ -328,13 +328,29 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
   }
 }
 
+// CTAs of `kernel` the device runs at once (its SMs x the CTAs per SM at this block size and
+// dynamic shared memory): one wave. The caller sets the kernel's attributes first.
+template <typename Kernel>
+int ctas_per_wave(Kernel kernel, int threads, size_t smem_bytes) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
+  return std::max(1, sms * per_sm);
+}
+
+template <typename T, int D, int G>
+void configure() {
+  cudaFuncSetAttribute(decode_attention_kernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       static_cast<int>(kRingBytes));
+}
+
 template <typename T, int D, int G>
 void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, const AttnBatch& b, int num_heads,
             float scale, int window, int num_items, cudaStream_t stream) {
   static bool configured = false;  // per instantiation; raising the limit is idempotent
   if (!configured) {
-    cudaFuncSetAttribute(decode_attention_kernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(kRingBytes));
+    configure<T, D, G>();
     configured = true;
   }
   decode_attention_kernel<T, D, G><<<num_items, kThreads, kRingBytes, stream>>>(
@@ -345,13 +361,8 @@ template <typename T, int D, int G>
 int wave() {
   static int blocks = 0;
   if (blocks == 0) {
-    int device = 0, sms = 0, per_sm = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaFuncSetAttribute(decode_attention_kernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(kRingBytes));
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel<T, D, G>, kThreads, kRingBytes);
-    blocks = std::max(1, sms * per_sm);
+    configure<T, D, G>();
+    blocks = ctas_per_wave(decode_attention_kernel<T, D, G>, kThreads, kRingBytes);
   }
   return blocks;
 }
@@ -463,16 +474,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   // First key of this warp's j-th tile; every tile's first key is in range.
   auto tile_base = [&](int j) { return lo + (warp + j * kWarps) * NK; };
 
-  // Row g's A fragments (dims 16kd + 2t.. and 16kd + 8 + 2t..); rows past the group are zero.
-  uint32_t qa[D / 16][2];
+  // Q's A fragments: row g at dims 16kd + 2t.. (a0) and 16kd + 8 + 2t.. (a2); rows past the
+  // group and rows g + 8 (a1, a3) are zero.
+  uint32_t qf[D / 16][4];
   {
     const bool real = g < rows;
     const int head = w.kv_head * group + (real ? g : 0);
     const T* qr = q + static_cast<int64_t>(token) * q_stride + static_cast<int64_t>(head) * D + 2 * t;
 #pragma unroll
     for (int kd = 0; kd < D / 16; ++kd) {
-      qa[kd][0] = real ? *reinterpret_cast<const uint32_t*>(qr + 16 * kd) : 0u;
-      qa[kd][1] = real ? *reinterpret_cast<const uint32_t*>(qr + 16 * kd + 8) : 0u;
+      qf[kd][0] = real ? *reinterpret_cast<const uint32_t*>(qr + 16 * kd) : 0u;
+      qf[kd][2] = real ? *reinterpret_cast<const uint32_t*>(qr + 16 * kd + 8) : 0u;
+      qf[kd][1] = qf[kd][3] = 0u;
     }
   }
 
@@ -537,23 +550,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     const uint32_t sk = ring + (static_cast<unsigned>(j) % kStages) * kStageBytes, sv = sk + S::kTileBytes;
     const int base = tile_base(j);
 
-    // S = Q K^T (rows g + 8 stay zero and are ignored). B(k = dim, n = key) is K row-major,
-    // so the plain ldmatrix of 8 key rows x 8 dims is b0 / b1. Matrices: keys 16np + 0..7
-    // at dims 16kd + 0..7 and + 8..15, then keys 16np + 8..15 likewise.
+    // S = Q K^T (rows g + 8 stay zero and are ignored).
     float s[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
-#pragma unroll
-      for (int kd = 0; kd < D / 16; ++kd) {
-        uint32_t b[4];
-        ldsm_x4(b, sk + swz<CH>(16 * np + (lane & 7) + ((lane >> 4) << 3), 2 * kd + ((lane >> 3) & 1)));
-        const uint32_t a[4] = {qa[kd][0], 0u, qa[kd][1], 0u};
-        mma16816<T>(s[2 * np], a, b[0], b[1]);
-        mma16816<T>(s[2 * np + 1], a, b[2], b[3]);
-      }
-    }
+    mma_qk<T, D, NK>(s, qf, sk, lane);
     if (base + NK - 1 > hi) {  // the item's last tile: keys past the range
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
@@ -679,12 +678,8 @@ template <typename T, int D>
 int wave() {
   static int blocks = 0;
   if (blocks == 0) {
-    int device = 0, sms = 0, per_sm = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     configure<T, D>();
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_tc_kernel<T, D>, kThreads, kSmemBytes);
-    blocks = std::max(1, sms * per_sm);
+    blocks = ctas_per_wave(decode_tc_kernel<T, D>, kThreads, kSmemBytes);
   }
   return blocks;
 }

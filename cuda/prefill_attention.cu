@@ -16,7 +16,6 @@
 //
 // Shared-memory rows are D elements (128 or 256 bytes), swizzled as mma.cuh describes (with
 // the m16n8k16 and ldmatrix fragment layouts the comments below refer to).
-#include <cfloat>
 #include <cstdint>
 
 #include "common.cuh"
@@ -180,21 +179,7 @@ __global__ void __launch_bounds__(kThreads, Tiles<D>::kMinBlocks)
     const uint32_t sk = s_kv + (i % kStages) * C::kStageBytes, sv = sk + C::kKVBytes;
 
     float s[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-    // S = Q K^T: B(k = dim, n = key) is K row-major, so the plain ldmatrix of 8 key rows x
-    // 8 dims is b0 / b1. Matrices: keys 16np + 0..7 at dims 16kd + 0..7 and + 8..15, then
-    // keys 16np + 8..15 likewise.
-#pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
-#pragma unroll
-      for (int kd = 0; kd < D / 16; ++kd) {
-        uint32_t b[4];
-        ldsm_x4(b, sk + swz<CH>(16 * np + (lane & 7) + ((lane >> 4) << 3), 2 * kd + ((lane >> 3) & 1)));
-        mma16816<T>(s[2 * np], qf[kd], b[0], b[1]);
-        mma16816<T>(s[2 * np + 1], qf[kd], b[2], b[3]);
-      }
-    }
+    mma_qk<T, D, kKeys>(s, qf, sk, lane);
     if (tb < lo_last || te > hi_first) {
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -258,44 +243,27 @@ __global__ void __launch_bounds__(kThreads, Tiles<D>::kMinBlocks)
     l[i2] += __shfl_xor_sync(0xffffffffu, l[i2], 1);
     l[i2] += __shfl_xor_sync(0xffffffffu, l[i2], 2);
   }
+  auto chunk = [](int r, int c) { return swz<CH>(r, c); };
   if (w.partial >= 0) {
-    // Split-KV (single-token items whose group exceeds the decode kernel's): unnormalised,
-    // with the max in natural-log units for the merge.
+    // Split-KV (single-token items whose group exceeds the decode kernel's).
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
       const int r = warp * 16 + g + 8 * i2;
       if (r >= rows) continue;
-      float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r % group) * (D + 2);
-#pragma unroll
-      for (int j = 0; j < DT; ++j) {
-        *reinterpret_cast<float2*>(pr + 8 * j + 2 * t) = make_float2(o[j][2 * i2], o[j][2 * i2 + 1]);
-      }
-      if (t == 0) {
-        pr[D] = l[i2] > 0.0f ? m[i2] * scale : -FLT_MAX;
-        pr[D + 1] = l[i2];
-      }
+      store_partial_row<D>(batch, w, group, r, t, [&](int j) { return make_float2(o[j][2 * i2], o[j][2 * i2 + 1]); },
+                           m[i2], l[i2], scale);
     }
     return;
   }
   // Normalised rows go through the warp's own Q rows in shared memory (read only by this
-  // warp, into registers, long ago) so the stores to out are whole 16-byte chunks.
+  // warp, into registers, long ago).
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
-    const float inv = l[i2] > 0.0f ? 1.0f / l[i2] : 0.0f;
-    const int r = warp * 16 + g + 8 * i2;
-#pragma unroll
-    for (int j = 0; j < DT; ++j) {
-      *reinterpret_cast<uint32_t*>(smem + swz<CH>(r, j) + 4 * t) = pack2<T>(o[j][2 * i2] * inv, o[j][2 * i2 + 1] * inv);
-    }
+    stage_row<T, D>(smem, chunk, warp * 16 + g + 8 * i2, t,
+                    [&](int j) { return make_float2(o[j][2 * i2], o[j][2 * i2 + 1]); }, l[i2]);
   }
   __syncwarp();
-  for (int e = lane; e < 16 * CH; e += 32) {
-    const int r = warp * 16 + e / CH, c = e % CH;
-    if (r >= rows) break;
-    const int token = q0 + w.q_begin + r / group, head = w.kv_head * group + r % group;
-    *reinterpret_cast<int4*>(out + (static_cast<int64_t>(token) * num_heads + head) * D + c * 8) =
-        *reinterpret_cast<const int4*>(smem + swz<CH>(r, c));
-  }
+  store_staged_rows<T, D>(out, smem, chunk, w, q0, group, num_heads, warp * 16, rows, lane);
 }
 
 template <typename T, int D>

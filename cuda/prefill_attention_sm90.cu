@@ -67,7 +67,6 @@
 //    by ordinary instructions), commit_group after each product, wait_group before reading
 //    accumulators. Empty asm statements that "modify" the accumulator arrays pin the
 //    compiler's ordering of register reads/writes to these points.
-#include <cfloat>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -631,48 +630,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
   }
+  auto chunk = [](int r, int c) { return tile_off(r, c); };
   if (w.partial >= 0) {
-    // Split-KV (single-token items of a group past the decode kernel's): unnormalised,
-    // with the max in natural-log units for the merge.
+    // Split-KV (single-token items of a group past the decode kernel's).
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row0 + 8 * h;
       if (r >= rows) continue;
-      float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r % group) * (kD + 2);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        *reinterpret_cast<float2*>(pr + 8 * i + 2 * t) = make_float2(o[4 * i + 2 * h], o[4 * i + 2 * h + 1]);
-      }
-      if (t == 0) {
-        pr[kD] = l[h] > 0.0f ? m[h] * scale : -FLT_MAX;
-        pr[kD + 1] = l[h];
-      }
+      store_partial_row<kD>(batch, w, group, r, t,
+                            [&](int i) { return make_float2(o[4 * i + 2 * h], o[4 * i + 2 * h + 1]); }, m[h], l[h],
+                            scale);
     }
     return;
   }
-  // Normalised rows go through this warp's own 16 Q rows in shared memory (read only by
-  // its warpgroup's wgmma, all complete) so the stores to out are whole 16-byte chunks.
+  // Normalised rows go through this warp's own 16 Q rows in shared memory (read only by its
+  // warpgroup's wgmma, all complete).
   fence_proxy_async();  // async-proxy reads of these bytes before the generic writes below
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-    const int r = row0 + 8 * h;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      *reinterpret_cast<uint32_t*>(smem + tile_off(r, i) + 4 * t) =
-          pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
-    }
+    stage_row<T, kD>(smem, chunk, row0 + 8 * h, t,
+                     [&](int i) { return make_float2(o[4 * i + 2 * h], o[4 * i + 2 * h + 1]); }, l[h]);
   }
   __syncwarp();
-  const int wr0 = 64 * wg + 16 * wl;
-#pragma unroll
-  for (int e = lane; e < 16 * 16; e += 32) {
-    const int r = wr0 + e / 16, c = e % 16;
-    if (r >= rows) break;
-    const int token = q0 + w.q_begin + r / group, head = w.kv_head * group + r % group;
-    *reinterpret_cast<int4*>(out + (static_cast<int64_t>(token) * num_heads + head) * kD + c * 8) =
-        *reinterpret_cast<const int4*>(smem + tile_off(r, c));
-  }
+  store_staged_rows<T, kD>(out, smem, chunk, w, q0, group, num_heads, 64 * wg + 16 * wl, rows, lane);
 #else
   // Built for another architecture: the host never launches this (see usable()).
   __trap();
