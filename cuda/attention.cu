@@ -168,7 +168,7 @@ __global__ void merge_kernel(T* out, AttnBatch batch, int num_heads, int group, 
     kv_head = mi % hkv;
     first = mi * batch.decode_splits;
     const int ctx = batch.context_lens[seq];
-    count = derived_splits(window > 0 ? min(ctx, window) : ctx, batch.decode_splits);
+    count = derived_splits(window > 0 ? min(ctx, window) : ctx, batch);
     if (count == 1) return;  // the single range wrote the output itself
   } else {
     const int* mg = batch.merge + 4 * mi;

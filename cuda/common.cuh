@@ -47,9 +47,11 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Split count actually used for a derived decode of `span` keys: enough ranges of at least
-// kMinSplitKeys keys, at most decode_splits (short contexts use few CTAs, long ones many).
-__device__ __forceinline__ int derived_splits(int span, int decode_splits) {
-  return max(1, min(decode_splits, (span + kMinSplitKeys - 1) / kMinSplitKeys));
+// batch.min_split_keys keys, at most decode_splits (short contexts use few CTAs, long ones
+// many).
+__device__ __forceinline__ int derived_splits(int span, const AttnBatch& batch) {
+  const int k = batch.min_split_keys;
+  return max(1, min(batch.decode_splits, (span + k - 1) / k));
 }
 
 // Work item `item` of a batch: from the list, or for a decode-only batch with device-derived
@@ -67,7 +69,7 @@ __device__ __forceinline__ AttnWork attn_work(const AttnBatch& batch, int num_kv
   const int ctx = batch.context_lens[w.seq];
   const int first = window > 0 ? max(0, ctx - window) : 0;
   const int64_t span = ctx - first;
-  const int S = derived_splits(static_cast<int>(span), S_max);
+  const int S = derived_splits(static_cast<int>(span), batch);
   w.q_begin = 0;
   w.q_end = 1;
   w.key_begin = first + static_cast<int>(span * min(split, S) / S);
@@ -93,7 +95,7 @@ __device__ __forceinline__ SplitMerge split_merge(const AttnBatch& batch, const 
     const int span = window > 0 ? min(ctx, window) : ctx;  // = attn_work's span
     s.counter = w.seq * num_kv_heads + w.kv_head;
     s.first = s.counter * batch.decode_splits;
-    s.count = derived_splits(span, batch.decode_splits);
+    s.count = derived_splits(span, batch);
   } else if (w.merge >= 0) {
     const int* mg = batch.merge + 4 * w.merge;
     s.counter = w.merge;

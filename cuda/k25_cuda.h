@@ -48,6 +48,7 @@ struct AttnBatch {
   // context_lens, so the launch shape does not depend on the lengths (CUDA graphs).
   int32_t decode_splits = 0;
   int32_t num_seqs = 0;
+  int32_t min_split_keys = 256;  // derived splits cover at least this many keys each
   // Split-KV merges done inside the decode kernel: one counter per merge, zero at rest.
   // Each CTA of a split decode, after writing its partial, counts itself on its merge's
   // counter; the last one merges the partials (merge_kernel's arithmetic and order), writes
@@ -65,8 +66,6 @@ struct AttnBatch {
 // decode_splits above it, go to merge_kernel.
 constexpr int32_t kMaxFusedSplits = 256;
 
-// Derived decode splits (decode_splits > 0) cover at least this many keys each.
-constexpr int32_t kMinSplitKeys = 256;
 
 // Rows of at most this many (tokens x GQA heads) share one CTA's K/V tiles.
 constexpr int32_t kAttnMaxRows = 16;
@@ -144,9 +143,18 @@ struct SampleOut {
 void sample_rows(float* logits, int64_t row_stride, int32_t vocab, const SampleRow* rows, int32_t num_rows,
                  PenaltyEntry* penalties, const int32_t* bans, float* scratch, SampleOut* out, cudaStream_t stream);
 
+// Pipelined decode: ids[rows[i].logits_row] = out[i].token (-1 where out[i] is an error).
+void scatter_sampled_ids(const SampleOut* out, const SampleRow* rows, int32_t num_rows, int32_t* ids,
+                         cudaStream_t stream);
+
 // Index of the largest value of each row of a float32 [rows][n] matrix (lowest on ties;
 // NaN skipped). scratch: rows * argmax_chunks(n) 8-byte words.
 int32_t argmax_chunks(int32_t n);
 void argmax_rows(const float* x, int64_t rows, int32_t n, int32_t* out, void* scratch, cudaStream_t stream);
+// Pipelined decode: ids[r] = last_ids[prev_rows[r]] for rows with prev_rows[r] >= 0 (the
+// previous step's sampled ids, still on the device; 0 where outside [0, vocab)); other
+// rows are left as they are.
+void take_previous_ids(int32_t* ids, const int32_t* prev_rows, const int32_t* last_ids, int32_t n, int32_t vocab,
+                       cudaStream_t stream);
 
 }  // namespace k25::cuda

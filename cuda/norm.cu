@@ -80,14 +80,21 @@ __global__ void __launch_bounds__(kThreads) rms_norm_vec_kernel(T* x, int64_t x_
       *reinterpret_cast<uint4*>(xr + idx) = hv;
     }
   }
+  // The weight's loads are issued before the reduction, so their latency overlaps it (a
+  // decode step's rows are latency-bound).
+  uint4 wv[kVecs];
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int idx = (threadIdx.x + k * kThreads) * kElems;
+    if (idx < n) wv[k] = *reinterpret_cast<const uint4*>(w + idx);
+  }
   const float inv = rsqrtf(block_sum(ss, shared) / static_cast<float>(n) + eps);
   T* o = out + blockIdx.x * out_stride;
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int idx = (threadIdx.x + k * kThreads) * kElems;
     if (idx >= n) continue;
-    const uint4 wv = *reinterpret_cast<const uint4*>(w + idx);
-    const T* we = reinterpret_cast<const T*>(&wv);
+    const T* we = reinterpret_cast<const T*>(&wv[k]);
     uint4 ov;
     T* oe = reinterpret_cast<T*>(&ov);
 #pragma unroll

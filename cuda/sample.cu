@@ -414,6 +414,23 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(float* logits, int64_t
 
 }  // namespace
 
+namespace {
+
+// ids[rows[i].logits_row] = out[i].token: the sampled ids where the next pipelined step
+// reads them (take_previous_ids checks their range).
+__global__ void scatter_sampled_ids_kernel(const SampleOut* out, const SampleRow* rows, int n, int32_t* ids) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) ids[rows[i].logits_row] = out[i].error ? -1 : out[i].token;
+}
+
+}  // namespace
+
+void scatter_sampled_ids(const SampleOut* out, const SampleRow* rows, int32_t num_rows, int32_t* ids,
+                         cudaStream_t stream) {
+  if (num_rows <= 0) return;
+  scatter_sampled_ids_kernel<<<(num_rows + 127) / 128, 128, 0, stream>>>(out, rows, num_rows, ids);
+}
+
 void sample_rows(float* logits, int64_t row_stride, int32_t vocab, const SampleRow* rows, int32_t num_rows,
                  PenaltyEntry* penalties, const int32_t* bans, float* scratch, SampleOut* out, cudaStream_t stream) {
   if (num_rows <= 0) return;

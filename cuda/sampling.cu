@@ -1,4 +1,5 @@
-// Device-side pieces of sampling: greedy argmax per row.
+// Device-side pieces of sampling: greedy argmax per row, and the hand-off of sampled ids
+// from one decode step to the next without a trip through the host.
 #include <cfloat>
 
 #include "common.cuh"
@@ -50,7 +51,25 @@ __global__ void argmax_final_kernel(const unsigned long long* part, int chunks, 
   if (threadIdx.x == 0) out[blockIdx.x] = best ? static_cast<int32_t>(0xFFFFFFFFu - static_cast<unsigned>(best)) : INT_MAX;
 }
 
+// ids[r] = last[prev[r]] where prev[r] >= 0 (the id sampled for that row of the previous
+// step); other rows keep the id the host wrote. An id outside the vocabulary (argmax of a
+// row without a finite logit) becomes 0: that sequence fails when its result is collected,
+// and this step's row for it is discarded, but the embedding lookup must stay in bounds.
+__global__ void take_previous_ids_kernel(int32_t* ids, const int32_t* prev, const int32_t* last, int n, int vocab) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r < n && prev[r] >= 0) {
+    const int32_t v = last[prev[r]];
+    ids[r] = v >= 0 && v < vocab ? v : 0;
+  }
+}
+
 }  // namespace
+
+void take_previous_ids(int32_t* ids, const int32_t* prev_rows, const int32_t* last_ids, int32_t n, int32_t vocab,
+                       cudaStream_t stream) {
+  if (n <= 0) return;
+  take_previous_ids_kernel<<<(n + 127) / 128, 128, 0, stream>>>(ids, prev_rows, last_ids, n, vocab);
+}
 
 int32_t argmax_chunks(int32_t n) { return n >= 4096 ? min(64, n / 2048) : 1; }
 

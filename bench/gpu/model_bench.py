@@ -78,18 +78,34 @@ def write_checkpoint(path, layers):
         json.dump({"metadata": {}, "weight_map": index}, f)
 
 
-def decode_rate(model, batch, ctx, new_tokens, **sampling):
+def decode_rate(model, batch, ctx, new_tokens, steady=None, **sampling):
+    """Decode tok/s of `batch` prompts of `ctx` tokens: (N new tokens - 1) per sequence over
+    the time of an N-token request minus that of a 1-token one. With steady (a dict), also
+    the steady-state rate from an N-token and an N/4-token request (no first or last step
+    in it) and the engine's own step time (stats: busy time / steps) of the N-token run."""
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(10, 100000, (ctx,), generator=g).tolist() for _ in range(batch)]
-    model.generate(prompts, max_new_tokens=1, temperature=0.0)  # warm-up, and prefill time
-    t = time.perf_counter()
-    model.generate(prompts, max_new_tokens=1, temperature=0.0)
-    t_prefill = time.perf_counter() - t
-    t = time.perf_counter()
     kw = sampling or dict(temperature=0.0)
-    outs = model.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, **kw)
-    total = time.perf_counter() - t
+
+    def timed(n):
+        t = time.perf_counter()
+        outs = model.generate(prompts, max_new_tokens=n, ignore_eos=True, **kw)
+        return time.perf_counter() - t, outs
+
+    model.generate(prompts, max_new_tokens=1, temperature=0.0)  # warm-up, and prefill time
+    t_prefill, _ = timed(1)
+    s0 = model.stats()
+    total, outs = timed(new_tokens)
+    s1 = model.stats()
     n = sum(len(o.token_ids) - 1 for o in outs)
+    if steady is not None:
+        short = max(2, new_tokens // 4)
+        t_short, _ = timed(short)
+        steady["steady_tok_s"] = batch * (new_tokens - short) / (total - t_short)
+        steps = s1["steps"] - s0["steps"]
+        steady["engine_ms_per_step"] = 1e3 * (s1["busy_time_s"] - s0["busy_time_s"]) / max(1, steps)
+        steady["pipelined_steps"] = s1.get("pipelined_steps", 0) - s0.get("pipelined_steps", 0)
+        steady["steps"] = steps
     return n / (total - t_prefill), total - t_prefill
 
 
@@ -178,21 +194,31 @@ def main():
     kv_per_token = m.kv_block_bytes / m.engine_config.block_size
     res["decode"] = {}
     for b in [int(x) for x in args.batches.split(",")]:
-        rate, dt = decode_rate(m, b, 1024, args.new_tokens)
+        extra = {}
+        rate, dt = decode_rate(m, b, 1024, args.new_tokens, steady=extra)
         # Floor (the issue's definition): every step reads the weights and each sequence's KV
         # once, at the measured copy bandwidth (bytes read + written per second).
         step_bytes = wbytes + b * (1024 + args.new_tokens / 2) * kv_per_token
         floor_rate = b / (step_bytes / bw)
-        res["decode"][b] = {"tok_s": rate, "floor_tok_s": floor_rate, "frac_of_floor": rate / floor_rate}
+        res["decode"][b] = {"tok_s": rate, "floor_tok_s": floor_rate, "frac_of_floor": rate / floor_rate, **extra}
         print(f"decode batch {b:4d} @1K: {rate:9.1f} tok/s   floor {floor_rate:9.1f} tok/s   "
-              f"{100 * rate / floor_rate:5.1f}% of floor", flush=True)
+              f"{100 * rate / floor_rate:5.1f}% of floor   steady {extra['steady_tok_s']:9.1f} tok/s "
+              f"({100 * extra['steady_tok_s'] / floor_rate:5.1f}%)   engine {extra['engine_ms_per_step']:.2f} ms/step, "
+              f"{extra['pipelined_steps']}/{extra['steps']} steps pipelined", flush=True)
     # Sampled decode (temperature, top-p, a repetition penalty: the device sampler) next
     # to greedy (device argmax) at the same batch sizes.
     res["decode_sampled"] = {}
+    # Without a penalty the sampled steps are pipelined too; a repetition penalty reads the
+    # token history, so those steps wait for the one in flight.
+    res["decode_sampled_no_penalty"] = {}
     for b in [int(x) for x in args.batches.split(",")][:3]:
         rate, _ = decode_rate(m, b, 1024, args.new_tokens, temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1)
         res["decode_sampled"][b] = {"tok_s": rate, "vs_greedy": rate / res["decode"][b]["tok_s"]}
         print(f"decode batch {b:4d} @1K sampled (T 0.8, top-p 0.9, repetition 1.1): {rate:9.1f} tok/s "
+              f"= {rate / res['decode'][b]['tok_s']:.3f} x greedy", flush=True)
+        rate, _ = decode_rate(m, b, 1024, args.new_tokens, temperature=0.8, top_p=0.9, seed=1)
+        res["decode_sampled_no_penalty"][b] = {"tok_s": rate, "vs_greedy": rate / res["decode"][b]["tok_s"]}
+        print(f"decode batch {b:4d} @1K sampled (T 0.8, top-p 0.9): {rate:9.1f} tok/s "
               f"= {rate / res['decode'][b]['tok_s']:.3f} x greedy", flush=True)
     res["prefill_4k_tok_s"] = prefill_rate(m)
     print(f"prefill 4K: {res['prefill_4k_tok_s']:9.1f} tok/s", flush=True)

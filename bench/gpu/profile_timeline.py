@@ -24,13 +24,17 @@ def main():
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--path", default=None)
     ap.add_argument("--trace", default="/tmp/k25_trace.json")
+    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--kv-gb", type=float, default=16, help="KV pool in GB; 0: gpu_memory_utilization's default")
     args = ap.parse_args()
     path = args.path or f"/tmp/llama8b-{args.layers}l"
     if not os.path.exists(os.path.join(path, "config.json")):
         write_checkpoint(path, args.layers)
     from k25 import K25Config, K25Model
-    m = K25Model(K25Config(model_path=path, device="cuda", dtype="bfloat16", kv_cache_bytes=16 << 30,
-                           max_seq_len=4096, max_batch_size=max(8, args.batch)))
+    kv = dict(kv_cache_bytes=int(args.kv_gb * 2**30)) if args.kv_gb > 0 else {}
+    m = K25Model(K25Config(model_path=path, device="cuda", dtype="bfloat16", max_seq_len=args.max_seq_len,
+                           max_batch_size=max(args.max_batch, args.batch), **kv))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 100000, (args.ctx,), generator=g).tolist() for _ in range(args.batch)]
     m.generate(prompts, max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -62,7 +66,7 @@ def main():
                 busy += f - max(s, end) if end is not None else f - s
                 end = f
             prev = e["name"]
-        rows.append((t1 - t0, busy, len(ks), sorted(gaps, reverse=True)[:4], ks))
+        rows.append((t1 - t0, busy, len(ks), sorted(gaps, reverse=True)[:8], ks))
     wall = sum(r[0] for r in rows) / len(rows)
     busy = sum(r[1] for r in rows) / len(rows)
     print(f"per step (graph launch to graph launch, {len(rows)} steps): wall {wall:.1f} us, "
@@ -81,6 +85,20 @@ def main():
     print("kernel time per step (us), by name:")
     for name, (t, n) in sorted(agg.items(), key=lambda x: -x[1][0])[:18]:
         print(f"  {t / len(rows):9.1f}  x{n / len(rows):5.1f}  {name}")
+    # Between two steps: the host's CUDA calls from the end of one step's last GPU event to
+    # the start of the next step's first (where the device waits for the host).
+    rt = sorted([e for e in ev if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"], key=lambda e: e["ts"])
+    mid = len(rows) // 2
+    last_end = max(e["ts"] + e["dur"] for e in rows[mid][4])
+    nxt = rows[mid + 1][4] if mid + 1 < len(rows) else []
+    if nxt:
+        first_start = nxt[0]["ts"]
+        print(f"device idle between steps {mid} and {mid + 1}: {first_start - last_end:.1f} us; host CUDA calls then:")
+        for e in rt:
+            if last_end - 50 <= e["ts"] <= first_start:
+                print(f"  +{e['ts'] - last_end:8.1f} us  {e['dur']:7.1f} us  {e['name']}")
+    big = [g for r in rows for g in r[3] if g[0] >= 5]
+    print(f"gaps >= 5 us per step: {sum(g[0] for g in big) / len(rows):.1f} us")
     # Inter-kernel gaps inside the graph (kernel to kernel), as a distribution.
     inner = []
     for r in rows:

@@ -44,6 +44,7 @@ py::dict config_dict(const ModelConfig& c) {
 py::dict stats_dict(const EngineStats& s) {
   py::dict d;
   d["steps"] = s.steps;
+  d["pipelined_steps"] = s.pipelined_steps;
   d["prefill_tokens"] = s.prefill_tokens;
   d["decode_tokens"] = s.decode_tokens;
   d["generated_tokens"] = s.generated_tokens;

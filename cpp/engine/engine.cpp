@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <random>
 
 #include "engine/executor.h"
@@ -21,6 +22,21 @@ double now_s() {
 }
 
 }  // namespace
+
+// What the engine keeps of a step between launching it and processing its samples: per
+// scheduled sequence its id (a pipelined step's sequence may finish or be aborted before
+// the step's results are collected), whether it emits, its sample and where the sampled
+// token goes in its token list (-1: appended).
+struct Engine::StepRecord {
+  std::vector<int64_t> ids;
+  std::vector<char> emits;
+  std::vector<int> sample_of_seq;
+  std::vector<int32_t> token_index;
+};
+
+struct Engine::StepCounts {
+  int64_t generated = 0, finished = 0, failed = 0;
+};
 
 Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> executor,
                std::vector<std::string> token_bytes, std::vector<int32_t> eos_token_ids)
@@ -62,6 +78,9 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
           record_kv_event(id, blocks, reason.c_str(), true);
         });
   }
+  executor_->warm_up(config_.max_batch_size);
+  const char* pipe = std::getenv("K25_ASYNC_SCHEDULING");
+  pipeline_ = !(pipe && std::string(pipe) == "0");
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -219,6 +238,8 @@ void Engine::finish(Sequence* seq, int reason, const std::string& error,
   if (r == FinishReason::kAbort || r == FinishReason::kError) {
     record_kv_event(seq->id, seq->block_table, r == FinishReason::kAbort ? "abort" : "error");
   }
+  // A token still being sampled by a step in flight is not part of the output.
+  while (!seq->tokens.empty() && seq->tokens.back() == kPendingToken) seq->tokens.pop_back();
   if (swap_) swap_->on_finish(seq);
   scheduler_->finish(seq, r);
   RequestOutput o;
@@ -298,6 +319,7 @@ void Engine::loop() {
     }
     std::vector<RequestOutput> outs;
     for (auto& s : adds) scheduler_->add(std::move(s));
+    if (stopping && in_flight_) collect_in_flight();  // its tokens are delivered, then the rest aborts
     if (stopping) {
       // Nothing new starts; whatever is left ends as aborted.
       std::vector<Sequence*> left(scheduler_->running());
@@ -332,6 +354,15 @@ void Engine::loop() {
 }
 
 void Engine::fail_all(const std::string& error) {
+  if (in_flight_) {
+    // Wait for the launched step (it writes the pool), drop its results.
+    in_flight_.reset();
+    std::vector<SampleResult> ignored;
+    try {
+      executor_->collect_async(&ignored);
+    } catch (const std::exception&) {
+    }
+  }
   std::vector<Sequence*> left(scheduler_->running());
   left.insert(left.end(), scheduler_->waiting().begin(), scheduler_->waiting().end());
   std::vector<RequestOutput> outs;
@@ -352,10 +383,96 @@ void Engine::refresh_gauges() {
   stats_.blocks_free = pool_->num_free();
 }
 
+// Pipelined decode (vLLM's "async scheduling", SGLang's overlap scheduler): while step N
+// runs on the device, the engine plans and launches step N+1, whose rows take step N's
+// sampled ids on the device (BatchMeta::prev_rows; the token list holds kPendingToken
+// until then), and only then waits for step N's ids and processes them. The host's work
+// between two steps (planning, staging, the graph launch) overlaps the device's instead of
+// leaving it idle. Only steps that cannot change the plan by what they sample are
+// pipelined: every running sequence decodes one token (greedy or sampled, with or without
+// logprobs) without penalties (they read the token history), with no waiting sequence, no
+// swap, no preemption (its next block is free), no bans (min_new_tokens met), no scoring,
+// and its pending token is not its last allowed one. A sequence that
+// stops on a sampled token (EOS, stop string) has had one more step launched for it; that
+// step's row is discarded and the blocks it wrote are freed with the rest (the device
+// runs steps in order, so a later step that reuses them runs after it).
+bool Engine::can_pipeline() const {
+  if (!pipeline_ || swap_ || !executor_->supports_async() || !scheduler_->decode_step_fits()) return false;
+  const std::vector<Sequence*>& run = scheduler_->running();
+  if (static_cast<int32_t>(run.size()) > executor_->max_async_batch()) return false;
+  for (const Sequence* s : run) {
+    const SamplingParams& p = s->params;
+    // Penalties are computed from the token history, which the step in flight extends.
+    const bool history_free = p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f;
+    if (!history_free || s->want_prompt_logits || s->single_token_from >= 0) return false;
+    if (p.min_new_tokens > 0 && s->num_output_tokens() <= p.min_new_tokens) return false;
+    if (s->num_output_tokens() >= p.max_new_tokens || s->num_tokens() >= s->max_total_tokens) return false;
+  }
+  return true;
+}
+
+void Engine::fail_step(const std::vector<Sequence*>& seqs, const std::string& error) {
+  std::vector<RequestOutput> outs;
+  for (Sequence* s : seqs) {
+    if (s && s->status != SeqStatus::kFinished) finish(s, static_cast<int>(FinishReason::kError), error, &outs);
+  }
+  for (RequestOutput& o : outs) scheduler_->release(o.id);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_.requests_failed += static_cast<int64_t>(outs.size());
+  }
+  for (RequestOutput& o : outs) emit(std::move(o));
+}
+
+// Waits for a launched step (the oldest in flight) and processes its samples (sequences
+// finished or aborted since its launch are skipped).
+void Engine::collect_in_flight() { collect(std::move(in_flight_)); }
+
+void Engine::collect(std::unique_ptr<StepRecord> rec) {
+  std::vector<Sequence*> seqs;
+  for (int64_t id : rec->ids) {
+    Sequence* s = scheduler_->find(id);
+    seqs.push_back(s && s->status != SeqStatus::kFinished ? s : nullptr);
+  }
+  std::vector<SampleResult> results;
+  try {
+    executor_->collect_async(&results);
+    if (results.size() != static_cast<size_t>(std::count_if(rec->sample_of_seq.begin(), rec->sample_of_seq.end(),
+                                                            [](int i) { return i >= 0; }))) {
+      fail(ErrorCode::kInternal, "executor returned wrong result count");
+    }
+  } catch (const std::exception& e) {
+    return fail_step(seqs, std::string("model step failed: ") + e.what());
+  }
+  std::vector<RequestOutput> outs;
+  StepCounts counts;
+  process_samples(*rec, seqs, results, now_s(), &outs, &counts);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    add_counts_locked(counts);
+  }
+  for (RequestOutput& o : outs) emit(std::move(o));
+}
+
+void Engine::add_counts_locked(const StepCounts& counts) {
+  stats_.generated_tokens += counts.generated;
+  stats_.requests_finished += counts.finished;
+  stats_.requests_failed += counts.failed;
+  stats_.running = scheduler_->num_running();
+  stats_.waiting = scheduler_->num_waiting();
+  stats_.blocks_used = pool_->num_used();
+  stats_.blocks_free = pool_->num_free();
+}
+
 void Engine::step() {
   const double t0 = now_s();
   const int64_t preempt_before = scheduler_->num_preemptions();
   waiting_for_tiers_ = false;
+  const bool pipelined = can_pipeline();
+  if (in_flight_ && !pipelined) {
+    collect_in_flight();
+    if (!scheduler_->has_unfinished()) return;
+  }
   if (swap_) swap_->apply_completions();
   StepPlan plan = scheduler_->schedule();
   for (size_t i = 0; i < plan.preempted.size(); ++i) {
@@ -399,18 +516,31 @@ void Engine::step() {
   std::vector<SampleRequest> samples;
   std::vector<LogitsCopy> copies;
   std::vector<std::vector<int32_t>> banned(plan.seqs.size());
-  std::vector<int> sample_of_seq(plan.seqs.size(), -1);
+  StepRecord rec;
+  rec.sample_of_seq.assign(plan.seqs.size(), -1);
+  rec.token_index.assign(plan.seqs.size(), -1);
+  std::vector<Sequence*> seqs;
   int64_t prefill_tokens = 0, decode_tokens = 0;
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const ScheduledSeq& s = plan.seqs[i];
     Sequence* seq = s.seq;
+    seqs.push_back(seq);
+    rec.ids.push_back(seq->id);
+    rec.emits.push_back(s.emits);
     if (seq->want_prompt_logits && seq->prompt_logits.empty()) {
       seq->prompt_logits.assign(static_cast<size_t>(seq->num_prompt_tokens) * vocab_size_, 0.0f);
     }
     for (int32_t j = 0; j < s.num_new_tokens; ++j) {
       const int32_t pos = seq->num_computed + j;
       const int32_t row = meta.num_tokens();
-      meta.token_ids.push_back(seq->tokens[pos]);
+      if (seq->tokens[pos] == kPendingToken) {
+        // Sampled by the step in flight: the device hands the id over.
+        meta.prev_rows.resize(row, -1);
+        meta.prev_rows.push_back(seq->pending_row);
+        meta.token_ids.push_back(0);
+      } else {
+        meta.token_ids.push_back(seq->tokens[pos]);
+      }
       meta.positions.push_back(pos);
       meta.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[pos / bs]) * bs + pos % bs);
       const bool last = j == s.num_new_tokens - 1;
@@ -434,7 +564,7 @@ void Engine::step() {
                              seq->params.stop_token_ids.end());
             r.input.banned = &banned[i];
           }
-          sample_of_seq[i] = static_cast<int>(samples.size());
+          rec.sample_of_seq[i] = static_cast<int>(samples.size());
           samples.push_back(r);
         }
       }
@@ -451,49 +581,106 @@ void Engine::step() {
       decode_tokens += s.num_new_tokens;
     }
   }
+  if (!meta.prev_rows.empty()) meta.prev_rows.resize(meta.num_tokens(), -1);
 
-  std::vector<SampleResult> results;
-  int64_t failed = 0, finished = 0, generated = 0;
-  try {
-    executor_->execute(meta, samples, &results, copies);
-    if (results.size() != samples.size()) fail(ErrorCode::kInternal, "executor returned wrong result count");
-  } catch (const std::exception& e) {
-    // The step's sequences fail; the engine and every other request carry on.
+  StepCounts counts;
+  std::unique_ptr<StepRecord> previous;  // pipelined: the step to collect while this one runs
+  if (pipelined) {
+    try {
+      executor_->launch_async(meta, samples);
+    } catch (const std::exception& e) {
+      // Nothing was launched: the step in flight (if any) is collected, then this one fails.
+      if (in_flight_) collect_in_flight();
+      return fail_step(seqs, std::string("model step failed: ") + e.what());
+    }
+    scheduler_->complete_step(plan);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (rec.sample_of_seq[i] < 0) continue;
+      seqs[i]->tokens.push_back(kPendingToken);
+      seqs[i]->pending_row = samples[rec.sample_of_seq[i]].logits_row;
+      rec.token_index[i] = seqs[i]->num_tokens() - 1;
+    }
+    previous = std::move(in_flight_);
+    in_flight_ = std::make_unique<StepRecord>(std::move(rec));
+  } else {
+    std::vector<SampleResult> results;
+    try {
+      executor_->execute(meta, samples, &results, copies);
+      if (results.size() != samples.size()) fail(ErrorCode::kInternal, "executor returned wrong result count");
+    } catch (const std::exception& e) {
+      // The step's sequences fail; the engine and every other request carry on.
+      return fail_step(seqs, std::string("model step failed: ") + e.what());
+    }
+    const double t_done = now_s();
     for (const ScheduledSeq& s : plan.seqs) {
-      finish(s.seq, static_cast<int>(FinishReason::kError), std::string("model step failed: ") + e.what(), &outs);
-      ++failed;
+      if (s.seq->num_computed < s.seq->num_prompt_tokens) {  // this step computed prompt tokens
+        ++s.seq->prefill_chunks;
+        s.seq->prefill_time_s += t_done - t0;
+      }
     }
-    for (RequestOutput& o : outs) scheduler_->release(o.id);
-    for (RequestOutput& o : outs) emit(std::move(o));
+    scheduler_->complete_step(plan);
+    process_samples(rec, seqs, results, t_done, &outs, &counts);
+  }
+  const double t1 = now_s();
+  {
     std::lock_guard<std::mutex> lk(mu_);
-    stats_.requests_failed += failed;
-    return;
-  }
-  const double t_done = now_s();
-  for (const ScheduledSeq& s : plan.seqs) {
-    if (s.seq->num_computed < s.seq->num_prompt_tokens) {  // this step computed prompt tokens
-      ++s.seq->prefill_chunks;
-      s.seq->prefill_time_s += t_done - t0;
+    ++stats_.steps;
+    if (pipelined) ++stats_.pipelined_steps;
+    stats_.prefill_tokens += prefill_tokens;
+    stats_.decode_tokens += decode_tokens;
+    stats_.preemptions += scheduler_->num_preemptions() - preempt_before;
+    add_counts_locked(counts);
+    stats_.busy_time_s += t1 - t0;
+    stats_.last_step_s = t1 - t0;
+    stats_.last_step_tokens = plan.num_tokens;
+    stats_.sparsity_layers = executor_->sparsity_stats();
+    if (swap_) {
+      const SwapCounters c = swap_->counters();
+      stats_.swap_outs = c.swap_outs;
+      stats_.swap_ins = c.swap_ins;
+      stats_.swap_fallbacks = c.swap_fallbacks;
     }
   }
-  scheduler_->complete_step(plan);
+  for (RequestOutput& o : outs) emit(std::move(o));
+  if (previous) {
+    // After this step's counters: whoever sees the previous step's outputs sees them too.
+    collect(std::move(previous));
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_.busy_time_s += now_s() - t1;
+  }
+}
 
-  for (size_t i = 0; i < plan.seqs.size(); ++i) {
-    const ScheduledSeq& s = plan.seqs[i];
-    Sequence* seq = s.seq;
-    if (!s.emits) continue;
-    if (sample_of_seq[i] < 0) {  // max_new_tokens reached already (e.g. scoring requests)
+// Appends (or, for a pipelined step, fills in) each emitting sequence's sampled token,
+// checks stop conditions and builds the outputs. seqs[i]: the record's i-th sequence, or
+// null when it finished since the step was launched.
+void Engine::process_samples(const StepRecord& rec, const std::vector<Sequence*>& seqs,
+                             const std::vector<SampleResult>& results, double t_done,
+                             std::vector<RequestOutput>* outs_all, StepCounts* counts) {
+  std::vector<RequestOutput>& outs = *outs_all;
+  const size_t first_out = outs.size();
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence* seq = seqs[i];
+    if (!seq || !rec.emits[i]) continue;
+    if (rec.sample_of_seq[i] < 0) {  // max_new_tokens reached already (e.g. scoring requests)
       finish(seq, static_cast<int>(FinishReason::kLength), "", &outs);
       continue;
     }
-    const SampleResult& r = results[sample_of_seq[i]];
+    const SampleResult& r = results[rec.sample_of_seq[i]];
     if (r.token < 0) {
       finish(seq, static_cast<int>(FinishReason::kError), "sampling failed: " + r.error, &outs);
-      ++failed;
+      ++counts->failed;
       continue;
     }
-    seq->tokens.push_back(r.token);
-    ++generated;
+    int32_t index = rec.token_index[i];
+    if (index < 0) {
+      seq->tokens.push_back(r.token);
+      index = seq->num_tokens() - 1;
+    } else {
+      seq->tokens[index] = r.token;
+    }
+    // Counts up to this token (a pipelined sequence may already hold the next one pending).
+    const int32_t num_output = index + 1 - seq->num_prompt_tokens;
+    ++counts->generated;
     if (seq->first_token_time < 0) seq->first_token_time = t_done;
     RequestOutput o;
     o.id = seq->id;
@@ -507,8 +694,7 @@ void Engine::step() {
     FinishReason reason = FinishReason::kNone;
     if (check_stop(seq, r.token, &matched)) {
       reason = FinishReason::kStop;
-    } else if (seq->num_output_tokens() >= seq->params.max_new_tokens ||
-               seq->num_tokens() >= seq->max_total_tokens) {
+    } else if (num_output >= seq->params.max_new_tokens || index + 1 >= seq->max_total_tokens) {
       reason = FinishReason::kLength;
     }
     if (reason != FinishReason::kNone) {
@@ -520,45 +706,20 @@ void Engine::step() {
       o.prompt_logits = std::move(fin[0].prompt_logits);
     }
     o.num_prompt_tokens = seq->num_prompt_tokens;
-    o.num_output_tokens = seq->num_output_tokens();
+    o.num_output_tokens = num_output;
     o.num_preemptions = seq->num_preemptions;
     o.queue_time_s = seq->first_scheduled_time - seq->arrival_time;
     o.prefill_chunks = seq->prefill_chunks;
     o.prefill_time_s = seq->prefill_time_s;
     outs.push_back(std::move(o));
   }
-  for (RequestOutput& o : outs) {
+  for (size_t k = first_out; k < outs.size(); ++k) {
+    const RequestOutput& o = outs[k];
     if (o.finished) {
       scheduler_->release(o.id);
-      if (o.finish_reason != "error") ++finished;
+      if (o.finish_reason != "error") ++counts->finished;
     }
   }
-  const double t1 = now_s();
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    ++stats_.steps;
-    stats_.prefill_tokens += prefill_tokens;
-    stats_.decode_tokens += decode_tokens;
-    stats_.generated_tokens += generated;
-    stats_.preemptions += scheduler_->num_preemptions() - preempt_before;
-    stats_.requests_finished += finished;
-    stats_.requests_failed += failed;
-    stats_.running = scheduler_->num_running();
-    stats_.waiting = scheduler_->num_waiting();
-    stats_.blocks_used = pool_->num_used();
-    stats_.blocks_free = pool_->num_free();
-    stats_.busy_time_s += t1 - t0;
-    stats_.last_step_s = t1 - t0;
-    stats_.last_step_tokens = plan.num_tokens;
-    stats_.sparsity_layers = executor_->sparsity_stats();
-    if (swap_) {
-      const SwapCounters c = swap_->counters();
-      stats_.swap_outs = c.swap_outs;
-      stats_.swap_ins = c.swap_ins;
-      stats_.swap_fallbacks = c.swap_fallbacks;
-    }
-  }
-  for (RequestOutput& o : outs) emit(std::move(o));
 }
 
 }  // namespace k25

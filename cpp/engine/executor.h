@@ -10,6 +10,7 @@
 
 #include "engine/sampler.h"
 #include "k25/engine.h"
+#include "k25/status.h"
 
 namespace k25 {
 
@@ -27,6 +28,10 @@ struct BatchMeta {
   int32_t max_context_len = 0;
   // Rows of the token batch whose logits are needed, ascending.
   std::vector<int32_t> logits_rows;
+  // Pipelined decode (launch_async): per token, -1, or the logits row of the previous
+  // launched step whose sampled id this token is (token_ids holds a placeholder then).
+  // Empty: every id is in token_ids.
+  std::vector<int32_t> prev_rows;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_seqs() const { return static_cast<int32_t>(context_lens.size()); }
@@ -48,6 +53,9 @@ class ModelExecutor {
   virtual ~ModelExecutor() = default;
   // Called once on the engine thread before the first step.
   virtual void prepare_thread() {}
+  // Called once before the engine starts: prepares what steps of up to max_batch_size
+  // sequences need (CUDA graphs of every decode bucket).
+  virtual void warm_up(int32_t max_batch_size) { (void)max_batch_size; }
   virtual int32_t vocab_size() const = 0;
   // Positions the model has RoPE tables for: the longest sequence it can run.
   virtual int32_t max_positions() const = 0;
@@ -56,6 +64,19 @@ class ModelExecutor {
   virtual void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
                        std::vector<SampleResult>* results,
                        const std::vector<LogitsCopy>& copies) = 0;
+  // Pipelined decode (async scheduling): a decode-only step without penalties, of at most
+  // max_async_batch() sequences is launched without waiting for it; its ids may come from
+  // the previous launched step on the device (BatchMeta::prev_rows). collect_async() waits
+  // for the oldest launched step and fills one result per sample of it. At most two steps
+  // are in flight; execute() must not be called while one is.
+  virtual bool supports_async() const { return false; }
+  virtual int32_t max_async_batch() const { return 0; }
+  virtual void launch_async(const BatchMeta&, const std::vector<SampleRequest>&) {
+    fail(ErrorCode::kUnsupported, "this executor runs steps synchronously");
+  }
+  virtual void collect_async(std::vector<SampleResult>*) {
+    fail(ErrorCode::kUnsupported, "this executor runs steps synchronously");
+  }
   // Dynamic sparsity statistics per layer (empty when off); called on the engine thread.
   virtual std::vector<LayerSparsityStats> sparsity_stats() const { return {}; }
   // The KV pool when it is in host memory (block b at base + b * kv_block_bytes()), for

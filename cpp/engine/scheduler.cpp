@@ -44,6 +44,17 @@ int32_t Scheduler::blocks_missing(const Sequence& seq, int32_t num_new_tokens) c
   return std::max<int32_t>(0, need - static_cast<int32_t>(seq.block_table.size()));
 }
 
+bool Scheduler::decode_step_fits() const {
+  if (!waiting_.empty() || running_.empty()) return false;
+  if (static_cast<int32_t>(running_.size()) > config_.max_num_batched_tokens) return false;
+  int32_t missing = 0;
+  for (const Sequence* s : running_) {
+    if (s->swap != SwapState::kNone || s->num_tokens() - s->num_computed != 1) return false;
+    missing += blocks_missing(*s, 1);
+  }
+  return missing <= pool_->num_free();
+}
+
 bool Scheduler::grow(Sequence* seq, int32_t num_new_tokens) {
   int32_t missing = blocks_missing(*seq, num_new_tokens);
   if (missing > pool_->num_free()) return false;

@@ -62,6 +62,11 @@ class Scheduler {
   void finish(Sequence* seq, FinishReason reason);
   std::unique_ptr<Sequence> release(int64_t id);
 
+  // True when the next schedule() runs every running sequence as a one-token step and
+  // preempts or admits nobody: nothing waits, nothing swaps, each running sequence has
+  // exactly one token to compute, all fit the token budget, their new blocks are free.
+  bool decode_step_fits() const;
+
   Sequence* find(int64_t id);
   bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
   int32_t num_running() const { return static_cast<int32_t>(running_.size()); }

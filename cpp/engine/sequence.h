@@ -25,6 +25,10 @@ enum class SeqStatus { kWaiting, kRunning, kFinished };
 enum class SwapState { kNone, kOut, kIn };
 
 enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
+
+// Pipelined decode: the token a launched step is sampling, until its result is collected
+// (always the last of Sequence::tokens; see Engine::step).
+constexpr int32_t kPendingToken = -1;
 const char* finish_reason_name(FinishReason r);
 
 struct Sequence {
@@ -36,6 +40,7 @@ struct Sequence {
   int32_t num_computed = 0;
   int32_t max_total_tokens = 0;  // prompt + allowed new tokens (<= max_seq_len)
   std::vector<int32_t> block_table;
+  int32_t pending_row = -1;  // logits row, in the step in flight, of a kPendingToken
   SamplingParams params;
   uint64_t seed = 0;  // effective sampling seed
   SeqStatus status = SeqStatus::kWaiting;

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 
 #include "k25/status.h"
@@ -14,6 +15,7 @@
 #include "ops/thread_pool.h"
 
 #ifdef K25_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -192,6 +194,36 @@ class TorchExecutor : public ModelExecutor {
     const char* off = std::getenv("K25_DISABLE_CUDA_GRAPHS");
     use_graphs_ = device.is_cuda() && fused_ && !(off && std::string(off) == "1");
 #endif
+    // Pipelined decode runs on CUDA graph steps; K25_ASYNC_SCHEDULING=1 also runs it, step
+    // by step, everywhere else (the engine's side of it is then exercised on the CPU).
+    const char* pipe = std::getenv("K25_ASYNC_SCHEDULING");
+    emulate_async_ = pipe && std::string(pipe) == "1";
+  }
+
+#ifdef K25_WITH_CUDA
+  ~TorchExecutor() override {
+    // Steps launched without waiting may still be writing the KV pool and staging buffers.
+    if (stream_) stream_->synchronize();
+  }
+#endif
+
+  // CUDA graphs of decode steps: captured here, one per batch-size bucket up to the
+  // engine's max_batch_size (a first capture inside a request's decode would add its
+  // time, ~70 ms for the 8B shape, to that request).
+  void warm_up(int32_t max_batch_size) override {
+#ifdef K25_WITH_CUDA
+    if (!use_graphs_) return;
+    c10::cuda::CUDAGuard guard(model_->device());
+    if (!stream_) stream_ = std::make_unique<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false));
+    c10::cuda::CUDAStreamGuard sg(*stream_);
+    for (int32_t b : kBuckets) {
+      graph_for(b);
+      if (b >= max_batch_size) break;
+    }
+    stream_->synchronize();
+#else
+    (void)max_batch_size;
+#endif
   }
 
   void prepare_thread() override {
@@ -206,17 +238,127 @@ class TorchExecutor : public ModelExecutor {
 
   void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
                std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) override {
+    for (int32_t p : meta.prev_rows) {
+      if (p >= 0) fail(ErrorCode::kInternal, "ids from a previous step are for launch_async");
+    }
     if (model_->device().is_cpu()) return execute_on(meta, samples, results, copies);
 #ifdef K25_WITH_CUDA
     c10::cuda::CUDAGuard guard(model_->device());
     if (!stream_) stream_ = std::make_unique<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false));
     c10::cuda::CUDAStreamGuard sg(*stream_);
+    if (!pending_.empty()) fail(ErrorCode::kInternal, "a synchronous step while launched steps are in flight");
     if (use_graphs_ && graph_eligible(meta, copies)) return execute_graph(meta, samples, results);
     execute_on(meta, samples, results, copies);
 #endif
   }
 
+  bool supports_async() const override { return graph_async() || emulate_async_; }
+  int32_t max_async_batch() const override { return 128; }
+
+  void launch_async(const BatchMeta& meta, const std::vector<SampleRequest>& samples) override {
+    if (!graph_async()) return launch_emulated(meta, samples);
+#ifdef K25_WITH_CUDA
+    c10::cuda::CUDAGuard guard(model_->device());
+    if (!stream_) stream_ = std::make_unique<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false));
+    c10::cuda::CUDAStreamGuard sg(*stream_);
+    if (!use_graphs_ || !graph_eligible(meta, {})) fail(ErrorCode::kInternal, "launch_async needs a graph decode step");
+    if (pending_.size() >= 2) fail(ErrorCode::kInternal, "more than two steps in flight");
+    bool all_greedy = true;
+    for (const SampleRequest& s : samples) {
+      const SamplingParams& p = *s.input.params;
+      if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
+        fail(ErrorCode::kInternal, "launch_async: penalties need the token history");
+      }
+      all_greedy = all_greedy && plain_greedy(s);
+    }
+    DecodeGraph& g = replay_graph(meta);
+    // The sampled ids are in last_ids_ (the graph's argmax, or the sampler's ids written
+    // over them), where the next step's graph reads them on the device; they (or the
+    // sampler's outputs) go down to this step's pinned slot, a copy ordered before the
+    // next step overwrites them.
+    const int slot = next_slot_;
+    next_slot_ ^= 1;
+    AsyncSlot& a = slots_[slot];
+    a.rows.clear();
+    for (const SampleRequest& s : samples) a.rows.push_back(s.logits_row);
+    a.sampled = !all_greedy;
+    if (all_greedy) {
+      if (!a.host.defined()) a.host = at::empty({kBuckets[7]}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+      const int32_t B = meta.num_seqs();
+      a.host.narrow(0, 0, B).copy_(g.argmax.narrow(0, 0, B), /*non_blocking=*/true);
+    } else {
+      const std::vector<cuda_glue::SampleSpec> specs = sample_specs(samples);
+      const at::Tensor outs = cuda_glue::sample_launch(g.logits, specs, &last_ids_);
+      a.outs = at::empty(outs.sizes(), outs.options().device(at::kCPU).pinned_memory(true));
+      a.outs.copy_(outs, /*non_blocking=*/true);
+    }
+    a.done.record(*stream_);
+    pending_.push_back(slot);
+#endif
+  }
+
+  void collect_async(std::vector<SampleResult>* results) override {
+    if (!graph_async()) {
+      if (emulated_.empty()) fail(ErrorCode::kInternal, "collect_async without a launched step");
+      *results = std::move(emulated_.front());
+      emulated_.pop_front();
+      return;
+    }
+#ifdef K25_WITH_CUDA
+    if (pending_.empty()) fail(ErrorCode::kInternal, "collect_async without a launched step");
+    AsyncSlot& a = slots_[pending_.front()];
+    pending_.pop_front();
+    a.done.synchronize();
+    results->clear();
+    if (a.sampled) {
+      to_results(cuda_glue::sample_read(a.outs.data_ptr<uint8_t>(), static_cast<int32_t>(a.rows.size()),
+                                        model_->config().vocab_size),
+                 results);
+      return;
+    }
+    const int32_t* id = a.host.data_ptr<int32_t>();
+    results->resize(a.rows.size());
+    for (size_t i = 0; i < a.rows.size(); ++i) set_greedy((*results)[i], id[a.rows[i]]);
+#endif
+  }
+
  private:
+  bool graph_async() const {
+#ifdef K25_WITH_CUDA
+    return use_graphs_;
+#else
+    return false;
+#endif
+  }
+
+  // launch_async without CUDA graphs: the step runs at once (ids of the previous step taken
+  // from its results) and its results wait for collect_async.
+  void launch_emulated(const BatchMeta& meta, const std::vector<SampleRequest>& samples) {
+    if (emulated_.size() >= 2) fail(ErrorCode::kInternal, "more than two steps in flight");
+    BatchMeta m = meta;
+    for (size_t r = 0; r < m.prev_rows.size(); ++r) {
+      if (m.prev_rows[r] < 0) continue;
+      if (m.prev_rows[r] >= static_cast<int32_t>(emulated_ids_.size())) fail(ErrorCode::kInternal, "bad prev_rows");
+      m.token_ids[r] = emulated_ids_[m.prev_rows[r]];
+    }
+    m.prev_rows.clear();
+    std::vector<SampleResult> results;
+    execute(m, samples, &results, {});
+    emulated_ids_.assign(m.logits_rows.size(), 0);
+    for (size_t i = 0; i < samples.size(); ++i) emulated_ids_[samples[i].logits_row] = results[i].token;
+    emulated_.push_back(std::move(results));
+  }
+
+  // A device argmax: INT_MAX when the row has no finite logit (the host sampler's error).
+  void set_greedy(SampleResult& r, int32_t id) const {
+    if (id >= 0 && id < model_->config().vocab_size) {
+      r.token = id;
+    } else {
+      r.token = -1;
+      r.error = "no finite logit";
+    }
+  }
+
   static bool plain_greedy(const SampleRequest& s) {
     const SamplingParams& p = *s.input.params;
     return (p.temperature < kGreedyTemperature || p.top_k == 1) && p.logprobs < 0 && p.repetition_penalty == 1.0f &&
@@ -247,7 +389,7 @@ class TorchExecutor : public ModelExecutor {
       // Only the sampled ids come back to the host.
       at::Tensor ids = cuda_glue::argmax_rows(logits.contiguous()).cpu();
       const int32_t* id = ids.data_ptr<int32_t>();
-      for (size_t i = 0; i < samples.size(); ++i) (*results)[i].token = id[samples[i].logits_row];
+      for (size_t i = 0; i < samples.size(); ++i) set_greedy((*results)[i], id[samples[i].logits_row]);
       return;
 #endif
     }
@@ -290,12 +432,22 @@ class TorchExecutor : public ModelExecutor {
   static constexpr int32_t kBuckets[] = {1, 2, 4, 8, 16, 32, 64, 128};
   struct DecodeGraph {
     DeviceStep step;
-    at::Tensor ints;     // [ids | positions | context_lens | block_tables] int32, one upload
+    // [ids | positions | context_lens | prev_rows | block_tables] int32, one upload
+    at::Tensor ints;
+    at::Tensor prev_rows;  // view of ints: BatchMeta::prev_rows, -1 for host ids
     at::Tensor slots;    // int64
     at::Tensor logits;   // float32 [bucket, vocab], written by the graph
-    at::Tensor argmax;   // int32 [bucket]
+    at::Tensor argmax;   // int32 [bucket]: a view of last_ids_
     at::Tensor host_ints, host_slots;  // pinned staging
+    at::cuda::CUDAEvent uploaded;      // the staging buffers' last upload is done after it
     std::unique_ptr<at::cuda::CUDAGraph> graph;
+  };
+  struct AsyncSlot {
+    at::Tensor host;  // pinned int32 [max bucket]: a launched greedy step's ids
+    at::Tensor outs;  // pinned: a launched sampled step's sampler outputs
+    bool sampled = false;
+    at::cuda::CUDAEvent done;
+    std::vector<int32_t> rows;  // per sample, its logits row
   };
 
   int32_t graph_blocks() const {
@@ -314,7 +466,10 @@ class TorchExecutor : public ModelExecutor {
     const at::Device dev = model_->device();
     const int32_t MB = graph_blocks();
     const auto i32 = at::TensorOptions().dtype(at::kInt);
-    g.ints = at::empty({bucket * 3 + bucket * MB}, i32.device(dev));
+    // The ids each step samples, shared by every bucket: a step's graph reads the previous
+    // step's from here (pipelined decode) before its own argmax overwrites them.
+    if (!last_ids_.defined()) last_ids_ = at::full({kBuckets[7]}, -1, i32.device(dev));
+    g.ints = at::empty({bucket * 4 + bucket * MB}, i32.device(dev));
     g.slots = at::empty({bucket}, at::TensorOptions().dtype(at::kLong).device(dev));
     g.host_ints = at::empty({g.ints.numel()}, i32.pinned_memory(true));
     g.host_slots = at::empty({bucket}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
@@ -325,13 +480,16 @@ class TorchExecutor : public ModelExecutor {
     cuda_glue::DeviceBatch& b = g.step.batch;
     b.query_start = at::arange(bucket + 1, i32.device(dev));
     b.context_lens = g.ints.narrow(0, 2 * bucket, bucket);
-    b.block_tables = g.ints.narrow(0, 3 * bucket, bucket * MB).view({bucket, MB});
+    g.prev_rows = g.ints.narrow(0, 3 * bucket, bucket);
+    b.block_tables = g.ints.narrow(0, 4 * bucket, bucket * MB).view({bucket, MB});
     b.max_blocks = MB;
     b.num_seqs = bucket;
     const ModelConfig& c = model_->config();
     // Enough key ranges per (sequence, KV head) to fill one wave of the decode kernel.
     b.decode_splits = cuda_glue::decode_splits_for(model_->dtype(), c.head_dim, c.num_heads / c.num_kv_heads, bucket,
                                                    c.num_kv_heads);
+    // K25_MIN_SPLIT_KEYS (a bench switch, read at capture): keys per derived split.
+    if (const char* mk = std::getenv("K25_MIN_SPLIT_KEYS")) b.min_split_keys = std::max(16, std::atoi(mk));
     if (b.decode_splits > 1) {
       b.partials = at::empty({static_cast<int64_t>(bucket) * c.num_kv_heads * b.decode_splits *
                               (c.num_heads / c.num_kv_heads) * (c.head_dim + 2)},
@@ -344,12 +502,21 @@ class TorchExecutor : public ModelExecutor {
     stage_padding(g, bucket, 0);
     upload(g);
     BatchMeta none;
-    for (int i = 0; i < 2; ++i) g.logits = model_->forward(none, kv_, layout_, true, &g.step);
+    g.argmax = last_ids_.narrow(0, 0, bucket);
+    auto body = [&] {
+      cuda_glue::take_previous_ids(g.step.ids, g.prev_rows, last_ids_, model_->config().vocab_size);
+      g.logits = model_->forward(none, kv_, layout_, true, &g.step);
+      cuda_glue::argmax_rows_into(g.logits, g.argmax);
+    };
+    // The warm-up runs write last_ids_: keep the ids a step in flight left there for the
+    // next step (a new bucket can be captured between two pipelined steps).
+    const at::Tensor saved = last_ids_.clone();
+    for (int i = 0; i < 2; ++i) body();
     g.graph = std::make_unique<at::cuda::CUDAGraph>();
     g.graph->capture_begin();
-    g.logits = model_->forward(none, kv_, layout_, true, &g.step);
-    g.argmax = cuda_glue::argmax_rows(g.logits);
+    body();
     g.graph->capture_end();
+    last_ids_.copy_(saved);
     return g;
   }
 
@@ -363,7 +530,8 @@ class TorchExecutor : public ModelExecutor {
       h[r] = 0;
       h[bucket + r] = 0;
       h[2 * bucket + r] = 1;
-      std::fill(h + 3 * bucket + r * MB, h + 3 * bucket + (r + 1) * MB, scratch);
+      h[3 * bucket + r] = -1;
+      std::fill(h + 4 * bucket + r * MB, h + 4 * bucket + (r + 1) * MB, scratch);
       hs[r] = static_cast<int64_t>(scratch) * layout_.block_size;
     }
   }
@@ -371,10 +539,12 @@ class TorchExecutor : public ModelExecutor {
   void upload(DecodeGraph& g) {
     g.ints.copy_(g.host_ints, /*non_blocking=*/true);
     g.slots.copy_(g.host_slots, /*non_blocking=*/true);
+    g.uploaded.record(*stream_);
   }
 
-  void execute_graph(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
-                     std::vector<SampleResult>* results) {
+  // Stages a decode-only step into its bucket's graph inputs and replays the graph (on the
+  // current stream, without waiting for it).
+  DecodeGraph& replay_graph(const BatchMeta& meta) {
     const int32_t B = meta.num_seqs();
     int32_t bucket = kBuckets[0];
     for (int32_t b : kBuckets) {
@@ -387,16 +557,19 @@ class TorchExecutor : public ModelExecutor {
       fail(ErrorCode::kInvalidArgument, "position beyond the RoPE table (max_seq_len)");
     }
     DecodeGraph& g = graph_for(bucket);
-    // The previous replay's uploads must be done before the staging buffers change.
-    stream_->synchronize();
+    // The previous upload from the staging buffers must be done before they change (an
+    // event, not a stream sync: a pipelined step is staged while the previous one runs).
+    g.uploaded.synchronize();
     const int32_t MB = graph_blocks();
     int32_t* h = g.host_ints.data_ptr<int32_t>();
     int64_t* hs = g.host_slots.data_ptr<int64_t>();
+    const bool prev = !meta.prev_rows.empty();
     for (int32_t r = 0; r < B; ++r) {
       h[r] = meta.token_ids[r];
       h[bucket + r] = meta.positions[r];
       h[2 * bucket + r] = meta.context_lens[r];
-      int32_t* row = h + 3 * bucket + r * MB;
+      h[3 * bucket + r] = prev ? meta.prev_rows[r] : -1;
+      int32_t* row = h + 4 * bucket + r * MB;
       const int32_t* src = meta.block_tables.data() + static_cast<int64_t>(r) * meta.max_blocks_per_seq;
       std::copy(src, src + meta.max_blocks_per_seq, row);
       std::fill(row + meta.max_blocks_per_seq, row + MB, num_blocks_);  // never read
@@ -405,6 +578,12 @@ class TorchExecutor : public ModelExecutor {
     stage_padding(g, bucket, B);
     upload(g);
     g.graph->replay();
+    return g;
+  }
+
+  void execute_graph(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
+                     std::vector<SampleResult>* results) {
+    DecodeGraph& g = replay_graph(meta);
     results->clear();
     results->resize(samples.size());
     bool all_greedy = true;
@@ -412,7 +591,7 @@ class TorchExecutor : public ModelExecutor {
     if (all_greedy) {
       at::Tensor ids = g.argmax.cpu();
       const int32_t* id = ids.data_ptr<int32_t>();
-      for (size_t i = 0; i < samples.size(); ++i) (*results)[i].token = id[samples[i].logits_row];
+      for (size_t i = 0; i < samples.size(); ++i) set_greedy((*results)[i], id[samples[i].logits_row]);
       return;
     }
     sample_on_device(g.logits, samples, results);
@@ -422,6 +601,10 @@ class TorchExecutor : public ModelExecutor {
   // host builds each row's penalty list (distinct tokens with their output counts).
   void sample_on_device(at::Tensor& logits, const std::vector<SampleRequest>& samples,
                         std::vector<SampleResult>* results) {
+    to_results(cuda_glue::sample(logits, sample_specs(samples)), results);
+  }
+
+  std::vector<cuda_glue::SampleSpec> sample_specs(const std::vector<SampleRequest>& samples) {
     std::vector<cuda_glue::SampleSpec> specs(samples.size());
     for (size_t i = 0; i < samples.size(); ++i) {
       const SampleInput& in = samples[i].input;
@@ -433,10 +616,13 @@ class TorchExecutor : public ModelExecutor {
       sp.banned = in.banned;
       cuda_glue::add_penalties(sp, *in.tokens, in.num_prompt_tokens, counts_);
     }
-    const std::vector<cuda_glue::SampleOutput> outs = cuda_glue::sample(logits, specs);
+    return specs;
+  }
+
+  static void to_results(const std::vector<cuda_glue::SampleOutput>& outs, std::vector<SampleResult>* results) {
     results->clear();
-    results->resize(samples.size());
-    for (size_t i = 0; i < samples.size(); ++i) {
+    results->resize(outs.size());
+    for (size_t i = 0; i < outs.size(); ++i) {
       SampleResult& r = (*results)[i];
       if (outs[i].error) {
         r.error = "sampler: no finite logit";
@@ -450,6 +636,10 @@ class TorchExecutor : public ModelExecutor {
 
   bool use_graphs_ = false;
   std::map<int32_t, DecodeGraph> graphs_;
+  at::Tensor last_ids_;  // int32 [max bucket] on the device: the latest graph step's argmax
+  AsyncSlot slots_[2];
+  int next_slot_ = 0;
+  std::deque<int> pending_;  // launched, not yet collected steps (slot indices, oldest first)
 #endif
 
   std::shared_ptr<ModelHandle> handle_;
@@ -464,6 +654,9 @@ class TorchExecutor : public ModelExecutor {
   at::Tensor summaries_;                 // its key summaries (see ops/block_sparsity.h)
   std::vector<LayerSparsityStats> stats_;
   std::unique_ptr<ThreadPool> pool_;
+  bool emulate_async_ = false;                      // K25_ASYNC_SCHEDULING=1 without graphs
+  std::deque<std::vector<SampleResult>> emulated_;  // their results, oldest first
+  std::vector<int32_t> emulated_ids_;               // the last one's ids by logits row
 #ifdef K25_WITH_CUDA
   std::unique_ptr<c10::cuda::CUDAStream> stream_;
 #endif

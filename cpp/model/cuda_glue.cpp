@@ -194,6 +194,7 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
   ab.num_decode_work = b.num_decode_work;
   ab.decode_splits = b.decode_splits;
   ab.num_seqs = b.num_seqs;
+  ab.min_split_keys = b.min_split_keys;
   if (b.split_counters.defined()) {
     const int64_t need_counters =
         b.decode_splits > 0 ? static_cast<int64_t>(b.num_seqs) * layout.num_kv_heads : b.num_decode_merges;
@@ -246,6 +247,24 @@ void add_penalties(SampleSpec& spec, const std::vector<int32_t>& tokens, int32_t
 }
 
 std::vector<SampleOutput> sample(at::Tensor& logits, const std::vector<SampleSpec>& specs) {
+  at::Tensor back = sample_launch(logits, specs, nullptr).cpu();  // waits for the kernel: the only copy down
+  return sample_read(back.data_ptr<uint8_t>(), static_cast<int32_t>(specs.size()),
+                     static_cast<int32_t>(logits.size(1)));
+}
+
+std::vector<SampleOutput> sample_read(const uint8_t* host_outs, int32_t R, int32_t V) {
+  const auto* o = reinterpret_cast<const cuda::SampleOut*>(host_outs);
+  std::vector<SampleOutput> result(R);
+  for (int32_t i = 0; i < R; ++i) {
+    result[i].token = o[i].token;
+    result[i].error = o[i].error != 0 || o[i].token < 0 || o[i].token >= V;
+    result[i].logprob = o[i].logprob;
+    for (int32_t j = 0; j < o[i].num_top; ++j) result[i].top.emplace_back(o[i].top_ids[j], o[i].top_logprobs[j]);
+  }
+  return result;
+}
+
+at::Tensor sample_launch(at::Tensor& logits, const std::vector<SampleSpec>& specs, at::Tensor* ids_out) {
   need(logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.dim() == 2, "sample input");
   const int32_t R = static_cast<int32_t>(specs.size());
   const int32_t V = static_cast<int32_t>(logits.size(1));
@@ -293,27 +312,40 @@ std::vector<SampleOutput> sample(at::Tensor& logits, const std::vector<SampleSpe
                     reinterpret_cast<cuda::PenaltyEntry*>(d + rows_b), reinterpret_cast<const int32_t*>(d + rows_b + pens_b),
                     scratch.data_ptr<float>(), reinterpret_cast<cuda::SampleOut*>(outs.data_ptr<uint8_t>()), stream());
   check_launch("sample_rows");
-  at::Tensor back = outs.cpu();  // waits for the kernel: the only device-to-host copy
-  const auto* o = reinterpret_cast<const cuda::SampleOut*>(back.data_ptr<uint8_t>());
-  std::vector<SampleOutput> result(R);
-  for (int32_t i = 0; i < R; ++i) {
-    result[i].token = o[i].token;
-    result[i].error = o[i].error != 0 || o[i].token < 0 || o[i].token >= V;
-    result[i].logprob = o[i].logprob;
-    for (int32_t j = 0; j < o[i].num_top; ++j) result[i].top.emplace_back(o[i].top_ids[j], o[i].top_logprobs[j]);
+  if (ids_out) {
+    need(ids_out->scalar_type() == at::kInt && ids_out->is_contiguous() && ids_out->numel() >= logits.size(0),
+         "sampled ids output");
+    cuda::scatter_sampled_ids(reinterpret_cast<const cuda::SampleOut*>(outs.data_ptr<uint8_t>()),
+                              reinterpret_cast<const cuda::SampleRow*>(d), R, ids_out->data_ptr<int32_t>(), stream());
+    check_launch("scatter_sampled_ids");
   }
-  return result;
+  return outs;
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
-  need(logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.dim() == 2, "argmax input");
   at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kInt));
+  argmax_rows_into(logits, out);
+  return out;
+}
+
+void take_previous_ids(at::Tensor& ids, const at::Tensor& prev_rows, const at::Tensor& last_ids, int32_t vocab) {
+  need(ids.scalar_type() == at::kInt && prev_rows.scalar_type() == at::kInt && last_ids.scalar_type() == at::kInt &&
+           ids.is_contiguous() && prev_rows.is_contiguous() && last_ids.is_contiguous() &&
+           ids.numel() == prev_rows.numel() && ids.is_cuda(),
+       "take_previous_ids inputs");
+  cuda::take_previous_ids(ids.data_ptr<int32_t>(), prev_rows.data_ptr<int32_t>(), last_ids.data_ptr<int32_t>(),
+                          static_cast<int32_t>(ids.numel()), vocab, stream());
+  check_launch("take_previous_ids");
+}
+
+void argmax_rows_into(const at::Tensor& logits, at::Tensor& out) {
+  need(logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.dim() == 2, "argmax input");
+  need(out.scalar_type() == at::kInt && out.is_contiguous() && out.numel() == logits.size(0), "argmax output");
   const int32_t n = static_cast<int32_t>(logits.size(1));
   at::Tensor scratch = at::empty({logits.size(0) * cuda::argmax_chunks(n)}, logits.options().dtype(at::kLong));
   cuda::argmax_rows(logits.data_ptr<float>(), logits.size(0), n, out.data_ptr<int32_t>(), scratch.data_ptr(),
                     stream());
   check_launch("argmax_rows");
-  return out;
 }
 
 }  // namespace k25::cuda_glue

@@ -32,6 +32,7 @@ struct DeviceBatch {
   int32_t num_decode_merges = 0;
   // > 0: decode-only, work derived on the device (see cuda::AttnBatch::decode_splits).
   int32_t decode_splits = 0, num_seqs = 0;
+  int32_t min_split_keys = 256;  // derived splits cover at least this many keys each
 };
 // The device form of a plan: its merges reordered so that those the decode kernel can do
 // itself come first (every piece one of the leading num_decode items, group <= the decode
@@ -83,6 +84,17 @@ void add_penalties(SampleSpec& spec, const std::vector<int32_t>& tokens, int32_t
                    std::vector<int32_t>& counts);
 // logits: float32 [rows, vocab] on the device, modified in place.
 std::vector<SampleOutput> sample(at::Tensor& logits, const std::vector<SampleSpec>& specs);
+// The same in two halves, for a step whose results are read later: launches the sampling
+// (on the current stream, no wait) and returns the device buffer of its outputs; with
+// ids_out (int32 on the device) the sampled ids also go to ids_out[spec.logits_row]
+// (-1 for a row without a finite logit). sample_read() turns those outputs, once copied
+// to the host, into SampleOutputs.
+at::Tensor sample_launch(at::Tensor& logits, const std::vector<SampleSpec>& specs, at::Tensor* ids_out);
+std::vector<SampleOutput> sample_read(const uint8_t* host_outs, int32_t rows, int32_t vocab);
 at::Tensor argmax_rows(const at::Tensor& logits);  // float32 [R, V] -> int32 [R]
+void argmax_rows_into(const at::Tensor& logits, at::Tensor& out);  // out: int32 [R], contiguous
+// Pipelined decode: ids[r] = last_ids[prev_rows[r]] where prev_rows[r] >= 0 (int32 tensors;
+// an id outside [0, vocab) becomes 0).
+void take_previous_ids(at::Tensor& ids, const at::Tensor& prev_rows, const at::Tensor& last_ids, int32_t vocab);
 
 }  // namespace k25::cuda_glue

@@ -276,7 +276,8 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   }
   const at::Tensor logits_rows = prepared ? prepared->logits_rows : on_device(meta.logits_rows, at::kInt, dev);
   if (logits_rows.numel() == 0) return at::empty({0, c.vocab_size}, h.options().dtype(at::kFloat));
-  at::Tensor rows = at::index_select(h, 0, logits_rows);
+  // A prepared (CUDA-graph) decode step wants every row's logits, in order.
+  at::Tensor rows = prepared ? h : at::index_select(h, 0, logits_rows);
   at::Tensor xr;
   if (fused) {
     xr = at::empty_like(rows);

@@ -184,3 +184,42 @@ def test_cuda_graph_decode_matches_eager(model_dir, dtype, monkeypatch):
                 assert gap <= BF16_NEAR_TIE, f"diverged at token {i} with a logit gap of {gap}"
     finally:
         eager.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pipelined_decode_matches_unpipelined(model_dir, dtype, monkeypatch):
+    """Pipelined decode on CUDA graphs (the next step launched before the previous one's ids
+    reach the host, which the graph takes on the device) gives the unpipelined tokens: a
+    batch that shrinks as sequences stop on a stop token (new, smaller buckets captured
+    between two steps in flight), exact lengths, seeded sampling and logprobs. Same graphs
+    both ways, so equal in bf16 too."""
+    outs, piped = {}, {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("K25_ASYNC_SCHEDULING", mode)
+        m = K25Model(K25Config(model_path=model_dir, device="cuda", dtype=dtype, kv_cache_bytes=1 << 30))
+        try:
+            prompts = [prompt_for(m, n, seed=n) for n in (17, 100, 3, 250, 64)]
+            ref = m.generate(prompts[0], max_new_tokens=30, temperature=0.0, ignore_eos=True)[0].token_ids
+            stops = [ref[7], ref[19]]
+            runs = [m.generate(prompts, max_new_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=stops),
+                    m.generate(prompts[:2], max_new_tokens=5, temperature=0.0, ignore_eos=True),
+                    # the device sampler's ids handed over on the device too
+                    m.generate(prompts[:3], max_new_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+                    m.generate(prompts[:2], max_new_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)]
+            outs[mode] = [[(o.token_ids, o.finish_reason, [(t.logprob, t.top) for t in o.logprobs or []])
+                           for o in r] for r in runs]
+            piped[mode] = m.stats()["pipelined_steps"]
+        finally:
+            m.close()
+    # Tokens and finish reasons exactly; logprobs up to float noise (the prompts' first step
+    # may batch them differently from run to run: arrival timing).
+    assert [[o[:2] for o in r] for r in outs["1"]] == [[o[:2] for o in r] for r in outs["0"]]
+    tol = 1e-3 if dtype == "float32" else BF16_NEAR_TIE
+    for r1, r0 in zip(outs["1"], outs["0"]):
+        for (_, _, a), (_, _, b) in zip(r1, r0):
+            assert len(a) == len(b)
+            assert all(abs(la - lb) < tol for (la, _), (lb, _) in zip(a, b))
+    assert outs["1"][0][0][1] == "stop" and len(outs["1"][0][0][0]) <= 8
+    assert [len(t) for t, _, _ in outs["1"][1]] == [5, 5]
+    assert all(len(lp) == 8 for _, _, lp in outs["1"][3])
+    assert piped["1"] >= 40 and piped["0"] == 0

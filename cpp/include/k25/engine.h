@@ -25,6 +25,7 @@ class BlockPool;
 class KVSwap;
 struct Sequence;
 struct StepPlan;
+struct SampleResult;
 struct TierStats;
 
 struct TokenLogprobOut {
@@ -72,6 +73,7 @@ struct LayerSparsityStats {
 
 struct EngineStats {
   int64_t steps = 0;
+  int64_t pipelined_steps = 0;  // launched before the previous step's samples were known
   int64_t prefill_tokens = 0;  // tokens computed for prompts (and recomputation)
   int64_t decode_tokens = 0;   // tokens computed one per sequence per step
   int64_t generated_tokens = 0;
@@ -140,6 +142,17 @@ class Engine {
   void fail_all(const std::string& error);
   void finish(Sequence* seq, int reason, const std::string& error, std::vector<RequestOutput>* outs);
   bool check_stop(Sequence* seq, int32_t token, std::string* matched);
+  // Pipelined decode (async scheduling): see engine.cpp.
+  bool can_pipeline() const;
+  struct StepRecord;
+  void collect_in_flight();
+  void collect(std::unique_ptr<StepRecord> rec);
+  struct StepCounts;
+  void process_samples(const StepRecord& rec, const std::vector<Sequence*>& seqs,
+                       const std::vector<SampleResult>& results, double t_done, std::vector<RequestOutput>* outs,
+                       StepCounts* counts);
+  void fail_step(const std::vector<Sequence*>& seqs, const std::string& error);
+  void add_counts_locked(const StepCounts& counts);  // with mu_ held: counters and gauges
 
   EngineConfig config_;
   std::unique_ptr<ModelExecutor> executor_;
@@ -170,6 +183,9 @@ class Engine {
   std::mutex join_mu_;
   std::thread thread_;
 
+  // Engine thread: a launched step whose results are not collected yet (pipelined decode).
+  std::unique_ptr<StepRecord> in_flight_;
+  bool pipeline_ = true;  // K25_ASYNC_SCHEDULING=0 turns pipelined decode off
   // Engine thread: the last step could not run anything until a tier transfer completes.
   bool waiting_for_tiers_ = false;
   // Tier counters as last read (guarded by mu_), so that they outlive shutdown.
