@@ -413,3 +413,22 @@ def test_engine_compensation_changes_only_the_sparse_decode_rows():
     assert np.array_equal(plain[:ctx - decoded], comp[:ctx - decoded])
     assert not np.allclose(plain[-decoded:], comp[-decoded:], atol=1e-4)
     assert np.isfinite(comp).all()
+
+
+def test_engine_score_channels_is_honoured_end_to_end():
+    """sparsity_score_channels reaches the selection: the Quest-bound rule (0) and the
+    channel estimate (8) give bit-identical prompt rows and different sparse decode rows."""
+    ctx, decoded = 2400, 6
+    runs = []
+    for channels in (0, 8):
+        m = K25Model(K25Config(num_threads=2, kv_cache_bytes=256 << 20, enable_dynamic_sparsity=True,
+                               sparsity_score_channels=channels))
+        try:
+            ids = pydoc_ids(m, ctx, 12000)
+            runs.append((m.score(ids, decode_from=ctx - decoded), m.get_current_sparsity_ratio()))
+        finally:
+            m.close()
+    (bound, r0), (chan, r1) = runs
+    assert r0 > 0 and r1 > 0
+    assert np.array_equal(bound[:ctx - decoded], chan[:ctx - decoded])
+    assert np.abs(bound[ctx - decoded:] - chan[ctx - decoded:]).max() > 1e-4
