@@ -147,6 +147,7 @@ void bind_engine(py::module_& m) {
       .def_readwrite("sparsity_recent_blocks", &EngineConfig::sparsity_recent_blocks)
       .def_readwrite("sparsity_sink_blocks", &EngineConfig::sparsity_sink_blocks)
       .def_readwrite("sparsity_mass_target", &EngineConfig::sparsity_mass_target)
+      .def_readwrite("sparsity_score_channels", &EngineConfig::sparsity_score_channels)
       .def_readwrite("sparsity_compensation", &EngineConfig::sparsity_compensation)
       .def_readwrite("swap_preempted", &EngineConfig::swap_preempted)
       .def_readwrite("l2_bytes", &EngineConfig::l2_bytes)
@@ -216,6 +217,7 @@ void bind_engine(py::module_& m) {
              sp.sink_blocks = cfg.sparsity_sink_blocks;
              sp.max_ratio = cfg.max_sparsity_ratio;
              sp.mass_target = cfg.sparsity_mass_target;
+             sp.score_channels = cfg.sparsity_score_channels;
              sp.compensation = cfg.sparsity_compensation;
              auto exec = make_executor(model, cfg.block_size, cfg.num_kv_blocks, fused, cfg.num_threads,
                                        cfg.enable_dynamic_sparsity ? &sp : nullptr);

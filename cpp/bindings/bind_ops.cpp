@@ -305,7 +305,7 @@ void bind_ops(py::module_& m) {
       [=](const at::Tensor& q, const at::Tensor& kv, py::tuple layout, int32_t layer, const at::Tensor& query_start,
           const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& summaries,
           int32_t num_heads, double scale, int32_t min_context, int32_t recent_blocks, int32_t sink_blocks,
-          double max_ratio, double mass_target, bool compensation) {
+          double max_ratio, double mass_target, bool compensation, int32_t score_channels) {
         check_rows(q, "q");
         check(kv, at::kFloat, "kv");
         const KVLayout L = layout_of(layout);
@@ -319,6 +319,8 @@ void bind_ops(py::module_& m) {
         p.max_ratio = static_cast<float>(max_ratio);
         p.mass_target = static_cast<float>(mass_target);
         p.compensation = compensation;
+        if (score_channels < 0) throw Error(ErrorCode::kInvalidArgument, "score_channels must be >= 0");
+        p.score_channels = score_channels;
         if (compensation && S.fields != 4) {
           throw Error(ErrorCode::kInvalidArgument, "compensation needs summaries with 4 fields (min, max, sums)");
         }
@@ -345,7 +347,8 @@ void bind_ops(py::module_& m) {
       py::arg("q"), py::arg("kv"), py::arg("layout"), py::arg("layer"), py::arg("query_start"),
       py::arg("context_lens"), py::arg("block_tables"), py::arg("summaries"), py::arg("num_heads"), py::arg("scale"),
       py::arg("min_context") = 2048, py::arg("recent_blocks") = 2, py::arg("sink_blocks") = 1,
-      py::arg("max_ratio") = 0.6, py::arg("mass_target") = 0.95, py::arg("compensation") = false);
+      py::arg("max_ratio") = 0.6, py::arg("mass_target") = 0.95, py::arg("compensation") = false,
+      py::arg("score_channels") = 8);
 }
 
 }  // namespace k25::bindings

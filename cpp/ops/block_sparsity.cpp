@@ -60,10 +60,11 @@ void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, 
   });
 }
 
-bool select_blocks(const float* q, int64_t q_stride, const float* summaries, const SummaryLayout& S,
+bool select_blocks(const float* q, int64_t q_stride, const float* kv, const float* summaries, const SummaryLayout& S,
                    const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B, int32_t num_heads, float scale,
                    const SparsityParams& p, LayerSelection* out) {
   const int32_t Hkv = L.num_kv_heads, group = num_heads / Hkv, D = L.head_dim, bs = L.block_size;
+  const int32_t R = std::min(std::max(p.score_channels, 0), D);  // 0: the bound rule
   const int32_t nseq = B.num_seqs, MB = B.max_blocks_per_seq;
   out->context_lens.assign(B.context_lens, B.context_lens + nseq);
   out->sparse.assign(nseq, 0);
@@ -87,9 +88,11 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
   std::vector<SeqStats> stats(nseq);
   parallel_for(0, nseq, 1, [&](int64_t sb, int64_t se) {
     std::vector<float> score;  // [Hkv][nb]
-    std::vector<float> ub;     // [nb]: one query head's bounds
-    std::vector<float> ctr;    // [nb]: one query head's q . (block key centre)
-    std::vector<float> est;    // [Hkv][nb]: like score, from the centres (for the count)
+    std::vector<float> ub;     // [nb]: one query head's bounds (or channel estimates)
+    std::vector<float> ctr;    // [nb]: one query head's q . (block key centre) (or channel estimates)
+    std::vector<float> est;    // [Hkv][nb]: like score, from `ctr` (for the count)
+    std::vector<int32_t> chan(D);  // channels by |q_d|, largest first
+    std::vector<float> acc(bs);    // one block's estimated scores
     std::vector<int32_t> order;
     std::vector<double> mass;   // [nb]: one head's estimated softmax masses
     std::vector<uint8_t> kept;  // [nb]: one head's selection
@@ -99,8 +102,9 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
       const int32_t nb = (ctx + bs - 1) / bs;
       const int32_t* table = B.block_tables + s * MB;
       const float* qrow = q + static_cast<int64_t>(B.query_start[s]) * q_stride;
-      // 1. Scores: per query head the bound relative to its best block; per KV head the
-      //    largest of those over the group.
+      auto tokens = [&](int32_t j) { return j == nb - 1 ? ctx - (nb - 1) * bs : bs; };
+      // 1. Scores: per query head the channel estimate (or the bound) relative to its
+      //    best block; per KV head the largest of those over the group.
       score.assign(static_cast<size_t>(Hkv) * nb, 0.0f);
       ub.resize(nb);
       ctr.resize(nb);
@@ -110,9 +114,48 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
         std::fill(sc, sc + nb, -INFINITY);
         for (int32_t g = 0; g < group; ++g) {
           const float* qh = qrow + static_cast<int64_t>(h * group + g) * D;
+          if (R > 0) {
+            // The R channels of largest |q_d| (ties: lower channel first).
+            std::iota(chan.begin(), chan.end(), 0);
+            std::partial_sort(chan.begin(), chan.begin() + R, chan.end(), [&](int32_t a, int32_t b) {
+              const float fa = std::fabs(qh[a]), fb = std::fabs(qh[b]);
+              return fa > fb || (fa == fb && a < b);
+            });
+          }
           for (int32_t j = 0; j < nb; ++j) {
             const float* mn = summaries + S.offset(table[j], layer, h);
             const float* mx = mn + D;
+            if (R > 0) {
+              // Channel estimate: each key's exact q_d k_d on the chosen channels plus
+              // q_d (min_d + max_d) / 2 on the others; the block's log-mass is the
+              // log-sum-exp of those scores (token count included). Rank and count both.
+              float rest = 0.0f;
+              for (int32_t d = 0; d < D; ++d) rest += qh[d] * (mn[d] + mx[d]);
+              rest *= 0.5f;
+              const int32_t n = tokens(j);
+              std::fill(acc.begin(), acc.begin() + n, 0.0f);
+              const float* K = kv + L.k_offset(table[j], layer, h);
+              for (int32_t i = 0; i < R; ++i) {
+                const int32_t d = chan[i];
+                const float qd = qh[d];
+                rest -= qd * 0.5f * (mn[d] + mx[d]);
+                if (L.k_transposed) {
+                  const float* row = K + static_cast<int64_t>(d) * bs;
+                  for (int32_t t = 0; t < n; ++t) acc[t] += qd * row[t];
+                } else {
+                  for (int32_t t = 0; t < n; ++t) acc[t] += qd * K[static_cast<int64_t>(t) * D + d];
+                }
+              }
+              float top = -INFINITY;
+              for (int32_t t = 0; t < n; ++t) {
+                acc[t] = (acc[t] + rest) * scale;
+                top = std::max(top, acc[t]);
+              }
+              float sum = 0.0f;
+              for (int32_t t = 0; t < n; ++t) sum += std::exp(acc[t] - top);
+              ub[j] = ctr[j] = top + std::log(sum);
+              continue;
+            }
             float b = 0.0f, c = 0.0f;
             for (int32_t d = 0; d < D; ++d) {
               b += std::max(qh[d] * mn[d], qh[d] * mx[d]);
@@ -134,7 +177,6 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
       auto mandatory = [&](int32_t j) { return j < p.sink_blocks || j >= nb - p.recent_blocks; };
       int32_t n_mand = 0;
       for (int32_t j = 0; j < nb; ++j) n_mand += mandatory(j) ? 1 : 0;
-      auto tokens = [&](int32_t j) { return j == nb - 1 ? ctx - (nb - 1) * bs : bs; };
       // The non-mandatory blocks into `order`, best first by `sc`.
       auto rank_others = [&](const float* sc) {
         order.clear();
@@ -143,18 +185,21 @@ bool select_blocks(const float* q, int64_t q_stride, const float* summaries, con
         }
         std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
       };
-      // 2. Each head's need under the mass rule, with masses from the centre estimate.
+      // 2. Each head's need under the mass rule, with masses from the channel estimate
+      //    (or, with R = 0, the centre estimate).
       int32_t need = n_mand;
       SeqStats& st = stats[s];
       mass.resize(nb);
       for (int32_t h = 0; h < Hkv; ++h) {
-        // The count comes from the centre estimate: the bound exceeds it by the block's
-        // spread, so masses estimated from bounds look peaked and the cap would always bind.
+        // With R = 0 the count comes from the centre estimate: the bound exceeds it by the
+        // block's spread, so masses estimated from bounds look peaked and the cap would
+        // always bind.
         const float* sc = est.data() + static_cast<size_t>(h) * nb;
         const float top = *std::max_element(sc, sc + nb);
         double total = 0, covered = 0;
         for (int32_t j = 0; j < nb; ++j) {
-          mass[j] = tokens(j) * std::exp(static_cast<double>(sc[j] - top));
+          // (The channel estimate already counts the block's tokens.)
+          mass[j] = (R > 0 ? 1 : tokens(j)) * std::exp(static_cast<double>(sc[j] - top));
           total += mass[j];
           if (mandatory(j)) covered += mass[j];
         }
@@ -231,7 +276,7 @@ void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const
                              const SummaryLayout& S, int32_t num_heads, float scale, const SparsityParams& p,
                              LayerSelection* sel, std::vector<float>* lse) {
   cpu::AttentionBatch use = B;
-  if (select_blocks(q, q_stride, summaries, S, L, layer, B, num_heads, scale, p, sel)) {
+  if (select_blocks(q, q_stride, kv, summaries, S, L, layer, B, num_heads, scale, p, sel)) {
     use = sparse_batch(B, *sel);
     if (p.compensation) {
       lse->resize(static_cast<size_t>(B.query_start[B.num_seqs]) * num_heads);

@@ -1,20 +1,22 @@
 // Dynamic block sparsity for single-token (decode) attention, on the CPU.
 //
 // Every KV block keeps, per layer and KV head, the per-channel minimum and maximum of
-// its keys (the Quest bound): for a query q, sum_d max(q_d * min_d, q_d * max_d) bounds
-// q·k from above for every key of the block. A decode step of a long sequence scores its
-// blocks with that bound, keeps the sink and recent blocks and the best-scoring others,
-// and attends exactly over the kept blocks only. How many it keeps adapts per sequence
-// and layer (docs/sparsity.md):
-//   1. per query head, a block's bound times the softmax scale, minus that head's best
-//      block's (heads differ in scale); per KV head, the score of a block is the largest
-//      of those over the group's query heads (a block any head needs is kept);
-//   2. a block's estimated softmax mass is its token count x exp(centre estimate - best),
-//      where the centre estimate is q·(min + max)/2 (the bound minus the block's spread),
-//      treated per head and over the group like the score; a head needs the fewest blocks
-//      (mandatory ones first, then by that estimate) whose estimated mass reaches
-//      mass_target of its total. (Masses from the bounds themselves look peaked — the
-//      spread inflates a few blocks — and the cap would bind everywhere.)
+// its keys. A decode step of a long sequence estimates each block's softmax mass, keeps
+// the sink and recent blocks and the best-scoring others, and attends exactly over the
+// kept blocks only. How many it keeps adapts per sequence and layer (docs/sparsity.md):
+//   1. the channel estimate (score_channels = R > 0, the default): for query head q, the
+//      R channels of largest |q_d|; each key's score is estimated as its exact q_d k_d on
+//      those channels plus q_d (min_d + max_d) / 2 (the block centre) on the others, and
+//      the block's log-mass as the log-sum-exp of its keys' estimated scores (times the
+//      softmax scale). It ranks the blocks and sizes the count. With R = 0, the Quest
+//      bound sum_d max(q_d * min_d, q_d * max_d) ranks, and the centre estimate
+//      q·(min + max)/2 plus log(token count) sizes. Either way, per query head relative
+//      to that head's best block (heads differ in scale); per KV head, the largest of
+//      those over the group's query heads (a block any head needs is kept);
+//   2. a block's estimated softmax mass is exp(its estimate - best); a head needs the
+//      fewest blocks (mandatory ones first, then by that estimate) whose estimated mass
+//      reaches mass_target of its total. (Masses from the Quest bounds themselves look
+//      peaked — the spread inflates a few blocks — and the cap would bind everywhere.)
 //   3. the sequence-layer keeps the largest need over its heads, clamped so that the
 //      skipped fraction lies in [min_ratio, max_ratio]; every head keeps that many of
 //      its own best blocks, so all heads of a sequence see one (virtual) length.
@@ -43,6 +45,8 @@ struct SparsityParams {
   float max_ratio = 0.6f;       // ... and at most this (max_sparsity_ratio)
   float mass_target = 0.95f;    // estimated softmax mass the kept blocks must reach
   bool compensation = false;    // skipped blocks as mean pseudo-keys (needs summary sums)
+  int32_t score_channels = 8;   // R > 0: channel estimate on the R largest |q_d| (min(R, head_dim));
+                                // 0: Quest bound ranks, centre estimate sizes
 };
 
 // Block summaries: [num_blocks][num_layers][num_kv_heads][fields][head_dim] floats, the
@@ -77,8 +81,9 @@ struct LayerSelection {
 };
 
 // Selects for every single-token sequence longer than min_context (layers without a
-// sliding window only). q: rows after RoPE. Returns whether any sequence went sparse.
-bool select_blocks(const float* q, int64_t q_stride, const float* summaries, const SummaryLayout& S,
+// sliding window only). q: rows after RoPE; kv: the cache (read on the chosen channels
+// by the channel estimate). Returns whether any sequence went sparse.
+bool select_blocks(const float* q, int64_t q_stride, const float* kv, const float* summaries, const SummaryLayout& S,
                    const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B, int32_t num_heads, float scale,
                    const SparsityParams& p, LayerSelection* out);
 

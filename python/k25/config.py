@@ -41,6 +41,7 @@ class K25Config:
     sparsity_sink_blocks: int = 1
     sparsity_mass_target: float = 0.95  # estimated softmax mass the kept blocks must reach
     sparsity_compensation: bool = False
+    sparsity_score_channels: int = 8  # channels of the block mass estimate; 0: Quest bound (docs/sparsity.md)
     enable_async_offload: bool = False  # with cache_mode="hierarchical": tiered KV (docs/offload.md)
     cache_mode: str = "standard"        # or "hierarchical"
     l2_bytes: Optional[int] = None      # L2 host pool; None: as large as the primary KV pool
@@ -122,6 +123,9 @@ class K25Config:
         need(isinstance(self.sparsity_mass_target, (int, float)) and not isinstance(self.sparsity_mass_target, bool)
              and 0.0 < self.sparsity_mass_target <= 1.0,
              f"sparsity_mass_target must be in (0, 1], got {self.sparsity_mass_target!r}")
+        need(isinstance(self.sparsity_score_channels, int) and not isinstance(self.sparsity_score_channels, bool)
+             and 0 <= self.sparsity_score_channels <= 256,
+             f"sparsity_score_channels must be an int in [0, 256], got {self.sparsity_score_channels!r}")
         need(isinstance(self.enable_dynamic_sparsity, bool), "enable_dynamic_sparsity must be a bool")
         need(isinstance(self.sparsity_compensation, bool), "sparsity_compensation must be a bool")
         if self.sparsity_compensation and not self.enable_dynamic_sparsity:

@@ -639,6 +639,7 @@ _NEEDS_NO_CUDA = pytest.mark.skipif(_C.cuda_available(), reason="valid where a C
     dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="fp8"),
     dict(enable_prefix_caching=True), dict(enable_dynamic_sparsity=True, enable_kernel_fusion=False),
         dict(sparsity_compensation=True), dict(sparsity_mass_target=1.5), dict(sparsity_sink_blocks=0),
+    dict(sparsity_score_channels=-1), dict(sparsity_score_channels=True),
     dict(cache_mode="hierarchical"), dict(cache_mode="bogus"), dict(enable_async_offload=True),
     dict(l2_bytes=1 << 30), dict(l3_path="/tmp/x"), dict(device="cpu", gpu_memory_utilization=0.9),
     dict(block_size=0), dict(block_size=300), dict(max_batch_size=0), dict(max_batch_size=-1),
