@@ -80,99 +80,120 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
   if (!any) return false;
   out->head_tables.assign(static_cast<size_t>(nseq) * Hkv * MB, -1);
 
+  // Eligible sequences: their block counts and where their scores start in the flat
+  // buffers ([Hkv][nb] per sequence).
+  std::vector<int32_t> nbs(nseq, 0);
+  std::vector<size_t> base(nseq, 0);
+  std::vector<int64_t> items;  // s * Hkv + h of every eligible (sequence, KV head)
+  size_t flat = 0;
+  for (int32_t s = 0; s < nseq; ++s) {
+    if (B.query_start[s + 1] - B.query_start[s] != 1 || B.context_lens[s] <= p.min_context) continue;
+    nbs[s] = (B.context_lens[s] + bs - 1) / bs;
+    base[s] = flat;
+    flat += static_cast<size_t>(Hkv) * nbs[s];
+    for (int32_t h = 0; h < Hkv; ++h) items.push_back(static_cast<int64_t>(s) * Hkv + h);
+  }
+  std::vector<float> score_all(flat, -INFINITY);  // per KV head: the rank score
+  std::vector<float> est_all(flat, -INFINITY);    // per KV head: the estimate the count uses
+  // 1. Scores, one (sequence, KV head) per task (a batch of one sequence still spreads over
+  //    the threads): per query head the channel estimate (or the bound) relative to its
+  //    best block; per KV head the largest of those over the group.
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t ib, int64_t ie) {
+    std::vector<float> ub;         // [nb]: one query head's bounds (or channel estimates)
+    std::vector<float> ctr;        // [nb]: one query head's q . (block key centre) (or channel estimates)
+    std::vector<int32_t> chan(D);  // channels by |q_d|, largest first
+    std::vector<float> acc(bs);    // one block's estimated scores
+    for (int64_t it = ib; it < ie; ++it) {
+      const int32_t s = static_cast<int32_t>(items[it] / Hkv), h = static_cast<int32_t>(items[it] % Hkv);
+      const int32_t ctx = B.context_lens[s];
+      const int32_t nb = nbs[s];
+      const int32_t* table = B.block_tables + s * MB;
+      const float* qrow = q + static_cast<int64_t>(B.query_start[s]) * q_stride;
+      auto tokens = [&](int32_t j) { return j == nb - 1 ? ctx - (nb - 1) * bs : bs; };
+      ub.resize(nb);
+      ctr.resize(nb);
+      float* sc = score_all.data() + base[s] + static_cast<size_t>(h) * nb;
+      float* es = est_all.data() + base[s] + static_cast<size_t>(h) * nb;
+      for (int32_t g = 0; g < group; ++g) {
+        const float* qh = qrow + static_cast<int64_t>(h * group + g) * D;
+        if (R > 0) {
+          // The R channels of largest |q_d| (ties: lower channel first).
+          std::iota(chan.begin(), chan.end(), 0);
+          std::partial_sort(chan.begin(), chan.begin() + R, chan.end(), [&](int32_t a, int32_t b) {
+            const float fa = std::fabs(qh[a]), fb = std::fabs(qh[b]);
+            return fa > fb || (fa == fb && a < b);
+          });
+        }
+        for (int32_t j = 0; j < nb; ++j) {
+          const float* mn = summaries + S.offset(table[j], layer, h);
+          const float* mx = mn + D;
+          if (R > 0) {
+            // Channel estimate: each key's exact q_d k_d on the chosen channels plus
+            // q_d (min_d + max_d) / 2 on the others; the block's log-mass is the
+            // log-sum-exp of those scores (token count included). Rank and count both.
+            float rest = 0.0f;
+            for (int32_t d = 0; d < D; ++d) rest += qh[d] * (mn[d] + mx[d]);
+            rest *= 0.5f;
+            const int32_t n = tokens(j);
+            std::fill(acc.begin(), acc.begin() + n, 0.0f);
+            const float* K = kv + L.k_offset(table[j], layer, h);
+            for (int32_t i = 0; i < R; ++i) {
+              const int32_t d = chan[i];
+              const float qd = qh[d];
+              rest -= qd * 0.5f * (mn[d] + mx[d]);
+              if (L.k_transposed) {
+                const float* row = K + static_cast<int64_t>(d) * bs;
+                for (int32_t t = 0; t < n; ++t) acc[t] += qd * row[t];
+              } else {
+                for (int32_t t = 0; t < n; ++t) acc[t] += qd * K[static_cast<int64_t>(t) * D + d];
+              }
+            }
+            float top = -INFINITY;
+            for (int32_t t = 0; t < n; ++t) {
+              acc[t] = (acc[t] + rest) * scale;
+              top = std::max(top, acc[t]);
+            }
+            float sum = 0.0f;
+            for (int32_t t = 0; t < n; ++t) sum += std::exp(acc[t] - top);
+            ub[j] = ctr[j] = top + std::log(sum);
+            continue;
+          }
+          float b = 0.0f, c = 0.0f;
+          for (int32_t d = 0; d < D; ++d) {
+            b += std::max(qh[d] * mn[d], qh[d] * mx[d]);
+            c += qh[d] * (mn[d] + mx[d]);
+          }
+          ub[j] = b * scale;
+          ctr[j] = 0.5f * c * scale;
+        }
+        // Relative to this head's best block, so that a head with small logits still
+        // gets its blocks: heads differ in scale, and the kept set is shared.
+        const float top = *std::max_element(ub.begin(), ub.begin() + nb);
+        for (int32_t j = 0; j < nb; ++j) sc[j] = std::max(sc[j], ub[j] - top);
+        const float ctop = *std::max_element(ctr.begin(), ctr.begin() + nb);
+        for (int32_t j = 0; j < nb; ++j) es[j] = std::max(es[j], ctr[j] - ctop);
+      }
+    }
+  });
   struct SeqStats {
     int64_t total = 0, kept = 0, selections = 0;
     double entropy = 0;
     std::vector<int32_t> top;
   };
   std::vector<SeqStats> stats(nseq);
+  // 2-3. Per sequence: the count, then every head's kept blocks.
   parallel_for(0, nseq, 1, [&](int64_t sb, int64_t se) {
-    std::vector<float> score;  // [Hkv][nb]
-    std::vector<float> ub;     // [nb]: one query head's bounds (or channel estimates)
-    std::vector<float> ctr;    // [nb]: one query head's q . (block key centre) (or channel estimates)
-    std::vector<float> est;    // [Hkv][nb]: like score, from `ctr` (for the count)
-    std::vector<int32_t> chan(D);  // channels by |q_d|, largest first
-    std::vector<float> acc(bs);    // one block's estimated scores
     std::vector<int32_t> order;
     std::vector<double> mass;   // [nb]: one head's estimated softmax masses
     std::vector<uint8_t> kept;  // [nb]: one head's selection
     for (int64_t s = sb; s < se; ++s) {
+      const int32_t nb = nbs[s];
+      if (nb == 0) continue;
       const int32_t ctx = B.context_lens[s];
-      if (B.query_start[s + 1] - B.query_start[s] != 1 || ctx <= p.min_context) continue;
-      const int32_t nb = (ctx + bs - 1) / bs;
       const int32_t* table = B.block_tables + s * MB;
-      const float* qrow = q + static_cast<int64_t>(B.query_start[s]) * q_stride;
       auto tokens = [&](int32_t j) { return j == nb - 1 ? ctx - (nb - 1) * bs : bs; };
-      // 1. Scores: per query head the channel estimate (or the bound) relative to its
-      //    best block; per KV head the largest of those over the group.
-      score.assign(static_cast<size_t>(Hkv) * nb, 0.0f);
-      ub.resize(nb);
-      ctr.resize(nb);
-      est.assign(static_cast<size_t>(Hkv) * nb, -INFINITY);
-      for (int32_t h = 0; h < Hkv; ++h) {
-        float* sc = score.data() + static_cast<size_t>(h) * nb;
-        std::fill(sc, sc + nb, -INFINITY);
-        for (int32_t g = 0; g < group; ++g) {
-          const float* qh = qrow + static_cast<int64_t>(h * group + g) * D;
-          if (R > 0) {
-            // The R channels of largest |q_d| (ties: lower channel first).
-            std::iota(chan.begin(), chan.end(), 0);
-            std::partial_sort(chan.begin(), chan.begin() + R, chan.end(), [&](int32_t a, int32_t b) {
-              const float fa = std::fabs(qh[a]), fb = std::fabs(qh[b]);
-              return fa > fb || (fa == fb && a < b);
-            });
-          }
-          for (int32_t j = 0; j < nb; ++j) {
-            const float* mn = summaries + S.offset(table[j], layer, h);
-            const float* mx = mn + D;
-            if (R > 0) {
-              // Channel estimate: each key's exact q_d k_d on the chosen channels plus
-              // q_d (min_d + max_d) / 2 on the others; the block's log-mass is the
-              // log-sum-exp of those scores (token count included). Rank and count both.
-              float rest = 0.0f;
-              for (int32_t d = 0; d < D; ++d) rest += qh[d] * (mn[d] + mx[d]);
-              rest *= 0.5f;
-              const int32_t n = tokens(j);
-              std::fill(acc.begin(), acc.begin() + n, 0.0f);
-              const float* K = kv + L.k_offset(table[j], layer, h);
-              for (int32_t i = 0; i < R; ++i) {
-                const int32_t d = chan[i];
-                const float qd = qh[d];
-                rest -= qd * 0.5f * (mn[d] + mx[d]);
-                if (L.k_transposed) {
-                  const float* row = K + static_cast<int64_t>(d) * bs;
-                  for (int32_t t = 0; t < n; ++t) acc[t] += qd * row[t];
-                } else {
-                  for (int32_t t = 0; t < n; ++t) acc[t] += qd * K[static_cast<int64_t>(t) * D + d];
-                }
-              }
-              float top = -INFINITY;
-              for (int32_t t = 0; t < n; ++t) {
-                acc[t] = (acc[t] + rest) * scale;
-                top = std::max(top, acc[t]);
-              }
-              float sum = 0.0f;
-              for (int32_t t = 0; t < n; ++t) sum += std::exp(acc[t] - top);
-              ub[j] = ctr[j] = top + std::log(sum);
-              continue;
-            }
-            float b = 0.0f, c = 0.0f;
-            for (int32_t d = 0; d < D; ++d) {
-              b += std::max(qh[d] * mn[d], qh[d] * mx[d]);
-              c += qh[d] * (mn[d] + mx[d]);
-            }
-            ub[j] = b * scale;
-            ctr[j] = 0.5f * c * scale;
-          }
-          // Relative to this head's best block, so that a head with small logits still
-          // gets its blocks: heads differ in scale, and the kept set is shared.
-          const float top = *std::max_element(ub.begin(), ub.begin() + nb);
-          for (int32_t j = 0; j < nb; ++j) sc[j] = std::max(sc[j], ub[j] - top);
-          const float ctop = *std::max_element(ctr.begin(), ctr.begin() + nb);
-          float* es = est.data() + static_cast<size_t>(h) * nb;
-          for (int32_t j = 0; j < nb; ++j) es[j] = std::max(es[j], ctr[j] - ctop);
-        }
-      }
+      const float* score = score_all.data() + base[s];
+      const float* est = est_all.data() + base[s];
       // Mandatory blocks: sinks and the newest ones.
       auto mandatory = [&](int32_t j) { return j < p.sink_blocks || j >= nb - p.recent_blocks; };
       int32_t n_mand = 0;
@@ -194,7 +215,7 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
         // With R = 0 the count comes from the centre estimate: the bound exceeds it by the
         // block's spread, so masses estimated from bounds look peaked and the cap would
         // always bind.
-        const float* sc = est.data() + static_cast<size_t>(h) * nb;
+        const float* sc = est + static_cast<size_t>(h) * nb;
         const float top = *std::max_element(sc, sc + nb);
         double total = 0, covered = 0;
         for (int32_t j = 0; j < nb; ++j) {
@@ -226,7 +247,7 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       if (keep >= nb) continue;  // nothing to skip: stays dense
       // Every head: mandatory blocks plus its best others, in position order.
       for (int32_t h = 0; h < Hkv; ++h) {
-        const float* sc = score.data() + static_cast<size_t>(h) * nb;
+        const float* sc = score + static_cast<size_t>(h) * nb;
         rank_others(sc);
         if (h == 0 && st.top.empty()) {
           std::vector<int32_t> all(nb);

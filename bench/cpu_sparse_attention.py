@@ -1,0 +1,83 @@
+"""Decode attention time with dynamic sparsity on vs off, one layer, CPU (issue #5 speed):
+the default model's attention shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16)
+on random keys, batch 1 and 8, contexts 4K / 8K / 32K. The sparse call is the whole sparse
+path (selection from the summaries, plus the channel estimate when on, then attention over
+the kept blocks); mass_target 0 makes the cap bind, so the skipped fraction r is the cap
+and the best possible speedup is 1 / (1 - r). Reference: dense paged attention over the
+same pool in the same run.
+
+    python bench/cpu_sparse_attention.py [--contexts 4096,8192,32768] [--batches 1,8] [--caps 0.6,0.8]
+"""
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from k25 import _C
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+
+
+def timed(fn, reps):
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="4096,8192,32768")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--caps", default="0.6,0.8")
+    ap.add_argument("--channels", default="8,0", help="sparsity_score_channels values (0: the Quest bound rule)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    layout = (1, HKV, D, BS)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for ctx in [int(x) for x in args.contexts.split(",")]:
+        for b in [int(x) for x in args.batches.split(",")]:
+            nb = -(-ctx // BS)
+            pool = torch.randn(b * nb, 1, 2, HKV, BS * D, generator=g)
+            tables = torch.randperm(b * nb, generator=g).view(b, nb).to(torch.int32)
+            qs = torch.arange(b + 1, dtype=torch.int32)
+            cl = torch.full((b,), ctx, dtype=torch.int32)
+            # Summaries from the keys (prompt-style write of every block).
+            summ = torch.empty(b * nb, 1, HKV, 2, D)
+            prompt_qs = torch.arange(b + 1, dtype=torch.int32) * ctx
+            _C.ops.update_key_summaries(pool.view(-1), layout, summ, 0, prompt_qs, cl, tables)
+            q = torch.randn(b, HQ * D, generator=g)
+            scale = 1 / math.sqrt(D)
+            reps = max(1, int(2e6 // (ctx * b)))
+            dense = timed(lambda: _C.ops.paged_attention(q, pool.view(-1), layout, 0, qs, cl, tables, HQ, scale, 0),
+                          reps)
+            for ch in [int(x) for x in args.channels.split(",")]:
+                for cap in [float(x) for x in args.caps.split(",")]:
+                    kw = dict(min_context=2048, recent_blocks=16, sink_blocks=1, max_ratio=cap, mass_target=0.0,
+                              compensation=False, score_channels=ch)
+                    _, info = _C.ops.sparse_attention(q, pool.view(-1), layout, 0, qs, cl, tables, summ, HQ, scale,
+                                                      **kw)
+                    r = 1 - info["blocks_kept"] / info["blocks_total"]
+                    sparse = timed(lambda: _C.ops.sparse_attention(q, pool.view(-1), layout, 0, qs, cl, tables, summ,
+                                                                   HQ, scale, **kw), reps)
+                    speedup, bound = dense / sparse, 1 / (1 - r)
+                    row = dict(ctx=ctx, batch=b, channels=ch, cap=cap, skipped=r, dense_us=dense * 1e6,
+                               sparse_us=sparse * 1e6, speedup=speedup, bound=bound, of_bound=speedup / bound)
+                    rows.append(row)
+                    print(f"ctx {ctx:6d} batch {b:2d} channels {ch} cap {cap}: skipped {r:.3f}  dense {dense * 1e6:8.1f} us"
+                          f"  sparse {sparse * 1e6:8.1f} us  speedup {speedup:.2f}x  bound {bound:.2f}x  "
+                          f"{speedup / bound:.2f} of bound", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
