@@ -355,12 +355,16 @@ void Engine::loop() {
 
 void Engine::fail_all(const std::string& error) {
   if (in_flight_) {
-    // Wait for the launched step (it writes the pool), drop its results.
+    // Wait for the launched steps (they write the pool; a failure between a launch and the
+    // previous step's collection leaves two), drop their results.
     in_flight_.reset();
     std::vector<SampleResult> ignored;
-    try {
-      executor_->collect_async(&ignored);
-    } catch (const std::exception&) {
+    for (int i = 0; i < 2; ++i) {
+      try {
+        executor_->collect_async(&ignored);
+      } catch (const std::exception&) {
+        break;  // none left
+      }
     }
   }
   std::vector<Sequence*> left(scheduler_->running());
