@@ -406,9 +406,8 @@ bool Engine::can_pipeline() const {
   if (static_cast<int32_t>(run.size()) > executor_->max_async_batch()) return false;
   for (const Sequence* s : run) {
     const SamplingParams& p = s->params;
-    // Penalties are computed from the token history, which the step in flight extends.
-    const bool history_free = p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f;
-    if (!history_free || s->want_prompt_logits || s->single_token_from >= 0) return false;
+    // Penalties read the token history, which the step in flight extends.
+    if (reads_token_history(p) || s->want_prompt_logits || s->single_token_from >= 0) return false;
     if (p.min_new_tokens > 0 && s->num_output_tokens() <= p.min_new_tokens) return false;
     if (s->num_output_tokens() >= p.max_new_tokens || s->num_tokens() >= s->max_total_tokens) return false;
   }

@@ -214,8 +214,7 @@ class TorchExecutor : public ModelExecutor {
 #ifdef K25_WITH_CUDA
     if (!use_graphs_) return;
     c10::cuda::CUDAGuard guard(model_->device());
-    if (!stream_) stream_ = std::make_unique<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false));
-    c10::cuda::CUDAStreamGuard sg(*stream_);
+    c10::cuda::CUDAStreamGuard sg(engine_stream());
     for (int32_t b : kBuckets) {
       graph_for(b);
       if (b >= max_batch_size) break;
@@ -244,8 +243,7 @@ class TorchExecutor : public ModelExecutor {
     if (model_->device().is_cpu()) return execute_on(meta, samples, results, copies);
 #ifdef K25_WITH_CUDA
     c10::cuda::CUDAGuard guard(model_->device());
-    if (!stream_) stream_ = std::make_unique<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false));
-    c10::cuda::CUDAStreamGuard sg(*stream_);
+    c10::cuda::CUDAStreamGuard sg(engine_stream());
     if (!pending_.empty()) fail(ErrorCode::kInternal, "a synchronous step while launched steps are in flight");
     if (use_graphs_ && graph_eligible(meta, copies)) return execute_graph(meta, samples, results);
     execute_on(meta, samples, results, copies);
@@ -259,14 +257,12 @@ class TorchExecutor : public ModelExecutor {
     if (!graph_async()) return launch_emulated(meta, samples);
 #ifdef K25_WITH_CUDA
     c10::cuda::CUDAGuard guard(model_->device());
-    if (!stream_) stream_ = std::make_unique<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false));
-    c10::cuda::CUDAStreamGuard sg(*stream_);
+    c10::cuda::CUDAStreamGuard sg(engine_stream());
     if (!use_graphs_ || !graph_eligible(meta, {})) fail(ErrorCode::kInternal, "launch_async needs a graph decode step");
     if (pending_.size() >= 2) fail(ErrorCode::kInternal, "more than two steps in flight");
     bool all_greedy = true;
     for (const SampleRequest& s : samples) {
-      const SamplingParams& p = *s.input.params;
-      if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
+      if (reads_token_history(*s.input.params)) {
         fail(ErrorCode::kInternal, "launch_async: penalties need the token history");
       }
       all_greedy = all_greedy && plain_greedy(s);
@@ -323,6 +319,14 @@ class TorchExecutor : public ModelExecutor {
   }
 
  private:
+#ifdef K25_WITH_CUDA
+  // The stream of every step (made on first use, on the current device).
+  c10::cuda::CUDAStream& engine_stream() {
+    if (!stream_) stream_ = std::make_unique<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false));
+    return *stream_;
+  }
+#endif
+
   bool graph_async() const {
 #ifdef K25_WITH_CUDA
     return use_graphs_;
@@ -361,8 +365,8 @@ class TorchExecutor : public ModelExecutor {
 
   static bool plain_greedy(const SampleRequest& s) {
     const SamplingParams& p = *s.input.params;
-    return (p.temperature < kGreedyTemperature || p.top_k == 1) && p.logprobs < 0 && p.repetition_penalty == 1.0f &&
-           p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f && s.input.banned == nullptr;
+    return (p.temperature < kGreedyTemperature || p.top_k == 1) && p.logprobs < 0 && !reads_token_history(p) &&
+           s.input.banned == nullptr;
   }
 
   void execute_on(const BatchMeta& meta, const std::vector<SampleRequest>& samples,

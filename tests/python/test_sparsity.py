@@ -395,20 +395,26 @@ def test_score_decode_from_is_validated_and_matches_chunked_scoring(default_mode
             default_model.score(ids, decode_from=bad)
 
 
-def test_engine_compensation_changes_only_the_sparse_decode_rows():
-    """sparsity_compensation=True is honoured end to end: prompt rows
-    bit-identical, the sparse decode rows differ (skipped blocks folded back in)."""
-    ctx, decoded = 2400, 6
+def sparse_score_runs(ctx, decoded, option_sets):
+    """Per set of sparsity options, a model with sparsity on: teacher-forced logits of a
+    pydoc window of ctx tokens whose last `decoded` are computed one per step, and the
+    sparsity ratio reached."""
     runs = []
-    for comp in (False, True):
-        m = K25Model(K25Config(num_threads=2, kv_cache_bytes=256 << 20, enable_dynamic_sparsity=True,
-                               sparsity_compensation=comp))
+    for options in option_sets:
+        m = K25Model(K25Config(num_threads=2, kv_cache_bytes=256 << 20, enable_dynamic_sparsity=True, **options))
         try:
             ids = pydoc_ids(m, ctx, 12000)
             runs.append((m.score(ids, decode_from=ctx - decoded), m.get_current_sparsity_ratio()))
         finally:
             m.close()
-    (plain, r0), (comp, r1) = runs
+    return runs
+
+
+def test_engine_compensation_changes_only_the_sparse_decode_rows():
+    """sparsity_compensation=True is honoured end to end: prompt rows
+    bit-identical, the sparse decode rows differ (skipped blocks folded back in)."""
+    ctx, decoded = 2400, 6
+    (plain, r0), (comp, r1) = sparse_score_runs(ctx, decoded, [dict(sparsity_compensation=c) for c in (False, True)])
     assert r0 > 0 and r1 > 0
     assert np.array_equal(plain[:ctx - decoded], comp[:ctx - decoded])
     assert not np.allclose(plain[-decoded:], comp[-decoded:], atol=1e-4)
@@ -419,16 +425,7 @@ def test_engine_score_channels_is_honoured_end_to_end():
     """sparsity_score_channels reaches the selection: the Quest-bound rule (0) and the
     channel estimate (8) give bit-identical prompt rows and different sparse decode rows."""
     ctx, decoded = 2400, 6
-    runs = []
-    for channels in (0, 8):
-        m = K25Model(K25Config(num_threads=2, kv_cache_bytes=256 << 20, enable_dynamic_sparsity=True,
-                               sparsity_score_channels=channels))
-        try:
-            ids = pydoc_ids(m, ctx, 12000)
-            runs.append((m.score(ids, decode_from=ctx - decoded), m.get_current_sparsity_ratio()))
-        finally:
-            m.close()
-    (bound, r0), (chan, r1) = runs
+    (bound, r0), (chan, r1) = sparse_score_runs(ctx, decoded, [dict(sparsity_score_channels=c) for c in (0, 8)])
     assert r0 > 0 and r1 > 0
     assert np.array_equal(bound[:ctx - decoded], chan[:ctx - decoded])
     assert np.abs(bound[ctx - decoded:] - chan[ctx - decoded:]).max() > 1e-4

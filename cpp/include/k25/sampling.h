@@ -29,6 +29,11 @@ struct SamplingParams {
   int32_t logprobs = -1;            // -1: none; 0: sampled token; n: also the top n
 };
 
+// Repetition, presence and frequency penalties are computed from the tokens so far.
+inline bool reads_token_history(const SamplingParams& p) {
+  return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
+}
+
 // Throws k25::Error(kInvalidArgument) naming the first bad field.
 void validate_sampling_params(const SamplingParams& p, int32_t vocab_size);
 
