@@ -7,6 +7,8 @@ namespace {
 
 template <typename T>
 __global__ void silu_mul_kernel(const T* gu, T* out, int64_t rows, int n) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t total = rows * n;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -25,8 +27,8 @@ void silu_mul(DType t, const void* gu, void* out, int64_t rows, int32_t n, cudaS
   if (total <= 0) return;
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<int64_t>((total + threads - 1) / threads, 65536));
-  K25_DISPATCH_DTYPE(t, silu_mul_kernel<T><<<blocks, threads, 0, stream>>>(static_cast<const T*>(gu),
-                                                                          static_cast<T*>(out), rows, n));
+  K25_DISPATCH_DTYPE(t, launch_pdl(silu_mul_kernel<T>, blocks, threads, 0, stream, static_cast<const T*>(gu),
+                                   static_cast<T*>(out), rows, n));
 }
 
 }  // namespace k25::cuda

@@ -222,4 +222,48 @@ __device__ __forceinline__ void merge_in_cta(const AttnBatch& batch, const Split
     case DType::kBF16: { using T = __nv_bfloat16; __VA_ARGS__; break; } \
   }
 
+// Programmatic dependent launch (compute capability 9.0): a kernel launched with
+// launch_pdl may start while the kernel before it in the stream is still running, once
+// every CTA of that one has called pdl_trigger() (or exited). Until its own pdl_wait()
+// returns, which is when the kernels before it have completed and their writes are
+// visible, it may only read what no earlier kernel writes (weights) and write nothing.
+// So a decode step's chain of small kernels overlaps each launch's ramp (and a GEMV's
+// first weight loads) with the previous kernel's tail. Both are no-ops before sm_90 and
+// for kernels launched without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launch_pdl sets the attribute: the current device has compute capability 9.0
+// or later and the environment variable K25_PDL is not "0" (read at every launch, so A/B
+// runs need no rebuild; CUDA graphs keep what was set when they were captured).
+bool pdl_enabled();
+
+// kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization
+// when pdl_enabled(). Only for kernels that call pdl_wait() before touching anything an
+// earlier kernel writes or reads.
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  // An error stays in cudaGetLastError() for the glue's check.
+  (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
 }  // namespace k25::cuda

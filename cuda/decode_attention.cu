@@ -458,6 +458,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int DT = D / 8;   // 8-wide column tiles of O
   extern __shared__ __align__(128) unsigned char smem[];
 
+  pdl_wait();  // q comes from the kernel before (launched with launch_pdl)
+  pdl_trigger();
   const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x);
   if (w.partial == kNoWork) return;  // uniform over the CTA: before any barrier
   const SplitMerge split = split_merge(batch, w, kv.num_kv_heads, window);  // read early, used at the end
@@ -669,8 +671,8 @@ void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, c
     configure<T, D>();
     configured = true;
   }
-  decode_tc_kernel<T, D><<<num_items, kThreads, kSmemBytes, stream>>>(
-      static_cast<const T*>(q), q_stride, static_cast<T*>(out), kv, layer, b, num_heads, scale, window);
+  launch_pdl(decode_tc_kernel<T, D>, num_items, kThreads, kSmemBytes, stream, static_cast<const T*>(q), q_stride,
+             static_cast<T*>(out), kv, layer, b, num_heads, scale, window);
 }
 
 // One kernel serves every group (the rows are runtime), so one occupancy for all.

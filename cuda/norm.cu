@@ -26,6 +26,8 @@ template <typename T, bool kAdd>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(T* x, int64_t x_stride, const T* delta, const T* w,
                                                             T* out, int64_t out_stride, int n, float eps) {
   __shared__ float shared[kThreads / 32];
+  pdl_wait();
+  pdl_trigger();
   T* xr = x + blockIdx.x * x_stride;
   const T* dr = kAdd ? delta + blockIdx.x * static_cast<int64_t>(n) : nullptr;
   float ss = 0.0f;
@@ -52,6 +54,16 @@ __global__ void __launch_bounds__(kThreads) rms_norm_vec_kernel(T* x, int64_t x_
                                                                 T* out, int64_t out_stride, int n, float eps) {
   constexpr int kElems = 16 / sizeof(T);
   __shared__ float shared[kThreads / 32];
+  // The weight's loads are issued first: before the previous kernel (which writes x) has
+  // ended, and their latency overlaps the reduction (a decode step's rows are latency-bound).
+  uint4 wv[kVecs];
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int idx = (threadIdx.x + k * kThreads) * kElems;
+    if (idx < n) wv[k] = *reinterpret_cast<const uint4*>(w + idx);
+  }
+  pdl_wait();
+  pdl_trigger();
   T* xr = x + blockIdx.x * x_stride;
   const T* dr = kAdd ? delta + blockIdx.x * static_cast<int64_t>(n) : nullptr;
   float v[kVecs][kElems];
@@ -80,14 +92,6 @@ __global__ void __launch_bounds__(kThreads) rms_norm_vec_kernel(T* x, int64_t x_
       *reinterpret_cast<uint4*>(xr + idx) = hv;
     }
   }
-  // The weight's loads are issued before the reduction, so their latency overlaps it (a
-  // decode step's rows are latency-bound).
-  uint4 wv[kVecs];
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int idx = (threadIdx.x + k * kThreads) * kElems;
-    if (idx < n) wv[k] = *reinterpret_cast<const uint4*>(w + idx);
-  }
   const float inv = rsqrtf(block_sum(ss, shared) / static_cast<float>(n) + eps);
   T* o = out + blockIdx.x * out_stride;
 #pragma unroll
@@ -114,14 +118,14 @@ void launch_norm(T* x, int64_t x_stride, const T* delta, const T* w, T* out, int
   const unsigned grid = static_cast<unsigned>(rows);
   if (vec_ok && vecs <= 8) {
     switch (vecs) {
-      case 1: return rms_norm_vec_kernel<T, kAdd, 1><<<grid, kThreads, 0, stream>>>(x, x_stride, delta, w, out, out_stride, n, eps);
-      case 2: return rms_norm_vec_kernel<T, kAdd, 2><<<grid, kThreads, 0, stream>>>(x, x_stride, delta, w, out, out_stride, n, eps);
+      case 1: return launch_pdl(rms_norm_vec_kernel<T, kAdd, 1>, grid, kThreads, 0, stream, x, x_stride, delta, w, out, out_stride, n, eps);
+      case 2: return launch_pdl(rms_norm_vec_kernel<T, kAdd, 2>, grid, kThreads, 0, stream, x, x_stride, delta, w, out, out_stride, n, eps);
       case 3:
-      case 4: return rms_norm_vec_kernel<T, kAdd, 4><<<grid, kThreads, 0, stream>>>(x, x_stride, delta, w, out, out_stride, n, eps);
-      default: return rms_norm_vec_kernel<T, kAdd, 8><<<grid, kThreads, 0, stream>>>(x, x_stride, delta, w, out, out_stride, n, eps);
+      case 4: return launch_pdl(rms_norm_vec_kernel<T, kAdd, 4>, grid, kThreads, 0, stream, x, x_stride, delta, w, out, out_stride, n, eps);
+      default: return launch_pdl(rms_norm_vec_kernel<T, kAdd, 8>, grid, kThreads, 0, stream, x, x_stride, delta, w, out, out_stride, n, eps);
     }
   }
-  rms_norm_kernel<T, kAdd><<<grid, kThreads, 0, stream>>>(x, x_stride, delta, w, out, out_stride, n, eps);
+  launch_pdl(rms_norm_kernel<T, kAdd>, grid, kThreads, 0, stream, x, x_stride, delta, w, out, out_stride, n, eps);
 }
 
 }  // namespace

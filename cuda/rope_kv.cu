@@ -29,6 +29,8 @@ template <typename T, int kMode>
 __global__ void rope_kv_kernel(T* qkv, int64_t row_stride, const int32_t* positions, const int64_t* slots,
                                int num_heads, int num_kv_heads, int head_dim, const float* cos, const float* sin,
                                KVCache kv, int layer) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t t = blockIdx.x;
   const int head = static_cast<int>(blockIdx.y) + ((kMode & 1) ? 0 : num_heads);
   const int half = head_dim / 2;
@@ -69,9 +71,9 @@ void launch(DType t, void* qkv, int64_t row_stride, const int32_t* positions, co
   if (rows <= 0) return;
   const int heads = kMode == 3 ? num_heads + 2 * num_kv_heads : kMode == 1 ? num_heads + num_kv_heads : 2 * num_kv_heads;
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(heads));
-  K25_DISPATCH_DTYPE(t, rope_kv_kernel<T, kMode><<<grid, head_dim / 2, 0, stream>>>(
-                            static_cast<T*>(qkv), row_stride, positions, slots, num_heads, num_kv_heads, head_dim,
-                            cos, sin, kv, layer));
+  K25_DISPATCH_DTYPE(t, launch_pdl(rope_kv_kernel<T, kMode>, grid, head_dim / 2, 0, stream, static_cast<T*>(qkv),
+                                   row_stride, positions, slots, num_heads, num_kv_heads, head_dim, cos, sin, kv,
+                                   layer));
 }
 
 }  // namespace

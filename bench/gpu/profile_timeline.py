@@ -38,10 +38,27 @@ def main():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 100000, (args.ctx,), generator=g).tolist() for _ in range(args.batch)]
     m.generate(prompts, max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def unprofiled(tag):
+        # The same request without the profiler: (long - short) / extra tokens, i.e. the
+        # steady-state time per decode step, to compare with the profiled wall below.
+        import time
+        per = []
+        for _ in range(3):
+            t = time.perf_counter()
+            m.generate(prompts, max_new_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+            t_long = time.perf_counter() - t
+            t = time.perf_counter()
+            m.generate(prompts, max_new_tokens=5, temperature=0.0, ignore_eos=True)
+            per.append(1e6 * (t_long - (time.perf_counter() - t)) / (args.steps - 4))
+        print(f"unprofiled ({tag}): {', '.join(f'{x:.1f}' for x in per)} us per decode step")
+
+    unprofiled("before")
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         m.generate(prompts, max_new_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
     prof.export_chrome_trace(args.trace)
+    unprofiled("after")
     m.close()
     ev = json.load(open(args.trace))["traceEvents"]
     gpu = sorted([e for e in ev if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")],

@@ -196,6 +196,15 @@ void bind_cuda_ops(py::module_& m) {
     return out;
   });
   cu.def("argmax_rows", [](const at::Tensor& x) { return cuda_glue::argmax_rows(x); });
+  cu.def(
+      "gemv",
+      [](const at::Tensor& x, const at::Tensor& w, std::optional<at::Tensor> b) {
+        return cuda_glue::gemv(x, w, b ? *b : at::Tensor());
+      },
+      py::arg("x"), py::arg("w"), py::arg("b") = py::none());
+  cu.def("gemv_supported", [](const at::Tensor& x, const at::Tensor& w, std::optional<at::Tensor> b) {
+    return cuda_glue::gemv_supported(x, w, b ? *b : at::Tensor());
+  }, py::arg("x"), py::arg("w"), py::arg("b") = py::none());
 }
 #endif
 

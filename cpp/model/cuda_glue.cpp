@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -137,6 +139,35 @@ void add_rms_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, a
   cuda::add_rms_norm(dtype_of(h), h.data_ptr(), delta.data_ptr(), w.data_ptr(), out.data_ptr(), h.size(0),
                      static_cast<int32_t>(h.size(1)), static_cast<float>(eps), stream());
   check_launch("add_rms_norm");
+}
+
+bool gemv_supported(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  const char* env = std::getenv("K25_GEMV");
+  if (env && std::string(env) == "0") return false;
+  const at::ScalarType t = x.scalar_type();
+  if ((t != at::kBFloat16 && t != at::kHalf) || w.scalar_type() != t || (b.defined() && b.scalar_type() != t)) {
+    return false;
+  }
+  if (x.dim() != 2 || w.dim() != 2 || x.size(0) < 1 || x.size(0) > cuda::kGemvMaxRows || x.size(1) != w.size(1)) {
+    return false;
+  }
+  auto aligned = [](const at::Tensor& a) { return reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0; };
+  const int64_t K = x.size(1);
+  return K % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 && w.is_contiguous() && aligned(x) && aligned(w) &&
+         (!b.defined() || (b.dim() == 1 && b.size(0) == w.size(0) && b.is_contiguous())) &&
+         w.size(0) <= std::numeric_limits<int32_t>::max() && K <= std::numeric_limits<int32_t>::max();
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  need(x.is_cuda() && w.device() == x.device(), "gemv: tensors on one CUDA device");
+  need(gemv_supported(x, w, b), "gemv: bf16/fp16, one row, K % 8 == 0, aligned contiguous rows");
+  const int64_t N = w.size(0);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  cuda::gemv(dtype_of(x), x.data_ptr(), x.stride(0), w.data_ptr(), b.defined() ? b.data_ptr() : nullptr,
+             y.data_ptr(), N, static_cast<int32_t>(x.size(0)), static_cast<int32_t>(N),
+             static_cast<int32_t>(x.size(1)), stream());
+  check_launch("gemv");
+  return y;
 }
 
 void silu_mul(const at::Tensor& gu, at::Tensor& out) {

@@ -44,6 +44,13 @@ DeviceBatch make_batch(const at::Tensor& query_start, const at::Tensor& context_
 // zeroed, one per (sequence, KV head); allocate them with the partials, once per batch shape.
 at::Tensor derived_split_counters(int32_t num_seqs, int32_t num_kv_heads, const at::Device& device);
 
+// Linear layers of a few rows (cuda/gemv.cu): whether gemv() takes x [M, K], w [N, K]
+// (and b [N], or undefined): bf16 / fp16, M == cuda::kGemvMaxRows (1), K % 8 == 0,
+// 16-byte aligned rows, unit inner strides; and the environment variable K25_GEMV is not
+// "0" (read at every call: 0 sends every product to cuBLAS, for A/B runs).
+bool gemv_supported(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);  // y = x w^T (+ b)
+
 void rms_norm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps);
 void add_rms_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, at::Tensor& out, double eps);
 void silu_mul(const at::Tensor& gu, at::Tensor& out);

@@ -51,7 +51,14 @@ at::Tensor rms_norm_aten(const at::Tensor& x, const at::Tensor& w, double eps) {
 // y = x w^T (+ b), split by output features over the thread pool; each slice is one
 // single-threaded BLAS call writing its columns of y in place.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
-  if (x.is_cuda()) return b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t());  // cuBLAS
+  if (x.is_cuda()) {
+#ifdef K25_WITH_CUDA
+    // A decode step of a small batch: cuBLAS reads W below the bandwidth it could (~3.0
+    // TB/s for the 8B shape's qkv and o at batch 1; see bench/gpu/NOTES.md).
+    if (cuda_glue::gemv_supported(x, w, b)) return cuda_glue::gemv(x, w, b);
+#endif
+    return b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t());  // cuBLAS
+  }
   const int64_t N = w.size(0);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   // Slices of >= 64 rows keep each BLAS call efficient; multiples of 16 keep them aligned.

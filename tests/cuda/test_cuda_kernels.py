@@ -43,6 +43,48 @@ def test_rms_norm_and_add(dtype, n):
     assert rel_err(out, ref) < TOL[dtype] / 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [1])
+@pytest.mark.parametrize("N,K", [(1, 8), (37, 576), (300, 4096), (129, 14336), (1000, 2056), (64, 17000)])
+@pytest.mark.parametrize("tpr", [None, 32, 256])
+def test_gemv_against_float64(dtype, M, N, K, tpr, monkeypatch):
+    """y = x W^T (+ b) for a few rows: each output within one rounding of the model dtype
+    (plus float32 summation) of the float64 product, for every threads-per-row shape
+    (K25_GEMV_TPR), K not a multiple of a CTA's chunks, and N not a multiple of its rows."""
+    if tpr:
+        monkeypatch.setenv("K25_GEMV_TPR", str(tpr))
+    g = torch.Generator(device="cuda").manual_seed(M * 1000 + N + K)
+    w = (torch.randn(N, K, device="cuda", generator=g) / math.sqrt(K)).to(dtype)
+    b = torch.randn(N, device="cuda", generator=g).to(dtype)
+    # x as a row slice of a wider matrix (stride != K), as the model's activations can be
+    x = torch.randn(M, K + 8, device="cuda", generator=g).to(dtype)[:, :K]
+    assert cu.gemv_supported(x, w, b)
+    ref = x.double() @ w.double().t()
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    for bias in (None, b):
+        full = ref + (bias.double() if bias is not None else 0.0)
+        y = cu.gemv(x, w, bias)
+        assert y.shape == (M, N) and y.dtype == dtype
+        # the output's rounding (half an ulp) + float32 sums (2^-16 of the sum of |products|;
+        # one missed or doubled chunk of 8 products moves an output by ~100x that)
+        bound = full.abs() * eps + 2.0 ** -16 * (x.double().abs() @ w.double().abs().t()) + 1e-30
+        assert ((y.double() - full).abs() <= bound).all(), (y.double() - full).abs().max().item()
+
+
+def test_gemv_declines_what_it_does_not_run(monkeypatch):
+    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    assert cu.gemv_supported(torch.randn(1, 64, device="cuda", dtype=torch.bfloat16), w)
+    assert not cu.gemv_supported(torch.randn(2, 64, device="cuda", dtype=torch.bfloat16), w)  # > 1 row
+    assert not cu.gemv_supported(torch.randn(1, 64, device="cuda"), w.float())  # float32: cuBLAS
+    w12 = torch.randn(64, 12, device="cuda", dtype=torch.bfloat16)
+    assert not cu.gemv_supported(torch.randn(1, 12, device="cuda", dtype=torch.bfloat16), w12)  # K % 8
+    assert not cu.gemv_supported(torch.randn(1, 64, device="cuda", dtype=torch.bfloat16), w.t())  # strided W
+    with pytest.raises(ValueError):
+        cu.gemv(torch.randn(2, 64, device="cuda", dtype=torch.bfloat16), w)
+    monkeypatch.setenv("K25_GEMV", "0")
+    assert not cu.gemv_supported(torch.randn(1, 64, device="cuda", dtype=torch.bfloat16), w)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     gu = (torch.randn(19, 2 * 700, device="cuda") * 4).to(dtype)
