@@ -58,6 +58,12 @@ py::dict stats_dict(const EngineStats& s) {
   d["blocks_total"] = s.blocks_total;
   d["blocks_used"] = s.blocks_used;
   d["blocks_free"] = s.blocks_free;
+  d["prefix_cache_queries"] = s.prefix_cache_queries;
+  d["prefix_cache_hits"] = s.prefix_cache_hits;
+  d["prefix_cached_blocks"] = s.prefix_cached_blocks;
+  d["prefix_cache_tier_hits"] = s.prefix_cache_tier_hits;
+  d["prefix_spilled_blocks"] = s.prefix_spilled_blocks;
+  d["prefix_tier_blocks"] = s.prefix_tier_blocks;
   d["block_size"] = s.block_size;
   d["busy_time_s"] = s.busy_time_s;
   d["last_step_s"] = s.last_step_s;
@@ -140,6 +146,7 @@ void bind_engine(py::module_& m) {
       .def_readwrite("decode_max_tokens", &EngineConfig::decode_max_tokens)
       .def_readwrite("num_threads", &EngineConfig::num_threads)
       .def_readwrite("admission_watermark", &EngineConfig::admission_watermark)
+      .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readwrite("batching_window_ms", &EngineConfig::batching_window_ms)
       .def_readwrite("enable_dynamic_sparsity", &EngineConfig::enable_dynamic_sparsity)
       .def_readwrite("max_sparsity_ratio", &EngineConfig::max_sparsity_ratio)
@@ -239,6 +246,19 @@ void bind_engine(py::module_& m) {
            },
            py::arg("prompt"), py::arg("params"), py::arg("priority") = 1, py::arg("want_prompt_logits") = false,
            py::arg("single_token_from") = -1)
+      .def("add_requests",
+           [](Engine& e, std::vector<std::vector<int32_t>> prompts, const SamplingParams& p, int32_t priority) {
+             if (priority < 0 || priority > 2) throw Error(ErrorCode::kInvalidArgument, "priority must be 0, 1 or 2");
+             std::vector<RequestSpec> specs(prompts.size());
+             for (size_t i = 0; i < prompts.size(); ++i) {
+               specs[i].prompt = std::move(prompts[i]);
+               specs[i].params = p;
+               specs[i].priority = static_cast<Priority>(priority);
+             }
+             py::gil_scoped_release release;
+             return e.add_requests(std::move(specs));
+           },
+           py::arg("prompts"), py::arg("params"), py::arg("priority") = 1)
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>())
       .def("wait_outputs", &Engine::wait_outputs, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })

@@ -123,7 +123,24 @@ void bind_scheduler(py::module_& m) {
       .def("incref", &BlockPool::incref)
       .def("decref", &BlockPool::decref)
       .def("refcount", &BlockPool::refcount)
+      .def_property_readonly("num_cached", &BlockPool::num_cached)
+      .def("register_block",
+           [](BlockPool& p, int32_t block, uint64_t hash, uint64_t parent, const std::vector<int32_t>& tokens) {
+             return p.register_block(block, hash, parent, tokens.data(), static_cast<int32_t>(tokens.size()));
+           })
+      .def("match_prefix",
+           [](const BlockPool& p, const std::vector<int32_t>& tokens, int32_t block_size) {
+             if (block_size <= 0) throw Error(ErrorCode::kInvalidArgument, "block_size must be positive");
+             std::vector<uint64_t> hashes;
+             std::vector<int32_t> blocks = p.match_prefix(
+                 tokens.data(), static_cast<int32_t>(tokens.size()) / block_size, block_size, &hashes);
+             return py::make_tuple(blocks, hashes);
+           })
+      .def("acquire", &BlockPool::acquire)
       .def("check_invariants", &BlockPool::check_invariants);
+  m.def("block_chain_hash", [](uint64_t parent, const std::vector<int32_t>& tokens) {
+    return block_chain_hash(parent, tokens.data(), static_cast<int32_t>(tokens.size()));
+  });
 
   py::class_<SchedulerSim>(m, "SchedulerSim")
       .def(py::init<const EngineConfig&>())

@@ -77,6 +77,15 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
         [this](int64_t id, const std::vector<int32_t>& blocks, const std::string& reason) {
           record_kv_event(id, blocks, reason.c_str(), true);
         });
+    if (config_.enable_prefix_caching) {
+      // Cached blocks evicted from L1 go down to L2/L3 and are found there (docs/offload.md).
+      pool_->set_record_evictions(true);
+      KVSwap* swap = swap_.get();
+      scheduler_->set_tier_prefix_lookup([swap](const int32_t* tokens, int32_t first, int32_t max_blocks,
+                                                int32_t block_size, uint64_t parent, std::vector<uint64_t>* hashes) {
+        return swap->lookup_prefix(tokens, first, max_blocks, block_size, parent, hashes);
+      });
+    }
   }
   executor_->warm_up(config_.max_batch_size);
   const char* pipe = std::getenv("K25_ASYNC_SCHEDULING");
@@ -108,6 +117,31 @@ void Engine::shutdown() {
 }
 
 int64_t Engine::add_request(RequestSpec spec) {
+  std::vector<RequestSpec> one;
+  one.push_back(std::move(spec));
+  return add_requests(std::move(one)).front();
+}
+
+std::vector<int64_t> Engine::add_requests(std::vector<RequestSpec> specs) {
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (RequestSpec& spec : specs) seqs.push_back(make_sequence(std::move(spec)));
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) fail(ErrorCode::kResourceExhausted, "the engine is shut down");
+    for (std::unique_ptr<Sequence>& seq : seqs) {
+      seq->id = next_id_++;
+      seq->arrival = next_arrival_++;
+      ids.push_back(seq->id);
+      inbox_.push_back(std::move(seq));
+      ++stats_.requests_added;
+    }
+  }
+  cv_.notify_all();
+  return ids;
+}
+
+std::unique_ptr<Sequence> Engine::make_sequence(RequestSpec spec) const {
   auto bad = [](const std::string& m) { fail(ErrorCode::kInvalidArgument, m); };
   const int64_t P = static_cast<int64_t>(spec.prompt.size());
   if (P == 0) bad("the prompt is empty");
@@ -156,18 +190,7 @@ int64_t Engine::add_request(RequestSpec spec) {
     seq->seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
   }
   seq->arrival_time = now_s();
-  int64_t id;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (stop_) fail(ErrorCode::kResourceExhausted, "the engine is shut down");
-    id = next_id_++;
-    seq->id = id;
-    seq->arrival = next_arrival_++;
-    inbox_.push_back(std::move(seq));
-    ++stats_.requests_added;
-  }
-  cv_.notify_all();
-  return id;
+  return seq;
 }
 
 void Engine::abort(int64_t id) {
@@ -385,6 +408,10 @@ void Engine::refresh_gauges() {
   stats_.waiting = scheduler_->num_waiting();
   stats_.blocks_used = pool_->num_used();
   stats_.blocks_free = pool_->num_free();
+  stats_.prefix_cache_queries = scheduler_->prefix_query_tokens();
+  stats_.prefix_cache_hits = scheduler_->prefix_hit_tokens();
+  stats_.prefix_cache_tier_hits = scheduler_->prefix_tier_hit_tokens();
+  stats_.prefix_cached_blocks = pool_->num_cached();
 }
 
 // Pipelined decode (vLLM's "async scheduling", SGLang's overlap scheduler): while step N
@@ -465,6 +492,10 @@ void Engine::add_counts_locked(const StepCounts& counts) {
   stats_.waiting = scheduler_->num_waiting();
   stats_.blocks_used = pool_->num_used();
   stats_.blocks_free = pool_->num_free();
+  stats_.prefix_cache_queries = scheduler_->prefix_query_tokens();
+  stats_.prefix_cache_hits = scheduler_->prefix_hit_tokens();
+  stats_.prefix_cache_tier_hits = scheduler_->prefix_tier_hit_tokens();
+  stats_.prefix_cached_blocks = pool_->num_cached();
 }
 
 void Engine::step() {
@@ -642,6 +673,8 @@ void Engine::step() {
       stats_.swap_outs = c.swap_outs;
       stats_.swap_ins = c.swap_ins;
       stats_.swap_fallbacks = c.swap_fallbacks;
+      stats_.prefix_spilled_blocks = c.prefix_spills;
+      stats_.prefix_tier_blocks = swap_->num_prefix_blocks();
     }
   }
   for (RequestOutput& o : outs) emit(std::move(o));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <unordered_set>
 
 #include "k25/status.h"
 
@@ -37,6 +38,35 @@ bool KVSwap::has_completions() const {
   return !done_.empty();
 }
 
+uint64_t KVSwap::demote_counted(int32_t block, const TierCallback& on_done) {
+  // The step may reuse the block as soon as its bytes are copied out: `copied`, or `done`
+  // when no copy happened. Whichever comes first counts; start() waits for all of them.
+  auto counted = std::make_shared<std::atomic<bool>>(false);
+  auto copied = [this, counted](uint64_t) {
+    if (counted->exchange(true)) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    --copies_pending_;
+    copied_cv_.notify_all();
+  };
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++copies_pending_;
+  }
+  uint64_t key;
+  // Full tiers: the oldest indexed prefix copies make room (a swap-out or a newer prefix
+  // block is worth more than the oldest cached one).
+  while ((key = tiers_->demote(block,
+                               [on_done, copied](const TierResult& r) {
+                                 copied(r.key);
+                                 on_done(r);
+                               },
+                               copied)) == 0 &&
+         evict_oldest_prefix()) {
+  }
+  if (key == 0) copied(0);
+  return key;
+}
+
 void KVSwap::start(const StepPlan& plan) {
   auto on_done = [this](const TierResult& r) {
     {
@@ -45,35 +75,19 @@ void KVSwap::start(const StepPlan& plan) {
     }
     wake_();
   };
+  // Prefix fetches take their keys out of the index first: room made below for this
+  // plan's copies may free the oldest indexed copies.
+  for (Sequence* s : plan.swap_ins) {
+    if (!s->tier_prefix_hashes.empty()) take_prefixes(s);
+  }
   const int32_t bs = config_.block_size;
   for (const SwapOut& so : plan.swap_outs) {
     Sequence* s = so.seq;
     s->swap_keys.clear();
     s->swap_out_pending = 0;
     for (size_t i = 0; i < so.blocks.size(); ++i) {
-      // The step may reuse the block as soon as its bytes are copied out: `copied`, or
-      // `done` when no copy happened. Whichever comes first counts.
-      auto counted = std::make_shared<std::atomic<bool>>(false);
-      auto copied = [this, counted](uint64_t) {
-        if (counted->exchange(true)) return;
-        std::lock_guard<std::mutex> lk(mu_);
-        --copies_pending_;
-        copied_cv_.notify_all();
-      };
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        ++copies_pending_;
-      }
-      const uint64_t key = tiers_->demote(so.blocks[i],
-                                          [on_done, copied](const TierResult& r) {
-                                            copied(r.key);
-                                            on_done(r);
-                                          },
-                                          copied);
-      if (key == 0) {  // neither L2 nor L3 has room: the rest is recomputed
-        copied(0);
-        break;
-      }
+      const uint64_t key = demote_counted(so.blocks[i], on_done);
+      if (key == 0) break;  // neither L2 nor L3 has room: the rest is recomputed
       s->swap_keys.push_back(key);
       keys_[key] = KeyInfo{s->id, static_cast<int32_t>(i), true, false};
       ++s->swap_out_pending;
@@ -91,7 +105,8 @@ void KVSwap::start(const StepPlan& plan) {
       events_(s->id, so.blocks, "preempt_swap");
     }
   }
-  if (!plan.swap_outs.empty()) {
+  spill_prefixes(plan, on_done);
+  if (!plan.swap_outs.empty() || !plan.prefix_spills.empty()) {
     std::unique_lock<std::mutex> lk(mu_);
     copied_cv_.wait(lk, [&] { return copies_pending_ == 0; });
   }
@@ -103,9 +118,82 @@ void KVSwap::start(const StepPlan& plan) {
       const uint64_t key = s->swap_keys[i];
       keys_.at(key).pending = true;
       ++s->swap_in_pending;
-      tiers_->fetch(key, s->block_table[i], on_done);
+      tiers_->fetch(key, s->block_table[s->swap_first_block + i], on_done);
     }
   }
+}
+
+void KVSwap::spill_prefixes(const StepPlan& plan, const TierCallback& on_done) {
+  std::unordered_set<int32_t> moving;  // a block is copied out once per plan
+  for (const SwapOut& so : plan.swap_outs) moving.insert(so.blocks.begin(), so.blocks.end());
+  for (const BlockPool::Evicted& e : plan.prefix_spills) {
+    if (prefix_.count(e.hash) || moving.count(e.block)) continue;
+    const uint64_t key = demote_counted(e.block, on_done);
+    if (key == 0) break;  // the tiers are full of transfers in flight
+    TierPrefix& p = prefix_[e.hash];
+    p.key = key;
+    p.parent = e.parent;
+    p.tokens = e.tokens;
+    p.settled = false;
+    p.lru = prefix_lru_.end();
+    prefix_key_[key] = e.hash;
+    moving.insert(e.block);
+    ++counters_.prefix_spills;
+  }
+}
+
+int32_t KVSwap::lookup_prefix(const int32_t* tokens, int32_t first, int32_t max_blocks, int32_t block_size,
+                              uint64_t parent, std::vector<uint64_t>* hashes) const {
+  int32_t n = 0;
+  for (int32_t i = first; i < max_blocks; ++i) {
+    const int32_t* t = tokens + static_cast<int64_t>(i) * block_size;
+    const uint64_t h = block_chain_hash(parent, t, block_size);
+    auto it = prefix_.find(h);
+    if (it == prefix_.end()) break;
+    const TierPrefix& p = it->second;
+    if (!p.settled || p.parent != parent || p.tokens.size() != static_cast<size_t>(block_size) ||
+        !std::equal(p.tokens.begin(), p.tokens.end(), t)) {
+      break;
+    }
+    if (hashes) hashes->push_back(h);
+    parent = h;
+    ++n;
+  }
+  return n;
+}
+
+void KVSwap::take_prefixes(Sequence* s) {
+  s->swap_keys.clear();
+  for (size_t i = 0; i < s->tier_prefix_hashes.size(); ++i) {
+    auto it = prefix_.find(s->tier_prefix_hashes[i]);
+    if (it == prefix_.end() || !it->second.settled) {
+      fail(ErrorCode::kInternal, "swap: a cached prefix block left the tiers between planning and start");
+    }
+    const uint64_t key = it->second.key;
+    prefix_lru_.erase(it->second.lru);
+    prefix_key_.erase(key);
+    prefix_.erase(it);
+    s->swap_keys.push_back(key);
+    keys_[key] = KeyInfo{s->id, static_cast<int32_t>(i), false, false};
+    ++counters_.prefix_fetches;
+  }
+  s->tier_prefix_hashes.clear();
+}
+
+void KVSwap::erase_prefix(uint64_t hash) {
+  auto it = prefix_.find(hash);
+  if (it == prefix_.end()) return;
+  tiers_->free(it->second.key);
+  prefix_key_.erase(it->second.key);
+  if (it->second.settled) prefix_lru_.erase(it->second.lru);
+  prefix_.erase(it);
+}
+
+bool KVSwap::evict_oldest_prefix() {
+  if (prefix_lru_.empty()) return false;
+  erase_prefix(prefix_lru_.front());
+  ++counters_.prefix_dropped;
+  return true;
 }
 
 void KVSwap::drop_key(uint64_t key) {
@@ -134,7 +222,7 @@ void KVSwap::truncate(Sequence* s, int32_t index) {
 void KVSwap::finish_swap_in(Sequence* s) {
   int32_t tokens = s->swap_tokens;
   if (s->swap_in_bad_block >= 0) {
-    tokens = std::min(tokens, s->swap_in_bad_block * config_.block_size);
+    tokens = std::min(tokens, (s->swap_first_block + s->swap_in_bad_block) * config_.block_size);
     ++counters_.swap_fallbacks;
   }
   for (uint64_t key : s->swap_keys) drop_key(key);
@@ -142,8 +230,10 @@ void KVSwap::finish_swap_in(Sequence* s) {
   s->num_computed = tokens;
   s->swap = SwapState::kNone;
   s->swap_tokens = 0;
+  s->swap_first_block = 0;
   s->swap_in_bad_block = -1;
   ++counters_.swap_ins;
+  scheduler_->cache_full_blocks(s);  // the fetched blocks are findable in L1 again
 }
 
 void KVSwap::apply_completions() {
@@ -153,6 +243,19 @@ void KVSwap::apply_completions() {
     done.swap(done_);
   }
   for (const TierResult& r : done) {
+    auto pk = prefix_key_.find(r.key);
+    if (pk != prefix_key_.end()) {  // a cached prefix block's copy (only demotes: fetches take the key first)
+      const uint64_t h = pk->second;
+      if (r.op == TierOp::kDemote && r.ok) {
+        TierPrefix& p = prefix_.at(h);
+        p.settled = true;
+        p.lru = prefix_lru_.insert(prefix_lru_.end(), h);
+      } else {
+        erase_prefix(h);
+        ++counters_.prefix_dropped;
+      }
+      continue;
+    }
     auto it = keys_.find(r.key);
     if (it == keys_.end()) fail(ErrorCode::kInternal, "swap: completion for an unknown key");
     KeyInfo k = it->second;
@@ -178,7 +281,7 @@ void KVSwap::apply_completions() {
     } else if (r.op == TierOp::kFetch) {
       --s->swap_in_pending;
       if (!r.ok) {
-        events_(s->id, {s->block_table[k.index]}, tier_fault_name(r.fault));
+        events_(s->id, {s->block_table[s->swap_first_block + k.index]}, tier_fault_name(r.fault));
         s->swap_in_bad_block =
             s->swap_in_bad_block < 0 ? k.index : std::min(s->swap_in_bad_block, k.index);
       }
@@ -194,6 +297,8 @@ void KVSwap::on_finish(Sequence* s) {
     s->block_table.clear();
   }
   s->swap_keys.clear();
+  s->tier_prefix_hashes.clear();
+  s->swap_first_block = 0;
   s->swap = SwapState::kNone;
 }
 

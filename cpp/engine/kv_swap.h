@@ -11,12 +11,19 @@
 //     and the sequence is skipped until apply_completions() sees all of them land, then
 //     its num_computed comes back. A failed fetch (checksum, short read, ...) is logged
 //     as a KV event with the fault as reason; the sequence recomputes from that block on.
+//   - prefix spill (with enable_prefix_caching): a cached block that the plan evicted from
+//     L1 is demoted too (start() waits for its copy as for a swap-out) and indexed by its
+//     chain hash; the scheduler finds such blocks past a prompt's L1 hits through
+//     lookup_prefix() and admits the sequence as a swap-in of them (the index's keys
+//     become the sequence's swap keys: a tier copy is used once, then the fetched block is
+//     cached in L1 again). When the tiers are full, the oldest indexed copies make room.
 // Completions arrive on tier threads; they are queued and applied on the engine thread,
 // which `wake` rouses (no polling).
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <condition_variable>
@@ -34,6 +41,9 @@ struct SwapCounters {
   int64_t swap_outs = 0;       // sequences whose KV went (at least partly) to the tiers
   int64_t swap_ins = 0;        // sequences that got their KV back
   int64_t swap_fallbacks = 0;  // sequences that recomputed some of it (no room, a fault)
+  int64_t prefix_spills = 0;   // cached prefix blocks copied down from L1
+  int64_t prefix_fetches = 0;  // of those, blocks fetched back for a later request
+  int64_t prefix_dropped = 0;  // indexed copies freed to make room (or lost to a fault)
 };
 
 class KVSwap {
@@ -54,6 +64,11 @@ class KVSwap {
   // the pool when those fetches end (the sequence's block table is emptied).
   void on_finish(Sequence* seq);
 
+  // Scheduler::TierPrefixLookup: consecutive cached blocks the tiers hold, settled.
+  int32_t lookup_prefix(const int32_t* tokens, int32_t first, int32_t max_blocks, int32_t block_size,
+                        uint64_t parent, std::vector<uint64_t>* hashes) const;
+  int32_t num_prefix_blocks() const { return static_cast<int32_t>(prefix_.size()); }
+
   TierStats tier_stats() const { return tiers_->stats(); }
   TierManager& tiers() { return *tiers_; }
   SwapCounters counters() const { return counters_; }
@@ -69,7 +84,18 @@ class KVSwap {
     std::vector<int32_t> blocks;
     int32_t pending;
   };
+  struct TierPrefix {  // a cached block's copy in L2/L3, owned by the index
+    uint64_t key = 0, parent = 0;
+    std::vector<int32_t> tokens;
+    bool settled = false;  // its demote completed
+    std::list<uint64_t>::iterator lru;
+  };
   void drop_key(uint64_t key);
+  uint64_t demote_counted(int32_t block, const TierCallback& on_done);
+  void spill_prefixes(const StepPlan& plan, const TierCallback& on_done);
+  void take_prefixes(Sequence* s);
+  bool evict_oldest_prefix();
+  void erase_prefix(uint64_t hash);
   void truncate(Sequence* s, int32_t index);
   void finish_swap_in(Sequence* s);
 
@@ -81,6 +107,9 @@ class KVSwap {
   SwapCounters counters_;
   std::unordered_map<uint64_t, KeyInfo> keys_;  // engine thread only
   std::unordered_map<int64_t, Orphan> orphans_;
+  std::unordered_map<uint64_t, TierPrefix> prefix_;  // by chain hash
+  std::unordered_map<uint64_t, uint64_t> prefix_key_;  // tier key -> chain hash, while indexed
+  std::list<uint64_t> prefix_lru_;                      // settled hashes, oldest first
 
   mutable std::mutex mu_;  // done_, copies_pending_
   std::condition_variable copied_cv_;

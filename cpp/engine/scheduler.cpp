@@ -63,6 +63,45 @@ bool Scheduler::grow(Sequence* seq, int32_t num_new_tokens) {
   return true;
 }
 
+void Scheduler::cache_full_blocks(Sequence* seq) {
+  if (!config_.enable_prefix_caching) return;
+  const int32_t bs = config_.block_size;
+  const int32_t full = std::min<int32_t>(seq->num_computed / bs, static_cast<int32_t>(seq->block_table.size()));
+  while (seq->num_cache_checked < full) {
+    const int32_t i = seq->num_cache_checked;
+    const int32_t* t = seq->tokens.data() + static_cast<int64_t>(i) * bs;
+    if (std::find(t, t + bs, kPendingToken) != t + bs) return;  // its last token is still being sampled
+    const uint64_t parent = i == 0 ? 0 : seq->block_hashes[i - 1];
+    if (static_cast<int32_t>(seq->block_hashes.size()) == i) seq->block_hashes.push_back(block_chain_hash(parent, t, bs));
+    pool_->register_block(seq->block_table[i], seq->block_hashes[i], parent, t, bs);
+    ++seq->num_cache_checked;
+  }
+}
+
+void Scheduler::release_blocks(Sequence* seq, bool cache) {
+  if (cache) cache_full_blocks(seq);
+  pool_->release_all(seq->block_table);
+  seq->num_cache_checked = 0;
+}
+
+bool Scheduler::prefix_eligible(const Sequence& seq) const {
+  // Prompt logits need every prompt position computed; scoring computes its tail token by
+  // token: neither starts from cached KV.
+  return config_.enable_prefix_caching && !seq.want_prompt_logits && seq.single_token_from < 0 &&
+         seq.num_computed == 0 && seq.swap == SwapState::kNone;
+}
+
+std::vector<int32_t> Scheduler::cached_prefix(Sequence* seq) const {
+  if (!prefix_eligible(*seq)) return {};
+  const int32_t bs = config_.block_size;
+  const int32_t max_blocks = (seq->num_tokens() - 1) / bs;
+  std::vector<uint64_t> hashes;
+  std::vector<int32_t> hit = pool_->match_prefix(seq->tokens.data(), max_blocks, bs, &hashes);
+  // Remember the chain (it depends on the tokens only).
+  for (size_t i = seq->block_hashes.size(); i < hashes.size(); ++i) seq->block_hashes.push_back(hashes[i]);
+  return hit;
+}
+
 void Scheduler::preempt(Sequence* seq, StepPlan* plan) {
   // Recompute: drop the KV, keep the tokens (prompt and what was generated so far). With
   // swap the computed blocks' KV goes to L2/L3 first (the engine falls back to recompute
@@ -80,7 +119,9 @@ void Scheduler::preempt(Sequence* seq, StepPlan* plan) {
     seq->swap = SwapState::kOut;
     seq->swap_tokens = seq->num_computed;
   }
-  pool_->release_all(seq->block_table);
+  // A swapped-out sequence's blocks are not offered to the cache: they are being copied
+  // out, and a cached free block could be evicted (copied out again) in this same plan.
+  release_blocks(seq, seq->swap != SwapState::kOut);
   seq->num_computed = 0;
   seq->status = SeqStatus::kWaiting;
   ++seq->num_preemptions;
@@ -189,8 +230,58 @@ StepPlan Scheduler::schedule() {
         ++admitted;
         continue;
       }
-      int32_t n = std::min({s->num_tokens() - s->num_computed, s->step_limit(chunk), budget});
-      if (blocks_missing(*s, n) + watermark > pool_->num_free()) break;
+      // Prefix caching: start after the cached blocks of its prompt (and of what it had
+      // generated before a preemption). Blocks taken back from the free list count
+      // against the room it needs.
+      const bool eligible = prefix_eligible(*s);
+      const std::vector<int32_t> hit = cached_prefix(s);
+      int32_t taken_free = 0;
+      for (int32_t b : hit) taken_free += pool_->refcount(b) == 0 ? 1 : 0;
+      const int32_t bs = config_.block_size;
+      if (eligible && tier_lookup_) {
+        // Cached blocks past the L1 hits that L2/L3 hold: admitted with blocks for both,
+        // it computes nothing until the engine's fetches land (as a swap-in).
+        const int32_t nh = static_cast<int32_t>(hit.size());
+        std::vector<uint64_t> hashes;
+        const int32_t tier = tier_lookup_(s->tokens.data(), nh, (s->num_tokens() - 1) / bs, bs,
+                                          nh == 0 ? 0 : s->block_hashes[nh - 1], &hashes);
+        if (tier > 0) {
+          if (tier + taken_free + watermark > pool_->num_free()) break;
+          prefix_query_tokens_ += s->num_tokens();
+          prefix_hit_tokens_ += static_cast<int64_t>(nh + tier) * bs;
+          prefix_tier_hit_tokens_ += static_cast<int64_t>(tier) * bs;
+          for (int32_t b : hit) pool_->acquire(b);
+          s->block_table = hit;
+          const std::vector<int32_t> got = pool_->allocate(tier);
+          s->block_table.insert(s->block_table.end(), got.begin(), got.end());
+          s->num_computed = nh * bs;
+          s->num_cache_checked = nh;
+          for (size_t j = s->block_hashes.size(); j < static_cast<size_t>(nh + tier); ++j) {
+            s->block_hashes.push_back(hashes[j - nh]);
+          }
+          s->swap = SwapState::kIn;
+          s->swap_tokens = (nh + tier) * bs;
+          s->swap_first_block = nh;
+          s->tier_prefix_hashes = std::move(hashes);
+          s->status = SeqStatus::kRunning;
+          running_.push_back(s);
+          plan.swap_ins.push_back(s);
+          ++admitted;
+          continue;
+        }
+      }
+      const int32_t start = static_cast<int32_t>(hit.size()) * bs;
+      int32_t n = std::min({s->num_tokens() - start, s->step_limit(chunk), budget});
+      const int32_t need = blocks_for_tokens(start + n, config_.block_size) - static_cast<int32_t>(hit.size());
+      if (need + taken_free + watermark > pool_->num_free()) break;
+      if (eligible) {
+        prefix_query_tokens_ += s->num_tokens();
+        prefix_hit_tokens_ += start;
+      }
+      for (int32_t b : hit) pool_->acquire(b);
+      s->block_table = hit;
+      s->num_computed = start;
+      s->num_cache_checked = static_cast<int32_t>(hit.size());
       grow(s, n);
       s->status = SeqStatus::kRunning;
       running_.push_back(s);
@@ -201,12 +292,15 @@ StepPlan Scheduler::schedule() {
     }
     waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(admitted));
   }
+  plan.prefix_spills = pool_->take_evictions();
   return plan;
 }
 
 void Scheduler::complete_step(const StepPlan& plan) {
   for (const ScheduledSeq& s : plan.seqs) {
-    if (s.seq->status == SeqStatus::kRunning) s.seq->num_computed += s.num_new_tokens;
+    if (s.seq->status != SeqStatus::kRunning) continue;
+    s.seq->num_computed += s.num_new_tokens;
+    cache_full_blocks(s.seq);
   }
 }
 
@@ -218,7 +312,8 @@ void Scheduler::finish(Sequence* seq, FinishReason reason) {
   };
   drop(running_);
   drop(waiting_);
-  pool_->release_all(seq->block_table);
+  // A failed step may have left its tokens' KV unwritten: nothing of it is cached.
+  release_blocks(seq, reason != FinishReason::kError);
   seq->status = SeqStatus::kFinished;
   seq->finish_reason = reason;
 }

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -40,7 +41,12 @@ struct SwapOut {
 struct StepPlan {
   std::vector<ScheduledSeq> seqs;
   std::vector<SwapOut> swap_outs;
-  std::vector<Sequence*> swap_ins;  // readmitted with blocks for their parked KV, to fetch
+  // Readmitted with blocks for their parked KV, or admitted with blocks for cached prefix
+  // blocks that L2/L3 hold (Sequence::tier_prefix_hashes): to fetch.
+  std::vector<Sequence*> swap_ins;
+  // Prefix caching with tiers: cached blocks that this plan's allocations evicted from L1
+  // (their bytes intact until the step writes them), for the engine to copy down.
+  std::vector<BlockPool::Evicted> prefix_spills;
   std::vector<int64_t> preempted;  // ids preempted while planning this step
   std::vector<std::vector<int32_t>> preempted_blocks;  // the blocks each one gave back
   int32_t num_tokens = 0;
@@ -67,6 +73,22 @@ class Scheduler {
   // exactly one token to compute, all fit the token budget, their new blocks are free.
   bool decode_step_fits() const;
 
+  // Prefix caching counters: prompt tokens looked up at admission, those found (in L1 or
+  // the tiers), and those found in the tiers.
+  int64_t prefix_query_tokens() const { return prefix_query_tokens_; }
+  int64_t prefix_hit_tokens() const { return prefix_hit_tokens_; }
+  int64_t prefix_tier_hit_tokens() const { return prefix_tier_hit_tokens_; }
+
+  // Prefix caching with tiers: how many consecutive full blocks of `tokens`, from block
+  // `first` (the chain hash before it: `parent`) up to block `max_blocks`, the lower tiers
+  // hold ready to fetch; their chain hashes go to `hashes`. Set by the engine.
+  using TierPrefixLookup = std::function<int32_t(const int32_t* tokens, int32_t first, int32_t max_blocks,
+                                                 int32_t block_size, uint64_t parent, std::vector<uint64_t>* hashes)>;
+  void set_tier_prefix_lookup(TierPrefixLookup f) { tier_lookup_ = std::move(f); }
+  // Prefix caching: registers the sequence's newly full, computed blocks whose tokens are
+  // all known (a pending token waits for a later call).
+  void cache_full_blocks(Sequence* seq);
+
   Sequence* find(int64_t id);
   bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
   int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
@@ -85,6 +107,12 @@ class Scheduler {
   Sequence* pick_victim() const;
   int32_t blocks_missing(const Sequence& seq, int32_t num_new_tokens) const;
   bool grow(Sequence* seq, int32_t num_new_tokens);
+  // Frees a sequence's blocks (with cache: registering what it computed first).
+  void release_blocks(Sequence* seq, bool cache);
+  // The cached blocks a waiting sequence (nothing computed) can start from: at most all
+  // but the block of its last token, which must be computed to sample from it.
+  std::vector<int32_t> cached_prefix(Sequence* seq) const;
+  bool prefix_eligible(const Sequence& seq) const;
   void sort_queues();
 
   EngineConfig config_;
@@ -93,6 +121,8 @@ class Scheduler {
   std::vector<Sequence*> running_;
   std::vector<Sequence*> waiting_;
   int64_t num_preemptions_ = 0;
+  int64_t prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0, prefix_tier_hit_tokens_ = 0;
+  TierPrefixLookup tier_lookup_;
 };
 
 // True when a ranks before b (higher priority class, then earlier arrival).

@@ -41,6 +41,11 @@ struct Sequence {
   int32_t max_total_tokens = 0;  // prompt + allowed new tokens (<= max_seq_len)
   std::vector<int32_t> block_table;
   int32_t pending_row = -1;  // logits row, in the step in flight, of a kPendingToken
+  // Prefix caching: chain hashes of the leading full blocks of `tokens` computed so far
+  // (they depend on the tokens only, so they outlive preemptions), and how many leading
+  // blocks of block_table were offered to the cache (reset when the blocks are released).
+  std::vector<uint64_t> block_hashes;
+  int32_t num_cache_checked = 0;
   SamplingParams params;
   uint64_t seed = 0;  // effective sampling seed
   SeqStatus status = SeqStatus::kWaiting;
@@ -53,6 +58,11 @@ struct Sequence {
   int32_t swap_out_pending = 0;       // demotes not completed yet
   int32_t swap_in_pending = 0;        // fetches not completed yet
   int32_t swap_in_bad_block = -1;     // first block whose fetch failed (recomputed from there)
+  // swap_keys[i] is fetched into block_table[swap_first_block + i]: 0 for a swapped-out
+  // sequence; the number of prefix blocks found in L1 for one that takes cached prefix
+  // blocks from L2/L3 (their chain hashes in tier_prefix_hashes until KVSwap takes them).
+  int32_t swap_first_block = 0;
+  std::vector<uint64_t> tier_prefix_hashes;
   bool want_prompt_logits = false;
   // Tokens from this index on are computed one per step, as decodes are (>= 0): scoring
   // a text the way generation would compute it (teacher-forced decoding).

@@ -117,8 +117,7 @@ class K25Config:
              f"max_sparsity_ratio must be in [0.1, 0.8], got {self.max_sparsity_ratio!r}")
         positive_int("sparsity_min_context")
         positive_int("sparsity_recent_blocks")
-        if self.enable_prefix_caching:
-            raise ConfigError("enable_prefix_caching=True is not implemented yet")
+        need(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching must be a bool")
         positive_int("sparsity_sink_blocks")
         need(isinstance(self.sparsity_mass_target, (int, float)) and not isinstance(self.sparsity_mass_target, bool)
              and 0.0 < self.sparsity_mass_target <= 1.0,

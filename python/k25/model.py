@@ -216,6 +216,7 @@ class K25Model:
         ec.decode_max_tokens = config.decode_max_tokens or 0
         ec.num_threads = threads
         ec.batching_window_ms = float(config.batching_window_ms)
+        ec.enable_prefix_caching = bool(config.enable_prefix_caching)
         ec.enable_dynamic_sparsity = config.enable_dynamic_sparsity
         ec.max_sparsity_ratio = float(config.max_sparsity_ratio)
         ec.sparsity_min_context = config.sparsity_min_context
@@ -368,8 +369,7 @@ class K25Model:
             raise RequestError(f"bad sampling parameter: {e}") from None
         return p
 
-    def _submit(self, ids: List[int], params, priority: str, sink: _Sink, want_logits=False,
-                single_token_from=-1) -> int:
+    def _check_submission(self, ids: List[int], params, priority: str) -> None:
         if priority not in PRIORITIES:
             raise RequestError(f"priority must be one of {list(PRIORITIES)}, got {priority!r}")
         need = len(ids) + (1 if params.max_new_tokens > 0 else 0)
@@ -377,10 +377,24 @@ class K25Model:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len} and must "
                 "hold the prompt plus one generated token")
+
+    def _submit(self, ids: List[int], params, priority: str, sink: _Sink, want_logits=False,
+                single_token_from=-1) -> int:
+        self._check_submission(ids, params, priority)
         self._check_open()
         rid = self._engine.add_request(ids, params, PRIORITIES[priority], want_logits, single_token_from)
         self._router.register(rid, sink)
         return rid
+
+    def _submit_batch(self, all_ids: List[List[int]], params, priority: str, sinks: List[_Sink]) -> List[int]:
+        """Queues every prompt in one engine call (none if any is invalid)."""
+        for ids in all_ids:
+            self._check_submission(ids, params, priority)
+        self._check_open()
+        rids = self._engine.add_requests(all_ids, params, PRIORITIES[priority])
+        for rid, sink in zip(rids, sinks):
+            self._router.register(rid, sink)
+        return rids
 
     def _result(self, ids: List[int], outs: List[Any], skip_special_tokens: bool) -> GenerationOutput:
         tokens: List[int] = []
@@ -421,8 +435,8 @@ class K25Model:
         sinks = [_Sink() for _ in all_ids]
         submitted = []
         try:
-            for ids, sink in zip(all_ids, sinks):
-                submitted.append(self._submit(ids, params, priority, sink))
+            # All at once: the engine schedules the batch the same way on every run.
+            submitted = self._submit_batch(all_ids, params, priority, sinks)
             for sink in sinks:
                 while not sink.done.wait(0.1):
                     self._check_open()

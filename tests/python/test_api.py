@@ -504,33 +504,23 @@ def test_bad_prompt_later_in_batch_queues_nothing(default_model):
     assert m.generate(PROMPT, max_new_tokens=2, temperature=0.0)[0].token_ids
 
 
-def test_a_failure_after_queueing_aborts_the_earlier_prompts(default_model, monkeypatch):
-    # If submitting a later prompt fails (here: the engine refuses it), the ones already
-    # queued are aborted, not left running.
+def test_a_batch_is_queued_at_once(default_model):
+    # generate() hands the engine its prompts in one call: all of them or none are queued,
+    # and the engine sees them together (the same schedule on every run).
     m = default_model
     before = m.stats()
-    real = m._engine.add_request
-    calls = {"n": 0}
-
-    class Refusing:
-        def __getattr__(self, name):
-            return getattr(m._engine_real, name)
-
-        def add_request(self, *a, **kw):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise errors.ResourceExhaustedError("refused for the test")
-            return real(*a, **kw)
-
-    m._engine_real = m._engine
-    monkeypatch.setattr(m, "_engine", Refusing())
-    try:
-        with pytest.raises(errors.ResourceExhaustedError):
-            m.generate([m.tokenize(PROMPT), m.tokenize(PROMPT)], max_new_tokens=50, temperature=0.0, ignore_eos=True)
-    finally:
-        monkeypatch.setattr(m, "_engine", m._engine_real)
-    assert wait_until(lambda: m.stats()["requests_aborted"] + m.stats()["requests_finished"]
-                      == before["requests_aborted"] + before["requests_finished"] + 1 and idle(m))
+    params = m._params(max_new_tokens=4)
+    with pytest.raises(errors.InvalidArgumentError):
+        m._engine.add_requests([m.tokenize(PROMPT), [1, 10 ** 6]], params, 1)
+    assert m.stats()["requests_added"] == before["requests_added"]
+    assert idle(m)
+    prompts = [m.tokenize(p) for p in ("One", "Two words", "Three more words", "Four, now five words")]
+    for _ in range(3):
+        s0 = m.stats()
+        outs = m.generate(prompts, max_new_tokens=1, temperature=0.0)
+        s1 = m.stats()
+        assert [len(o.token_ids) for o in outs] == [1, 1, 1, 1]
+        assert s1["steps"] - s0["steps"] == 1  # one prefill step for the four
 
 
 def test_bad_stream_request_raises(default_model):
@@ -637,7 +627,7 @@ _NEEDS_NO_CUDA = pytest.mark.skipif(_C.cuda_available(), reason="valid where a C
     dict(device="tpu"), dict(device="cuda:x"),
     dict(device="cpu", dtype="bfloat16"), dict(device="cpu", dtype="float16"), dict(dtype="float64"),
     dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="fp8"),
-    dict(enable_prefix_caching=True), dict(enable_dynamic_sparsity=True, enable_kernel_fusion=False),
+    dict(enable_prefix_caching="yes"), dict(enable_dynamic_sparsity=True, enable_kernel_fusion=False),
         dict(sparsity_compensation=True), dict(sparsity_mass_target=1.5), dict(sparsity_sink_blocks=0),
     dict(sparsity_score_channels=-1), dict(sparsity_score_channels=True),
     dict(cache_mode="hierarchical"), dict(cache_mode="bogus"), dict(enable_async_offload=True),

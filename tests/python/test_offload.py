@@ -185,3 +185,55 @@ def test_aborts_while_swapped_or_fetching_leak_nothing(tmp_path, reference):
         assert got == (full if stop is None else full[:len(got)])
     assert s["preemptions"] > 0 and s["swap_outs"] > 0
     assert s["blocks_used"] == 0 and s["running"] == 0 and s["waiting"] == 0
+
+
+# ---- prefix caching with tiers (issue #6 use (c)) -----------------------------------------
+
+def prefix_tiered(tmp_path, per_block, l1_blocks, l2_slots, l3_pages):
+    page = _C.kv_page_bytes(per_block)
+    l3 = dict(l3_path=str(tmp_path / "l3p.bin"), l3_bytes=l3_pages * page) if l3_pages else {}
+    return K25Model(K25Config(num_threads=2, kv_cache_bytes=l1_blocks * per_block, block_size=BLOCK,
+                              prefill_chunk_size=64, max_num_batched_tokens=96, max_batch_size=4,
+                              enable_prefix_caching=True, cache_mode="hierarchical", enable_async_offload=True,
+                              l2_bytes=l2_slots * page, **l3))
+
+
+@pytest.mark.parametrize("where", ["l2", "l3", "l3_corrupt"])
+def test_cached_prefix_blocks_spill_to_tiers_and_come_back(tmp_path, reference, default_model, where):
+    """A prompt's cached blocks, pushed out of a small L1 by other requests, go down to L2
+    (or L3) and a later request with that prompt fetches them instead of recomputing; the
+    tokens equal those without any cache. Corrupted L3 pages are recomputed instead."""
+    prompts, want, per_block = reference
+    shared = prompts[1][:200]   # 12 full blocks
+    others = [prompts[3][:240], prompts[1][300:540], prompts[3][40:280]]
+    gen = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+    expect = [o.token_ids for o in default_model.generate([shared + [11, 12]], **gen)]
+    l2_slots, l3_pages = {"l2": (64, 0), "l3": (2, 64), "l3_corrupt": (2, 64)}[where]
+    model = prefix_tiered(tmp_path, per_block, l1_blocks=24, l2_slots=l2_slots, l3_pages=l3_pages)
+    try:
+        model.generate([shared + [7, 8, 9]], **gen)           # caches 13 blocks in L1
+        if where == "l3_corrupt":
+            model._engine.corrupt_next_l3_writes_for_test(4)  # the first spilled pages
+        for p in others:                                     # 17 blocks each: evict them
+            model.generate([p], **gen)
+        s0 = model.stats()
+        assert s0["prefix_spilled_blocks"] >= 13 and s0["prefix_tier_blocks"] >= 13
+        model.drain_kv_events()
+        outs = [o.token_ids for o in model.generate([shared + [11, 12]], **gen)]
+        s1 = model.stats()
+        tiers = model.tier_stats()
+        reasons = [e[2] for e in model.drain_kv_events()]
+    finally:
+        model.close()
+    assert outs == expect
+    hit = s1["prefix_cache_tier_hits"] - s0["prefix_cache_tier_hits"]
+    computed = s1["prefill_tokens"] - s0["prefill_tokens"]
+    if where == "l2":
+        assert hit == 192 and tiers["fetches_from_l2"] > 0 and computed == 202 - 192
+    elif where == "l3":
+        assert hit == 192 and tiers["fetches_from_l3"] >= 12 and computed == 202 - 192
+    else:
+        # a corrupted page fails its checksum when fetched: the prompt is recomputed from
+        # the first bad block on, and the output is still exact
+        assert tiers["faults"]["checksum_mismatch"] >= 1 and "checksum_mismatch" in reasons
+        assert hit == 192 and computed > 202 - 192

@@ -1067,3 +1067,27 @@ def test_tiered_kv_server_swaps_and_exports_offload_metrics(tmp_path):
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         s.kill()
+
+
+def test_prefix_caching_server_reuses_a_shared_prompt(tmp_path):
+    """k25 serve --enable-prefix-caching: the second request with the same long prompt
+    starts from the first one's cached blocks (the /metrics counters say how many prompt
+    tokens were looked up and found), with the same completion."""
+    s = Server(tmp_path, "--enable-prefix-caching", name="prefix")
+    try:
+        text = " ".join(f"word{i}" for i in range(60))
+        body = {"model": MODEL, "prompt": text, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        first = s.post(P, body, timeout=120)
+        m0 = s.metrics()
+        second = s.post(P, body, timeout=120)
+        m1 = s.metrics()
+        assert first.status_code == second.status_code == 200
+        assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
+        prompt_tokens = second.json()["usage"]["prompt_tokens"]
+        hits = m1.get("k25_prefix_cache_hits_total", model=MODEL) - m0.get("k25_prefix_cache_hits_total", model=MODEL)
+        queries = (m1.get("k25_prefix_cache_queries_total", model=MODEL)
+                   - m0.get("k25_prefix_cache_queries_total", model=MODEL))
+        assert queries == prompt_tokens
+        assert hits == (prompt_tokens - 1) // 16 * 16 > 0
+    finally:
+        s.kill()

@@ -17,6 +17,9 @@ struct EngineConfig {
   int32_t num_threads = 0;               // intra-op threads of the engine thread (0: default)
   float admission_watermark = 0.01f;     // fraction of blocks kept free when admitting
   double batching_window_ms = 0;         // an idle engine waits this long to gather arrivals
+  // Prefix caching: full computed blocks are registered by the hash of their token prefix
+  // and shared with later requests that start with the same tokens (BlockPool).
+  bool enable_prefix_caching = false;
   // Dynamic block sparsity of decode attention (docs/sparsity.md; CPU backend).
   bool enable_dynamic_sparsity = false;
   float max_sparsity_ratio = 0.6f;       // most of a sequence-layer's blocks skipped

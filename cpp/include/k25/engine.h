@@ -96,6 +96,16 @@ struct EngineStats {
   int64_t swap_outs = 0;       // sequences whose KV was parked in L2/L3
   int64_t swap_ins = 0;        // sequences that got it back
   int64_t swap_fallbacks = 0;  // sequences that recomputed (part of) it: no room, or a fault
+  // Prefix caching (enable_prefix_caching): tokens of admitted requests looked up, those
+  // found cached (not computed), and blocks registered in the cache now.
+  int64_t prefix_cache_queries = 0;
+  int64_t prefix_cache_hits = 0;
+  int32_t prefix_cached_blocks = 0;
+  // With tiers: hits fetched from L2/L3 (tokens), cached blocks copied down from L1, and
+  // cached copies the tiers hold now.
+  int64_t prefix_cache_tier_hits = 0;
+  int64_t prefix_spilled_blocks = 0;
+  int32_t prefix_tier_blocks = 0;
 };
 
 struct RequestSpec {
@@ -118,6 +128,10 @@ class Engine {
 
   // Validates and queues; throws k25::Error (kInvalidArgument, kResourceExhausted).
   int64_t add_request(RequestSpec spec);
+  // Validates every request, then queues them all at once (ids in order): the engine sees
+  // them together, so they are scheduled the same way on every run (an offline batch is
+  // reproducible). One invalid request queues none of them.
+  std::vector<int64_t> add_requests(std::vector<RequestSpec> specs);
   // Ends a request early (finish_reason "abort"); unknown or finished ids are ignored.
   void abort(int64_t id);
   // Blocks until at least one output is ready or the timeout passes.
@@ -167,6 +181,7 @@ class Engine {
   mutable std::mutex mu_;  // guards inbox_, aborts_, stop_, stats_ snapshot
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Sequence>> inbox_;
+  std::unique_ptr<Sequence> make_sequence(RequestSpec spec) const;  // validates
   std::vector<int64_t> aborts_;
   bool stop_ = false;
   int64_t next_id_ = 1;

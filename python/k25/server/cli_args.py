@@ -32,6 +32,8 @@ def add_arguments(p) -> None:
                    help="block-sparse decode attention for long contexts (CPU backend; docs/sparsity.md)")
     p.add_argument("--max-sparsity-ratio", type=float, default=None,
                    help="most of a sequence-layer's KV blocks a decode step may skip (0.1-0.8, default 0.6)")
+    p.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                   help="share the KV of identical token prefixes between requests (README 'Prefix caching')")
     p.add_argument("--cache-mode", default=None, choices=["standard", "hierarchical"],
                    help="hierarchical: tiered KV (needs --enable-async-offload; CPU backend; docs/offload.md)")
     p.add_argument("--enable-async-offload", action="store_true", default=None,

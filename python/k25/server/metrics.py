@@ -54,6 +54,10 @@ class _EngineCollector:
         pre = CounterMetricFamily("k25_preemptions", "Sequences preempted (recompute)", labels=["model"])
         sparsity = GaugeMetricFamily("k25_sparsity_ratio", "Running average of skipped KV blocks", labels=["model"])
         offload = CounterMetricFamily("k25_offload", "KV blocks moved between tiers", labels=["model"])
+        prefix_q = CounterMetricFamily("k25_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                       labels=["model"])
+        prefix_h = CounterMetricFamily("k25_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                       labels=["model"])
         layer_ratio = GaugeMetricFamily("k25_sparsity_layer_ratio", "Skipped KV blocks per layer since start",
                                         labels=["model", "layer"])
         layer_entropy = GaugeMetricFamily("k25_sparsity_layer_entropy_bits",
@@ -69,7 +73,9 @@ class _EngineCollector:
             pre.add_metric([model], s["preemptions"])
             sparsity.add_metric([model], s.get("sparsity_ratio", 0.0))
             offload.add_metric([model], s.get("offload_count", 0))
-        yield from (used, free, pre, sparsity, offload, layer_ratio, layer_entropy)
+            prefix_q.add_metric([model], s.get("prefix_cache_queries", 0))
+            prefix_h.add_metric([model], s.get("prefix_cache_hits", 0))
+        yield from (used, free, pre, sparsity, offload, prefix_q, prefix_h, layer_ratio, layer_entropy)
 
 
 def tier_metrics(engine_stats: Dict[str, Dict]):

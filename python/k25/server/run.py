@@ -87,7 +87,7 @@ def serve(args) -> int:
     engine_kw = dict(num_threads=args.threads, max_seq_len=args.max_seq_len, kv_cache_bytes=args.kv_cache_bytes,
                      max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                      prefill_chunk_size=args.prefill_chunk_size, device=args.device, dtype=args.dtype,
-                     batching_window_ms=args.batching_window_ms,
+                     batching_window_ms=args.batching_window_ms, enable_prefix_caching=args.enable_prefix_caching,
                      enable_dynamic_sparsity=args.enable_dynamic_sparsity, max_sparsity_ratio=args.max_sparsity_ratio,
                      cache_mode=args.cache_mode, enable_async_offload=args.enable_async_offload,
                      l2_bytes=args.l2_bytes, l3_path=args.l3_path, l3_bytes=args.l3_bytes)
