@@ -61,6 +61,9 @@ py::dict stats_dict(const EngineStats& s) {
   d["prefix_cache_queries"] = s.prefix_cache_queries;
   d["prefix_cache_hits"] = s.prefix_cache_hits;
   d["prefix_cached_blocks"] = s.prefix_cached_blocks;
+  d["swap_declined"] = s.swap_declined;
+  d["recompute_s_per_token"] = s.recompute_s_per_token;
+  d["swap_s_per_block"] = s.swap_s_per_block;
   d["prefix_cache_tier_hits"] = s.prefix_cache_tier_hits;
   d["prefix_spilled_blocks"] = s.prefix_spilled_blocks;
   d["prefix_tier_blocks"] = s.prefix_tier_blocks;
@@ -263,6 +266,7 @@ void bind_engine(py::module_& m) {
       .def("wait_outputs", &Engine::wait_outputs, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })
       .def("corrupt_next_l3_writes_for_test", &Engine::corrupt_next_l3_writes_for_test, py::arg("n"))
+      .def("set_swap_cost_for_test", &Engine::set_swap_cost_for_test, py::arg("s_per_block"))
       .def("tier_stats", [](const Engine& e) -> py::object {
         TierStats t;
         if (!e.tier_stats(&t)) return py::none();

@@ -153,6 +153,7 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("num_preemptions", [](const SchedulerSim& s) { return s.sched_.num_preemptions(); })
       .def_property_readonly("blocks_free", [](const SchedulerSim& s) { return s.pool_.num_free(); })
       .def_property_readonly("blocks_total", [](const SchedulerSim& s) { return s.pool_.num_total(); })
+      .def_property_readonly("prefix_hit_tokens", [](const SchedulerSim& s) { return s.sched_.prefix_hit_tokens(); })
       .def("has_unfinished", [](const SchedulerSim& s) { return s.sched_.has_unfinished(); });
 }
 

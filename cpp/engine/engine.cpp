@@ -235,6 +235,12 @@ bool Engine::tier_stats(TierStats* out) const {
   return true;
 }
 
+void Engine::set_swap_cost_for_test(double s_per_block) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!swap_) fail(ErrorCode::kInvalidArgument, "this engine has no tiers");
+  swap_->set_swap_cost_for_test(s_per_block);
+}
+
 void Engine::corrupt_next_l3_writes_for_test(int32_t n) {
   std::lock_guard<std::mutex> lk(mu_);
   if (!swap_ || !swap_->tiers().has_l3()) fail(ErrorCode::kInvalidArgument, "this engine has no L3 tier");
@@ -638,6 +644,7 @@ void Engine::step() {
     in_flight_ = std::make_unique<StepRecord>(std::move(rec));
   } else {
     std::vector<SampleResult> results;
+    const double t_exec = now_s();
     try {
       executor_->execute(meta, samples, &results, copies);
       if (results.size() != samples.size()) fail(ErrorCode::kInternal, "executor returned wrong result count");
@@ -646,6 +653,8 @@ void Engine::step() {
       return fail_step(seqs, std::string("model step failed: ") + e.what());
     }
     const double t_done = now_s();
+    // What recomputing costs, for the swap-or-recompute choice (prompt steps).
+    if (swap_ && prefill_tokens > 0) swap_->observe_compute(prefill_tokens + decode_tokens, t_done - t_exec);
     for (const ScheduledSeq& s : plan.seqs) {
       if (s.seq->num_computed < s.seq->num_prompt_tokens) {  // this step computed prompt tokens
         ++s.seq->prefill_chunks;
@@ -673,6 +682,9 @@ void Engine::step() {
       stats_.swap_outs = c.swap_outs;
       stats_.swap_ins = c.swap_ins;
       stats_.swap_fallbacks = c.swap_fallbacks;
+      stats_.swap_declined = c.swap_declined;
+      stats_.recompute_s_per_token = swap_->recompute_s_per_token();
+      stats_.swap_s_per_block = swap_->swap_s_per_block();
       stats_.prefix_spilled_blocks = c.prefix_spills;
       stats_.prefix_tier_blocks = swap_->num_prefix_blocks();
     }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <unordered_set>
 
 #include "k25/status.h"
@@ -9,6 +10,12 @@
 namespace k25 {
 
 namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void ewma(double* avg, double x) { *avg = *avg > 0 ? 0.8 * *avg + 0.2 * x : x; }
 
 TierConfig tier_config(const EngineConfig& c, int64_t block_bytes) {
   TierConfig t;
@@ -81,10 +88,21 @@ void KVSwap::start(const StepPlan& plan) {
     if (!s->tier_prefix_hashes.empty()) take_prefixes(s);
   }
   const int32_t bs = config_.block_size;
+  const double per_block = swap_s_per_block();
+  const double t_copy = now_seconds();
   for (const SwapOut& so : plan.swap_outs) {
     Sequence* s = so.seq;
     s->swap_keys.clear();
     s->swap_out_pending = 0;
+    if (per_block >= 0 && recompute_s_per_token_ > 0 &&
+        per_block * static_cast<double>(so.blocks.size()) >= recompute_s_per_token_ * so.num_tokens) {
+      // Recomputing is estimated cheaper than a round trip through the tiers.
+      s->swap = SwapState::kNone;
+      s->swap_tokens = 0;
+      ++counters_.swap_declined;
+      events_(s->id, so.blocks, "preempt_recompute");
+      continue;
+    }
     for (size_t i = 0; i < so.blocks.size(); ++i) {
       const uint64_t key = demote_counted(so.blocks[i], on_done);
       if (key == 0) break;  // neither L2 nor L3 has room: the rest is recomputed
@@ -105,15 +123,21 @@ void KVSwap::start(const StepPlan& plan) {
       events_(s->id, so.blocks, "preempt_swap");
     }
   }
+  int64_t swapped_blocks = 0;
+  for (const SwapOut& so : plan.swap_outs) swapped_blocks += static_cast<int64_t>(so.seq->swap_keys.size());
   spill_prefixes(plan, on_done);
   if (!plan.swap_outs.empty() || !plan.prefix_spills.empty()) {
     std::unique_lock<std::mutex> lk(mu_);
     copied_cv_.wait(lk, [&] { return copies_pending_ == 0; });
   }
+  if (swapped_blocks > 0 && plan.prefix_spills.empty()) {
+    ewma(&copy_s_per_block_, (now_seconds() - t_copy) / static_cast<double>(swapped_blocks));
+  }
   // Fetches after the copies: a block freed by a swap-out may be a fetch's target now.
   for (Sequence* s : plan.swap_ins) {
     s->swap_in_pending = 0;
     s->swap_in_bad_block = -1;
+    fetch_started_[s->id] = {now_seconds(), static_cast<int32_t>(s->swap_keys.size())};
     for (size_t i = 0; i < s->swap_keys.size(); ++i) {
       const uint64_t key = s->swap_keys[i];
       keys_.at(key).pending = true;
@@ -140,6 +164,17 @@ void KVSwap::spill_prefixes(const StepPlan& plan, const TierCallback& on_done) {
     moving.insert(e.block);
     ++counters_.prefix_spills;
   }
+}
+
+void KVSwap::observe_compute(int64_t tokens, double seconds) {
+  if (tokens > 0 && seconds > 0) ewma(&recompute_s_per_token_, seconds / static_cast<double>(tokens));
+}
+
+double KVSwap::swap_s_per_block() const {
+  const double forced = swap_cost_override_.load();
+  if (forced >= 0) return forced;
+  if (copy_s_per_block_ <= 0 || fetch_s_per_block_ <= 0) return -1;
+  return copy_s_per_block_ + fetch_s_per_block_;
 }
 
 int32_t KVSwap::lookup_prefix(const int32_t* tokens, int32_t first, int32_t max_blocks, int32_t block_size,
@@ -220,6 +255,13 @@ void KVSwap::truncate(Sequence* s, int32_t index) {
 }
 
 void KVSwap::finish_swap_in(Sequence* s) {
+  auto started = fetch_started_.find(s->id);
+  if (started != fetch_started_.end()) {
+    if (started->second.second > 0 && s->swap_in_bad_block < 0) {
+      ewma(&fetch_s_per_block_, (now_seconds() - started->second.first) / started->second.second);
+    }
+    fetch_started_.erase(started);
+  }
   int32_t tokens = s->swap_tokens;
   if (s->swap_in_bad_block >= 0) {
     tokens = std::min(tokens, (s->swap_first_block + s->swap_in_bad_block) * config_.block_size);
@@ -291,6 +333,7 @@ void KVSwap::apply_completions() {
 }
 
 void KVSwap::on_finish(Sequence* s) {
+  fetch_started_.erase(s->id);
   for (uint64_t key : s->swap_keys) drop_key(key);
   if (s->swap == SwapState::kIn && s->swap_in_pending > 0) {
     orphans_[s->id] = Orphan{std::move(s->block_table), s->swap_in_pending};

@@ -26,6 +26,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <atomic>
 #include <condition_variable>
 #include <string>
 #include <unordered_map>
@@ -41,6 +42,7 @@ struct SwapCounters {
   int64_t swap_outs = 0;       // sequences whose KV went (at least partly) to the tiers
   int64_t swap_ins = 0;        // sequences that got their KV back
   int64_t swap_fallbacks = 0;  // sequences that recomputed some of it (no room, a fault)
+  int64_t swap_declined = 0;   // preemptions that recomputed because that was estimated cheaper
   int64_t prefix_spills = 0;   // cached prefix blocks copied down from L1
   int64_t prefix_fetches = 0;  // of those, blocks fetched back for a later request
   int64_t prefix_dropped = 0;  // indexed copies freed to make room (or lost to a fault)
@@ -63,6 +65,17 @@ class KVSwap {
   // A sequence ends: its keys are freed; blocks that fetches still write into go back to
   // the pool when those fetches end (the sequence's block table is emptied).
   void on_finish(Sequence* seq);
+
+  // Swap or recompute: a preempted sequence is swapped out only when moving its blocks
+  // down and back is estimated to take less than computing its tokens again. Down: the
+  // step's wait for its swap-outs' copies, per block; back: a swap-in's time from its
+  // fetches' start to the last landing, per block (both exponentially weighted, so queueing
+  // behind other transfers counts once, not per block); recompute: seconds per token of
+  // recent prompt steps. Until all three are measured, it swaps.
+  void observe_compute(int64_t tokens, double seconds);
+  double recompute_s_per_token() const { return recompute_s_per_token_; }  // 0: not measured
+  double swap_s_per_block() const;                                         // < 0: not measured
+  void set_swap_cost_for_test(double s_per_block) { swap_cost_override_.store(s_per_block); }
 
   // Scheduler::TierPrefixLookup: consecutive cached blocks the tiers hold, settled.
   int32_t lookup_prefix(const int32_t* tokens, int32_t first, int32_t max_blocks, int32_t block_size,
@@ -110,6 +123,10 @@ class KVSwap {
   std::unordered_map<uint64_t, TierPrefix> prefix_;  // by chain hash
   std::unordered_map<uint64_t, uint64_t> prefix_key_;  // tier key -> chain hash, while indexed
   std::list<uint64_t> prefix_lru_;                      // settled hashes, oldest first
+  double recompute_s_per_token_ = 0;  // exponentially weighted, over prompt steps
+  double copy_s_per_block_ = 0, fetch_s_per_block_ = 0;  // likewise (0: not measured)
+  std::unordered_map<int64_t, std::pair<double, int32_t>> fetch_started_;  // seq -> (time, blocks)
+  std::atomic<double> swap_cost_override_{-1.0};  // set from another thread (tests)
 
   mutable std::mutex mu_;  // done_, copies_pending_
   std::condition_variable copied_cv_;

@@ -340,8 +340,7 @@ void Scheduler::check_invariants() const {
       fail(ErrorCode::kInternal, "sequence without blocks for its computed tokens");
     }
     for (int32_t b : s->block_table) {
-      ++owners.at(b);
-      ++owned;
+      if (owners.at(b)++ == 0) ++owned;  // blocks, not references (prefix blocks are shared)
     }
   }
   for (Sequence* s : waiting_) {

@@ -237,3 +237,30 @@ def test_cached_prefix_blocks_spill_to_tiers_and_come_back(tmp_path, reference, 
         # the first bad block on, and the output is still exact
         assert tiers["faults"]["checksum_mismatch"] >= 1 and "checksum_mismatch" in reasons
         assert hit == 192 and computed > 202 - 192
+
+
+def test_preemption_recomputes_when_that_is_estimated_cheaper(tmp_path, reference):
+    """The swap-or-recompute choice: with moving a block down and back costing more than
+    recomputing its tokens (forced here: 10 s a block), preemptions recompute; the tokens
+    are the same either way. Left to its measurements on this CPU, it swaps (a block's round
+    trip through L2 is far cheaper than 16 tokens of prompt compute), and says why."""
+    prompts, want, per_block = reference
+    model = tiered(tmp_path, per_block, prompts, l2_slots=64, l3_pages=0)
+    try:
+        model._engine.set_swap_cost_for_test(10.0)
+        outs = model.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+        forced = model.stats()
+        events = {e[2] for e in model.drain_kv_events()}
+        model._engine.set_swap_cost_for_test(-1.0)  # back to the measured costs
+        again = model.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+        measured = model.stats()
+    finally:
+        model.close()
+    assert [o.token_ids for o in outs] == want and [o.token_ids for o in again] == want
+    assert forced["preemptions"] > 0 and forced["swap_outs"] == 0
+    assert forced["swap_declined"] == forced["preemptions"] and "preempt_recompute" in events
+    assert forced["recompute_s_per_token"] > 0
+    # measured: swaps again (the first preemption swaps: nothing measured yet)
+    assert measured["swap_outs"] > 0 and measured["swap_declined"] == forced["swap_declined"]
+    if measured["swap_s_per_block"] > 0:
+        assert measured["swap_s_per_block"] < BLOCK * measured["recompute_s_per_token"]

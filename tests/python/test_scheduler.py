@@ -9,8 +9,9 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 from k25 import _C, errors
 
 
-def make_sim(blocks, block_size=4, budget=32, chunk=8, max_batch=4):
+def make_sim(blocks, block_size=4, budget=32, chunk=8, max_batch=4, prefix_caching=False):
     c = _C.EngineConfig()
+    c.enable_prefix_caching = prefix_caching
     c.num_kv_blocks = blocks
     c.block_size = block_size
     c.max_num_batched_tokens = budget
@@ -64,6 +65,10 @@ def test_block_pool_never_leaks_or_double_owns(ops):
 request = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2))
 
 
+# With prefix caching every prompt (all token 0 in the sim) shares its leading blocks with
+# every other: shared blocks, cached free blocks taken back, evictions, preemptions of
+# sequences that hold shared blocks.
+@pytest.mark.parametrize("prefix_caching", [False, True])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     blocks=st.integers(13, 40),
@@ -73,9 +78,10 @@ request = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2))
     arrivals=st.lists(st.lists(request, max_size=3), min_size=1, max_size=12),
     abort_picks=st.lists(st.integers(0, 100), max_size=4),
 )
-def test_scheduler_every_request_finishes_without_leaks(blocks, budget, chunk, max_batch, arrivals, abort_picks):
+def test_scheduler_every_request_finishes_without_leaks(prefix_caching, blocks, budget, chunk, max_batch, arrivals,
+                                                       abort_picks):
     bs = 4
-    sim = make_sim(blocks, bs, budget, chunk, max_batch)
+    sim = make_sim(blocks, bs, budget, chunk, max_batch, prefix_caching)
     state = {}  # id -> [total tokens known, max_new, generated]
     finished, aborted = set(), set()
     step = 0
@@ -116,6 +122,22 @@ def test_scheduler_every_request_finishes_without_leaks(blocks, budget, chunk, m
     assert finished | aborted == set(state)
     assert not (finished & aborted)
     assert sim.blocks_free == sim.blocks_total
+
+
+def test_scheduler_starts_after_cached_blocks():
+    # Prompts of 18 tokens (token 0 each, blocks of 4): the second request, added after
+    # the first finished, starts after 4 cached blocks (not 16 + the last token's block).
+    sim = make_sim(blocks=20, block_size=4, budget=64, chunk=64, prefix_caching=True)
+    first = sim.add(18, 2, 1)
+    out = sim.step()
+    assert out["seqs"][0][:3] == (first, 0, 18)
+    while sim.has_unfinished():
+        sim.step()
+    second = sim.add(18, 2, 1)
+    out = sim.step()
+    assert out["seqs"][0][:3] == (second, 16, 2)  # computed 16, computes the last 2
+    assert sim.prefix_hit_tokens == 16
+    sim.check_invariants()
 
 
 def test_scheduler_preempts_lowest_priority_first():

@@ -96,6 +96,9 @@ struct EngineStats {
   int64_t swap_outs = 0;       // sequences whose KV was parked in L2/L3
   int64_t swap_ins = 0;        // sequences that got it back
   int64_t swap_fallbacks = 0;  // sequences that recomputed (part of) it: no room, or a fault
+  int64_t swap_declined = 0;   // preemptions that recomputed: estimated cheaper than swapping
+  double recompute_s_per_token = 0;  // the estimate behind that choice (0: not measured yet)
+  double swap_s_per_block = -1;      // mean offload + fetch latency per block (< 0: not yet)
   // Prefix caching (enable_prefix_caching): tokens of admitted requests looked up, those
   // found cached (not computed), and blocks registered in the cache now.
   int64_t prefix_cache_queries = 0;
@@ -145,6 +148,8 @@ class Engine {
   // Tests: flips a byte on disk in each of the next n pages written to L3 (see
   // TierManager). Throws kInvalidArgument without an L3 tier.
   void corrupt_next_l3_writes_for_test(int32_t n);
+  // Tests: the swap-or-recompute choice sees this cost per block instead of the measured one.
+  void set_swap_cost_for_test(double s_per_block);
   // Aborts what is left and stops the engine thread. Idempotent.
   void shutdown();
 
