@@ -117,6 +117,13 @@ def decode_case(B, L, fi, results):
         out = call.run(qkv).view(B, HQ, D)
         row[name + "_err"] = rel(out, ref)
         row[name + "_TBps"] = gb / 1e3 / (time_ms(lambda: call.run(qkv)) / 1e3)
+    # Split counts past one wave (the graph form's rule fills exactly one): a sweep for
+    # the rule, not part of the comparison below.
+    for more in sorted({min(64, splits * 2), min(64, splits * 4)} - {splits}):
+        call = P.k25([1] * B, decode_splits=more)
+        row[f"k25_splits{more}_err"] = rel(call.run(qkv).view(B, HQ, D), ref)
+        row[f"k25_splits{more}_TBps"] = gb / 1e3 / (time_ms(lambda: call.run(qkv)) / 1e3)
+    row["graph_form_splits"] = splits
     row["sdpa_TBps"] = gb / 1e3 / (time_ms(lambda: sdpa_decode(q, kc, vc)) / 1e3)
     sdpa_gqa = lambda: F.scaled_dot_product_attention(q.view(B, HQ, 1, D), kc, vc, enable_gqa=True)  # noqa: E731
     row["sdpa_enable_gqa_TBps"] = gb / 1e3 / (time_ms(sdpa_gqa) / 1e3)
