@@ -179,22 +179,14 @@ double KVSwap::swap_s_per_block() const {
 
 int32_t KVSwap::lookup_prefix(const int32_t* tokens, int32_t first, int32_t max_blocks, int32_t block_size,
                               uint64_t parent, std::vector<uint64_t>* hashes) const {
-  int32_t n = 0;
-  for (int32_t i = first; i < max_blocks; ++i) {
-    const int32_t* t = tokens + static_cast<int64_t>(i) * block_size;
-    const uint64_t h = block_chain_hash(parent, t, block_size);
-    auto it = prefix_.find(h);
-    if (it == prefix_.end()) break;
-    const TierPrefix& p = it->second;
-    if (!p.settled || p.parent != parent || p.tokens.size() != static_cast<size_t>(block_size) ||
-        !std::equal(p.tokens.begin(), p.tokens.end(), t)) {
-      break;
-    }
-    if (hashes) hashes->push_back(h);
-    parent = h;
-    ++n;
-  }
-  return n;
+  return match_chain(
+      tokens, first, max_blocks, block_size, parent,
+      [&](uint64_t h, uint64_t p, const int32_t* t) {
+        auto it = prefix_.find(h);
+        return it != prefix_.end() && it->second.settled &&
+               same_block(it->second.parent, it->second.tokens, p, t, block_size);
+      },
+      hashes);
 }
 
 void KVSwap::take_prefixes(Sequence* s) {

@@ -144,21 +144,17 @@ bool BlockPool::register_block(int32_t block, uint64_t hash, uint64_t parent, co
 std::vector<int32_t> BlockPool::match_prefix(const int32_t* tokens, int32_t max_blocks, int32_t block_size,
                                              std::vector<uint64_t>* hashes) const {
   std::vector<int32_t> out;
-  uint64_t parent = 0;
-  for (int32_t i = 0; i < max_blocks; ++i) {
-    const int32_t* t = tokens + static_cast<int64_t>(i) * block_size;
-    const uint64_t h = block_chain_hash(parent, t, block_size);
-    auto it = by_hash_.find(h);
-    if (it == by_hash_.end()) break;
-    const Cached& c = cached_[it->second];
-    if (!c.valid || c.parent != parent || c.tokens.size() != static_cast<size_t>(block_size) ||
-        !std::equal(c.tokens.begin(), c.tokens.end(), t)) {
-      break;
-    }
-    out.push_back(it->second);
-    if (hashes) hashes->push_back(h);
-    parent = h;
-  }
+  match_chain(
+      tokens, 0, max_blocks, block_size, 0,
+      [&](uint64_t h, uint64_t parent, const int32_t* t) {
+        auto it = by_hash_.find(h);
+        if (it == by_hash_.end()) return false;
+        const Cached& c = cached_[it->second];
+        if (!c.valid || !same_block(c.parent, c.tokens, parent, t, block_size)) return false;
+        out.push_back(it->second);
+        return true;
+      },
+      hashes);
   return out;
 }
 

@@ -15,6 +15,7 @@
 // block's KV (two whole prefixes with equal 64-bit chain hashes still could).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <unordered_map>
 #include <vector>
@@ -24,6 +25,31 @@ namespace k25 {
 // Chain hash of a block: of the previous block's chain hash (0 for the first block) and
 // the block's token ids.
 uint64_t block_chain_hash(uint64_t parent, const int32_t* tokens, int32_t n);
+
+// A cached block is the one asked for when its stored parent hash and tokens are too.
+inline bool same_block(uint64_t stored_parent, const std::vector<int32_t>& stored_tokens, uint64_t parent,
+                       const int32_t* tokens, int32_t n) {
+  return stored_parent == parent && stored_tokens.size() == static_cast<size_t>(n) &&
+         std::equal(stored_tokens.begin(), stored_tokens.end(), tokens);
+}
+
+// Walks the full blocks of `tokens` from block `first` (chain hash before it: `parent`) up
+// to block `max_blocks` while found(hash, parent, block tokens) accepts them; returns how
+// many were, their chain hashes appended to `hashes` (if given).
+template <typename Found>
+int32_t match_chain(const int32_t* tokens, int32_t first, int32_t max_blocks, int32_t block_size, uint64_t parent,
+                    Found&& found, std::vector<uint64_t>* hashes) {
+  int32_t n = 0;
+  for (int32_t i = first; i < max_blocks; ++i) {
+    const int32_t* t = tokens + static_cast<int64_t>(i) * block_size;
+    const uint64_t h = block_chain_hash(parent, t, block_size);
+    if (!found(h, parent, t)) break;
+    if (hashes) hashes->push_back(h);
+    parent = h;
+    ++n;
+  }
+  return n;
+}
 
 class BlockPool {
  public:
