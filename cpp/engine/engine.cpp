@@ -76,7 +76,8 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
         },
         [this](int64_t id, const std::vector<int32_t>& blocks, const std::string& reason) {
           record_kv_event(id, blocks, reason.c_str(), true);
-        });
+        },
+        [this](TierConfig* tc) { return executor_->configure_tiers(tc); });
     if (config_.enable_prefix_caching) {
       // Cached blocks evicted from L1 go down to L2/L3 and are found there (docs/offload.md).
       pool_->set_record_evictions(true);

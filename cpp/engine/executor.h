@@ -14,6 +14,9 @@
 
 namespace k25 {
 
+struct TierConfig;
+
+
 struct BatchMeta {
   // Per token (T = num_tokens). Sequences are laid out one after another.
   std::vector<int32_t> token_ids;
@@ -82,6 +85,12 @@ class ModelExecutor {
   // The KV pool when it is in host memory (block b at base + b * kv_block_bytes()), for
   // the tiers' L1 copies; nullptr on a device.
   virtual void* kv_host_base() { return nullptr; }
+  // Tiered KV where the pool is not host memory (CUDA): sets the L2 allocator (pinned) and
+  // the L1 <-> L2 copier (a copy stream). Returns false when this executor has none.
+  virtual bool configure_tiers(TierConfig* config) {
+    (void)config;
+    return false;
+  }
   virtual int64_t kv_block_bytes() const { return 0; }
 };
 

@@ -29,13 +29,15 @@ TierConfig tier_config(const EngineConfig& c, int64_t block_bytes) {
 }  // namespace
 
 KVSwap::KVSwap(const EngineConfig& config, void* l1_base, int64_t block_bytes, Scheduler* scheduler,
-               BlockPool* pool, std::function<void()> wake, EventSink events)
+               BlockPool* pool, std::function<void()> wake, EventSink events,
+               const std::function<bool(TierConfig*)>& configure)
     : config_(config), scheduler_(scheduler), pool_(pool), wake_(std::move(wake)), events_(std::move(events)) {
-  if (!l1_base) {
-    fail(ErrorCode::kUnsupported, "cache_mode='hierarchical' needs the KV pool in host memory (the CPU backend); "
-                                  "the CUDA copy path is not built yet");
+  TierConfig tc = tier_config(config, block_bytes);
+  if (!l1_base && !(configure && configure(&tc))) {
+    fail(ErrorCode::kUnsupported, "cache_mode='hierarchical' needs the KV pool in host memory or a device copy "
+                                  "path; this executor has neither");
   }
-  tiers_ = std::make_unique<TierManager>(tier_config(config, block_bytes), config.num_kv_blocks, l1_base);
+  tiers_ = std::make_unique<TierManager>(tc, config.num_kv_blocks, l1_base);
 }
 
 KVSwap::~KVSwap() { tiers_.reset(); }
@@ -266,7 +268,8 @@ void KVSwap::finish_swap_in(Sequence* s) {
   s->swap_tokens = 0;
   s->swap_first_block = 0;
   s->swap_in_bad_block = -1;
-  ++counters_.swap_ins;
+  if (!s->prefix_fetch) ++counters_.swap_ins;  // a preempted sequence's own KV came back
+  s->prefix_fetch = false;
   scheduler_->cache_full_blocks(s);  // the fetched blocks are findable in L1 again
 }
 
@@ -334,6 +337,7 @@ void KVSwap::on_finish(Sequence* s) {
   s->swap_keys.clear();
   s->tier_prefix_hashes.clear();
   s->swap_first_block = 0;
+  s->prefix_fetch = false;
   s->swap = SwapState::kNone;
 }
 

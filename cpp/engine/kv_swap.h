@@ -52,8 +52,10 @@ class KVSwap {
  public:
   using EventSink = std::function<void(int64_t seq_id, const std::vector<int32_t>& blocks, const std::string& reason)>;
 
+  // l1_base: the pool in host memory, or null with `configure` supplying the L2 allocator
+  // and the copier (ModelExecutor::configure_tiers, CUDA).
   KVSwap(const EngineConfig& config, void* l1_base, int64_t block_bytes, Scheduler* scheduler, BlockPool* pool,
-         std::function<void()> wake, EventSink events);
+         std::function<void()> wake, EventSink events, const std::function<bool(TierConfig*)>& configure = {});
   ~KVSwap();  // waits for transfers in flight
 
   // After schedule(), before the step runs.

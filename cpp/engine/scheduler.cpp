@@ -263,6 +263,7 @@ StepPlan Scheduler::schedule() {
           s->swap_tokens = (nh + tier) * bs;
           s->swap_first_block = nh;
           s->tier_prefix_hashes = std::move(hashes);
+          s->prefix_fetch = true;
           s->status = SeqStatus::kRunning;
           running_.push_back(s);
           plan.swap_ins.push_back(s);

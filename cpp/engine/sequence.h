@@ -63,6 +63,7 @@ struct Sequence {
   // blocks from L2/L3 (their chain hashes in tier_prefix_hashes until KVSwap takes them).
   int32_t swap_first_block = 0;
   std::vector<uint64_t> tier_prefix_hashes;
+  bool prefix_fetch = false;  // this swap-in fetches cached prefix blocks (not its own KV)
   bool want_prompt_logits = false;
   // Tokens from this index on are computed one per step, as decodes are (>= 0): scoring
   // a text the way generation would compute it (teacher-forced decoding).

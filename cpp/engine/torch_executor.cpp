@@ -10,6 +10,7 @@
 #include <map>
 
 #include "k25/status.h"
+#include "kv/tiers/tier_manager.h"
 #include "model/llama_model.h"
 #include "ops/parallel.h"
 #include "ops/thread_pool.h"
@@ -232,6 +233,23 @@ class TorchExecutor : public ModelExecutor {
   int32_t vocab_size() const override { return model_->config().vocab_size; }
   std::vector<LayerSparsityStats> sparsity_stats() const override { return stats_; }
   void* kv_host_base() override { return kv_.is_cpu() ? kv_.data_ptr() : nullptr; }
+  bool configure_tiers(TierConfig* config) override {
+#ifdef K25_WITH_CUDA
+    if (!kv_.is_cuda()) return false;
+    config->l2_allocator = cuda_glue::pinned_allocator();
+    void* base = kv_.data_ptr();
+    const int64_t bytes = kv_block_bytes();
+    const int32_t blocks = static_cast<int32_t>(kv_.numel() / layout_.block_elems());
+    const int device = kv_.device().index();
+    config->make_copier = [base, bytes, blocks, device](TaskRunner* completions) {
+      return cuda_glue::make_cuda_block_copier(base, bytes, blocks, device, completions);
+    };
+    return true;
+#else
+    (void)config;
+    return false;
+#endif
+  }
   int64_t kv_block_bytes() const override { return layout_.block_elems() * static_cast<int64_t>(kv_.element_size()); }
   int32_t max_positions() const override { return handle_->max_positions(); }
 

@@ -62,6 +62,90 @@ bool available() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
+HostAllocator pinned_allocator() {
+  HostAllocator a;
+  a.allocate = [](size_t bytes) -> void* {
+    void* p = nullptr;
+    // Portable: any device's copies may use it. cudaHostAlloc memory is page-aligned, so
+    // slots stay O_DIRECT buffers for L3.
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return p;
+  };
+  a.release = [](void* p, size_t) { (void)cudaFreeHost(p); };
+  a.kind = "pinned";
+  return a;
+}
+
+namespace {
+
+class CudaBlockCopier : public BlockCopier {
+ public:
+  CudaBlockCopier(void* base, int64_t block_bytes, int32_t num_blocks, int device, TaskRunner* completions)
+      : base_(static_cast<uint8_t*>(base)), block_bytes_(block_bytes), num_blocks_(num_blocks), device_(device),
+        completions_(completions) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail(ErrorCode::kResourceExhausted, "cannot create the KV tiers' CUDA copy stream");
+    }
+  }
+  ~CudaBlockCopier() override {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    (void)cudaStreamSynchronize(stream_);
+    (void)cudaStreamDestroy(stream_);
+  }
+  int64_t block_bytes() const override { return block_bytes_; }
+  int32_t num_blocks() const override { return num_blocks_; }
+  void copy_out(int32_t block, void* dst, Done done) override {
+    copy(dst, base_ + static_cast<int64_t>(block) * block_bytes_, cudaMemcpyDeviceToHost, std::move(done));
+  }
+  void copy_in(const void* src, int32_t block, Done done) override {
+    copy(base_ + static_cast<int64_t>(block) * block_bytes_, src, cudaMemcpyHostToDevice, std::move(done));
+  }
+
+ private:
+  struct Pending {
+    Done done;
+    TaskRunner* runner;
+  };
+  static void CUDART_CB landed(void* p) {
+    auto* x = static_cast<Pending*>(p);
+    x->runner->post([x] {
+      x->done(true);
+      delete x;
+    });
+  }
+  void copy(void* dst, const void* src, cudaMemcpyKind kind, Done done) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    auto* x = new Pending{std::move(done), completions_};
+    if (cudaMemcpyAsync(dst, src, static_cast<size_t>(block_bytes_), kind, stream_) != cudaSuccess ||
+        cudaLaunchHostFunc(stream_, &CudaBlockCopier::landed, x) != cudaSuccess) {
+      (void)cudaGetLastError();
+      completions_->post([x] {
+        x->done(false);
+        delete x;
+      });
+    }
+  }
+
+  uint8_t* base_;
+  int64_t block_bytes_;
+  int32_t num_blocks_;
+  int device_;
+  TaskRunner* completions_;
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<BlockCopier> make_cuda_block_copier(void* base, int64_t block_bytes, int32_t num_blocks, int device,
+                                                    TaskRunner* completions) {
+  return std::make_unique<CudaBlockCopier>(base, block_bytes, num_blocks, device, completions);
+}
+
 void device_memory(int device, int64_t* free_bytes, int64_t* total_bytes) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   size_t f = 0, t = 0;

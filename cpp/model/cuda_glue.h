@@ -5,17 +5,30 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "k25/sampling.h"
 
+#include "kv/tiers/block_copier.h"
+#include "kv/tiers/host_tier.h"
 #include "ops/attention_plan.h"
 #include "ops/kv_layout.h"
 
 namespace k25::cuda_glue {
 
 bool available();                         // built with CUDA and a device is visible
+
+// Tiered KV on CUDA: L2 in pinned host memory (cudaHostAlloc), and a copier that moves
+// whole blocks between the device pool (block b at base + b * block_bytes) and host memory
+// with cudaMemcpyAsync on its own stream; each copy's completion (cudaLaunchHostFunc) is
+// posted to `completions` (no CUDA call may run inside a host function). The engine only
+// copies out blocks no kernel in flight writes, and reads fetched blocks after their
+// completion, so the copy stream needs no ordering with the compute stream.
+HostAllocator pinned_allocator();
+std::unique_ptr<BlockCopier> make_cuda_block_copier(void* base, int64_t block_bytes, int32_t num_blocks, int device,
+                                                    TaskRunner* completions);
 void device_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
 
 // The per-step attention batch on the device.

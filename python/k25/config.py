@@ -142,9 +142,6 @@ class K25Config:
             # fetches it back, on the CPU backend.
             need(self.enable_async_offload, "cache_mode='hierarchical' needs enable_async_offload=True (tier "
                                             "moves are asynchronous; there is no synchronous offload)")
-            need(not device.startswith("cuda"), "cache_mode='hierarchical' runs on the CPU backend only so far "
-                                                "(the CUDA copy stream into pinned L2 is not built yet); use "
-                                                "device='cpu'")
             need(not self.enable_dynamic_sparsity, "cache_mode='hierarchical' with enable_dynamic_sparsity=True is "
                                                    "not implemented yet (block key summaries do not move with "
                                                    "swapped blocks)")

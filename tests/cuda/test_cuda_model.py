@@ -279,3 +279,45 @@ def test_prefix_caching_on_gpu(model_dir, dtype):
                     gap = abs(w.logprobs[i].top.get(a, -1e9) - w.logprobs[i].logprob)
                     assert gap <= BF16_NEAR_TIE, f"diverged at token {i}, logprob gap {gap}"
                     break
+
+
+@pytest.mark.parametrize("l3", [False, True])
+def test_tiered_kv_on_gpu(model_dir, tmp_path, l3):
+    """cache_mode='hierarchical' on CUDA: pinned L2 (and an L3 file), copies on their own
+    stream. A pool too small for the batch preempts by swap and fetches back (tokens equal
+    to an all-resident run, prompts computed once); with prefix caching, a prompt's cached
+    blocks pushed out of L1 come back from the tiers."""
+    plain = K25Model(K25Config(model_path=model_dir, device="cuda", dtype="float32", kv_cache_bytes=1 << 30))
+    try:
+        prompts = [prompt_for(plain, n, seed=n) for n in (150, 90, 200, 120)]
+        gen = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        want = [o.token_ids for o in plain.generate(prompts, **gen)]
+        shared = prompts[2][:160]
+        want_shared = plain.generate([shared + [5, 6]], **gen)[0].token_ids
+        per_block = plain.kv_block_bytes
+    finally:
+        plain.close()
+    from k25 import _C
+    page = _C.kv_page_bytes(per_block)
+    tiers = dict(l2_bytes=2 * page, l3_path=str(tmp_path / "l3.bin"), l3_bytes=256 * page) if l3 else \
+        dict(l2_bytes=256 * page)
+    m = K25Model(K25Config(model_path=model_dir, device="cuda", dtype="float32", kv_cache_bytes=26 * per_block,
+                           cache_mode="hierarchical", enable_async_offload=True, enable_prefix_caching=True,
+                           max_batch_size=4, prefill_chunk_size=64, max_num_batched_tokens=96, **tiers))
+    try:
+        got = [o.token_ids for o in m.generate(prompts, **gen)]
+        s = m.stats()
+        m.generate([shared + [7, 8]], **gen)           # caches its 10 blocks
+        for seed in (31, 32, 33):                       # 3 x 14 fresh blocks push them out of L1
+            m.generate([prompt_for(m, 200, seed=seed)], **gen)
+        s0 = m.stats()
+        again = m.generate([shared + [5, 6]], **gen)[0].token_ids
+        s1 = m.stats()
+        t = m.tier_stats()
+    finally:
+        m.close()
+    assert got == want
+    assert s["swap_outs"] > 0 and s["swap_ins"] == s["swap_outs"]
+    assert t["fetches_from_l3" if l3 else "fetches_from_l2"] > 0
+    assert again == want_shared
+    assert s1["prefix_cache_tier_hits"] - s0["prefix_cache_tier_hits"] == 160

@@ -226,6 +226,7 @@ def test_cached_prefix_blocks_spill_to_tiers_and_come_back(tmp_path, reference, 
     finally:
         model.close()
     assert outs == expect
+    assert s1["swap_ins"] == s0["swap_ins"]  # fetching cached prefix blocks is not a swap-in
     hit = s1["prefix_cache_tier_hits"] - s0["prefix_cache_tier_hits"]
     computed = s1["prefill_tokens"] - s0["prefill_tokens"]
     if where == "l2":

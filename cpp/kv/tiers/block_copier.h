@@ -2,9 +2,9 @@
 // (all layers' K and V, contiguous in the pool's layout) between L1 and host memory.
 //
 // On the CPU the primary pool is host memory and a copy is a memcpy on a worker thread.
-// A CUDA implementation (not built yet) issues cudaMemcpyAsync on a copy stream into
-// pinned L2 slots and reports completion from cudaLaunchHostFunc, so that copies overlap
-// the compute stream; the mover does not change.
+// On CUDA (cuda_glue::make_cuda_block_copier) a copy is a cudaMemcpyAsync on a copy stream
+// into pinned L2 slots whose completion cudaLaunchHostFunc hands to a worker thread, so
+// copies overlap the compute stream; the mover does not change.
 #pragma once
 
 #include <cstdint>

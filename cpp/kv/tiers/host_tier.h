@@ -3,8 +3,8 @@
 //
 // The memory comes from a HostAllocator. The default maps anonymous memory (page-aligned,
 // so slots can be O_DIRECT buffers, and untouched slots cost nothing). On CUDA the
-// allocator is meant to hand out pinned memory (cudaHostAlloc) so that the copy stream
-// can DMA into slots; that allocator is not built yet.
+// executor's allocator hands out pinned memory (cudaHostAlloc) so that the copy stream
+// can DMA into slots (TierConfig::l2_allocator).
 #pragma once
 
 #include <cstdint>

@@ -90,9 +90,12 @@ TierManager::TierManager(const TierConfig& config, int32_t num_l1_blocks, void* 
       page_bytes_(page_bytes_for(std::max<int64_t>(config.block_bytes, 1))),
       copy_runner_(make_copy_runner(config)),
       manual_(config.manual ? static_cast<ManualRunner*>(copy_runner_.get()) : nullptr),
-      l2_(std::make_unique<HostTier>(l2_slots_for(config), page_bytes_)),
+      l2_(std::make_unique<HostTier>(l2_slots_for(config), page_bytes_,
+                                     config.l2_allocator.allocate ? config.l2_allocator : mmap_allocator())),
       l3_(make_l3(config, page_bytes_, manual_, log_)),
-      copier_(std::make_unique<HostBlockCopier>(l1_base, config.block_bytes, num_l1_blocks, copy_runner_.get())),
+      copier_(config.make_copier
+                  ? config.make_copier(copy_runner_.get())
+                  : std::make_unique<HostBlockCopier>(l1_base, config.block_bytes, num_l1_blocks, copy_runner_.get())),
       map_(num_l1_blocks, l2_->num_slots(), staging_for(config, l2_->num_slots()), l3_ ? l3_->num_pages() : 0) {}
 
 TierManager::~TierManager() {

@@ -56,6 +56,11 @@ struct TierConfig {
   int32_t io_queue_depth = 32;
   int32_t copy_threads = 1;     // L1 <-> L2 memcpy threads (CPU)
   bool manual = false;          // tests: transfers wait for run_pending()
+  // Where L1 is not host memory (CUDA): L2's memory (pinned) and the L1 <-> L2 copier (a
+  // copy stream), made by the executor that owns L1. Unset: mmap'd L2 and memcpy from the
+  // l1_base given to TierManager.
+  HostAllocator l2_allocator;
+  std::function<std::unique_ptr<BlockCopier>(TaskRunner* completions)> make_copier;
 };
 
 enum class TierOp : uint8_t { kDemote, kSpill, kFetch };
