@@ -137,6 +137,7 @@ void KVSwap::start(const StepPlan& plan) {
   }
   // Fetches after the copies: a block freed by a swap-out may be a fetch's target now.
   for (Sequence* s : plan.swap_ins) {
+    if (s->swap != SwapState::kIn) continue;  // its prefix copies were all taken (above)
     s->swap_in_pending = 0;
     s->swap_in_bad_block = -1;
     fetch_started_[s->id] = {now_seconds(), static_cast<int32_t>(s->swap_keys.size())};
@@ -195,9 +196,9 @@ void KVSwap::take_prefixes(Sequence* s) {
   s->swap_keys.clear();
   for (size_t i = 0; i < s->tier_prefix_hashes.size(); ++i) {
     auto it = prefix_.find(s->tier_prefix_hashes[i]);
-    if (it == prefix_.end() || !it->second.settled) {
-      fail(ErrorCode::kInternal, "swap: a cached prefix block left the tiers between planning and start");
-    }
+    // Gone: another sequence admitted in this plan took that copy first (a copy is used
+    // once). This one recomputes from that block on.
+    if (it == prefix_.end() || !it->second.settled) break;
     const uint64_t key = it->second.key;
     prefix_lru_.erase(it->second.lru);
     prefix_key_.erase(key);
@@ -207,6 +208,13 @@ void KVSwap::take_prefixes(Sequence* s) {
     ++counters_.prefix_fetches;
   }
   s->tier_prefix_hashes.clear();
+  s->swap_tokens = (s->swap_first_block + static_cast<int32_t>(s->swap_keys.size())) * config_.block_size;
+  if (s->swap_keys.empty()) {  // nothing to fetch: it runs from its L1 hits next step
+    s->swap = SwapState::kNone;
+    s->swap_tokens = 0;
+    s->swap_first_block = 0;
+    s->prefix_fetch = false;
+  }
 }
 
 void KVSwap::erase_prefix(uint64_t hash) {

@@ -265,3 +265,28 @@ def test_preemption_recomputes_when_that_is_estimated_cheaper(tmp_path, referenc
     assert measured["swap_outs"] > 0 and measured["swap_declined"] == forced["swap_declined"]
     if measured["swap_s_per_block"] > 0:
         assert measured["swap_s_per_block"] < BLOCK * measured["recompute_s_per_token"]
+
+
+def test_two_prompts_claiming_the_same_tier_copies_in_one_step(tmp_path, reference, default_model):
+    """Two requests admitted in the same step both find a prefix in L2; a tier copy is used
+    once, so the second recomputes what the first took (or starts from it once it is back in
+    L1): both outputs exact, no engine error."""
+    prompts, want, per_block = reference
+    shared = prompts[1][:200]
+    others = [prompts[3][:240], prompts[1][300:540], prompts[3][40:280]]
+    gen = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+    pair = [shared + [11, 12], shared + [13]]
+    expect = [o.token_ids for o in default_model.generate(pair, **gen)]
+    model = prefix_tiered(tmp_path, per_block, l1_blocks=40, l2_slots=64, l3_pages=0)
+    try:
+        model.generate([shared + [7, 8, 9]], **gen)
+        for p in others:
+            model.generate([p], **gen)
+        s0 = model.stats()
+        outs = [o.token_ids for o in model.generate(pair, **gen)]
+        s1 = model.stats()
+    finally:
+        model.close()
+    assert outs == expect
+    assert s1["requests_failed"] == s0["requests_failed"]
+    assert s1["prefix_cache_tier_hits"] > s0["prefix_cache_tier_hits"]
