@@ -411,6 +411,10 @@ void Engine::fail_all(const std::string& error) {
 
 void Engine::refresh_gauges() {
   std::lock_guard<std::mutex> lk(mu_);
+  gauges_locked();
+}
+
+void Engine::gauges_locked() {
   stats_.running = scheduler_->num_running();
   stats_.waiting = scheduler_->num_waiting();
   stats_.blocks_used = pool_->num_used();
@@ -495,14 +499,7 @@ void Engine::add_counts_locked(const StepCounts& counts) {
   stats_.generated_tokens += counts.generated;
   stats_.requests_finished += counts.finished;
   stats_.requests_failed += counts.failed;
-  stats_.running = scheduler_->num_running();
-  stats_.waiting = scheduler_->num_waiting();
-  stats_.blocks_used = pool_->num_used();
-  stats_.blocks_free = pool_->num_free();
-  stats_.prefix_cache_queries = scheduler_->prefix_query_tokens();
-  stats_.prefix_cache_hits = scheduler_->prefix_hit_tokens();
-  stats_.prefix_cache_tier_hits = scheduler_->prefix_tier_hit_tokens();
-  stats_.prefix_cached_blocks = pool_->num_cached();
+  gauges_locked();
 }
 
 void Engine::step() {

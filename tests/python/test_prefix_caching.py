@@ -70,15 +70,18 @@ def test_free_cached_blocks_are_reused_last_and_forget_their_content():
     pool.check_invariants()
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "register", "hit"]), st.integers(0, 50)), max_size=80))
-def test_pool_with_cache_never_leaks_or_double_owns(ops):
-    pool = _C.BlockPool(10)
+# The block pool's property test (it lives here because the cache's ops need the helpers
+# above): plain allocation and sharing, and the cache's registration and hits.
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "share", "register", "hit"]), st.integers(0, 50)),
+                max_size=80))
+def test_pool_never_leaks_or_double_owns(ops):
+    pool = _C.BlockPool(12)
     owned = []  # one entry per reference held
     prefixes = [list(range(s, s + 2 * BS)) for s in (0, 1000, 2000)]
     for op, n in ops:
         if op == "alloc":
-            k = n % 4
+            k = n % 7
             if k <= pool.num_free:
                 owned += pool.allocate(k)
             else:
@@ -86,6 +89,10 @@ def test_pool_with_cache_never_leaks_or_double_owns(ops):
                     pool.allocate(k)
         elif op == "free" and owned:
             pool.decref(owned.pop(n % len(owned)))
+        elif op == "share" and owned:
+            b = owned[n % len(owned)]
+            pool.incref(b)
+            owned.append(b)
         elif op == "register" and len(owned) >= 2:
             toks = prefixes[n % 3]
             register(pool, owned[-2:], toks)

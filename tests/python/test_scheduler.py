@@ -39,27 +39,8 @@ def test_block_pool_refcounts_and_errors():
         pool.incref(99)
 
 
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "share"]), st.integers(0, 6)), max_size=60))
-def test_block_pool_never_leaks_or_double_owns(ops):
-    pool = _C.BlockPool(12)
-    owned = []  # one entry per reference held
-    for op, n in ops:
-        if op == "alloc":
-            if n <= pool.num_free:
-                owned += pool.allocate(n)
-            else:
-                with pytest.raises(errors.ResourceExhaustedError):
-                    pool.allocate(n)
-        elif op == "free" and owned:
-            pool.decref(owned.pop(n % len(owned)))
-        elif op == "share" and owned:
-            b = owned[n % len(owned)]
-            pool.incref(b)
-            owned.append(b)
-        pool.check_invariants()
-        assert pool.num_used == len(set(owned))
-        for b in set(owned):
-            assert pool.refcount(b) == owned.count(b)
+# The pool's property test (allocation, sharing and the prefix cache's ops):
+# test_prefix_caching.py::test_pool_never_leaks_or_double_owns.
 
 
 request = st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2))

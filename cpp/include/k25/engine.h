@@ -157,6 +157,7 @@ class Engine {
   void loop();
   void step();
   void emit(RequestOutput out);
+  void gauges_locked();  // the gauges of stats_ from the scheduler and pool; mu_ held
   void refresh_gauges();
   void fail_all(const std::string& error);
   void finish(Sequence* seq, int reason, const std::string& error, std::vector<RequestOutput>* outs);
