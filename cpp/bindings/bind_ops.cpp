@@ -8,6 +8,7 @@
 #include "ops/attention_plan.h"
 #include "ops/block_sparsity.h"
 #include "ops/cpu_kernels.h"
+#include "ops/vec16.h"
 
 #ifdef K25_WITH_CUDA
 #include "model/cuda_glue.h"
@@ -206,6 +207,39 @@ void bind_ops(py::module_& m) {
   bind_cuda_ops(m);
 #endif
   py::module_ ops = m.def_submodule("ops", "CPU kernels on float32 tensors (for tests)");
+  // The 16-lane exp and log of ops/vec16.h, elementwise (for their accuracy tests).
+  auto lanes16 = [](const at::Tensor& x, float pad, cpu::v16 (*fn)(cpu::v16)) {
+    check(x, at::kFloat, "x");
+    at::Tensor in = x.contiguous();
+    at::Tensor out = at::empty_like(in);
+    const float* src = in.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    for (int64_t i = 0; i < in.numel(); i += 16) {
+      cpu::v16 v = cpu::v16{} + pad;
+      const int64_t n = std::min<int64_t>(16, in.numel() - i);
+      for (int64_t t = 0; t < n; ++t) v[t] = src[i + t];
+      v = fn(v);
+      for (int64_t t = 0; t < n; ++t) dst[i + t] = v[t];
+    }
+    return out;
+  };
+  ops.def("vexp16", [=](const at::Tensor& x) { return lanes16(x, 0.0f, cpu::vexp16); });
+  ops.def("vlog16", [=](const at::Tensor& x) { return lanes16(x, 1.0f, cpu::vlog16); });
+  ops.def("vexp8d", [](const at::Tensor& x) {
+    check(x, at::kDouble, "x");
+    at::Tensor in = x.contiguous();
+    at::Tensor out = at::empty_like(in);
+    const double* src = in.data_ptr<double>();
+    double* dst = out.data_ptr<double>();
+    for (int64_t i = 0; i < in.numel(); i += 8) {
+      cpu::v8d v{};
+      const int64_t n = std::min<int64_t>(8, in.numel() - i);
+      for (int64_t t = 0; t < n; ++t) v[t] = src[i + t];
+      v = cpu::vexp8d(v);
+      for (int64_t t = 0; t < n; ++t) dst[i + t] = v[t];
+    }
+    return out;
+  });
   ops.def("rms_norm", [](const at::Tensor& x, const at::Tensor& w, double eps) {
     check_rows(x, "x");
     check(w, at::kFloat, "w");

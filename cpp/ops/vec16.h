@@ -62,6 +62,66 @@ inline v16 vexp16(v16 x) {
   return under ? v16{} : out;
 }
 
+// 8 doubles as one vector, and their exp with an error of a few double ulps: Cody-Waite
+// reduction to |r| <= log(2)/2, then the Taylor series to r^13 (truncation below 1e-17).
+// Inputs below -708 flush to 0 (std::exp would give subnormals there).
+typedef double v8d __attribute__((vector_size(64)));
+typedef int64_t v8l __attribute__((vector_size(64)));
+
+inline v8d vexp8d(v8d x) {
+  const auto under = x < -708.0;
+  x = x < -708.0 ? v8d{} - 708.0 : x;
+  x = x > 709.0 ? v8d{} + 709.0 : x;
+  // Round to nearest by the 1.5 * 2^52 trick (|x * log2 e| < 2^51 here).
+  const v8d n = (x * 1.4426950408889634074 + 6755399441055744.0) - 6755399441055744.0;
+  const v8d r = (x - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
+  v8d p = v8d{} + 1.0 / 6227020800.0;  // 1/13!
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  const v8l e = (__builtin_convertvector(n, v8l) + 1023) << 52;
+  const v8d out = p * (v8d)e;
+  return under ? v8d{} : out;
+}
+
+// log of 16 positive normal floats with ~1 ulp error (the Cephes logf polynomial on a
+// mantissa in [sqrt(1/2), sqrt(2))); NaN stays NaN; zeros, negatives, subnormals and
+// infinities are not handled.
+inline v16 vlog16(v16 x) {
+  const v16i bits = (v16i)x;
+  v16i e = ((bits >> 23) & 0xff) - 126;
+  v16 m = (v16)((bits & 0x807fffff) | 0x3f000000);  // x = m * 2^e, m in [0.5, 1)
+  const auto small = m < 0.707106781186547524f;
+  e = small ? e - 1 : e;
+  m = small ? m + m - 1.0f : m - 1.0f;
+  const v16 z = m * m;
+  v16 y = v16{} + 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  const v16 fe = __builtin_convertvector(e, v16);
+  y += fe * -2.12194440e-4f;
+  y -= 0.5f * z;
+  const v16 r = m + y + fe * 0.693359375f;
+  return x == x ? r : x;
+}
+
 // Horizontal max and sum as log-depth shuffle trees (a scalar loop costs ~4x more).
 inline float hmax16(v16 x) {
   const v16i s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};

@@ -284,6 +284,34 @@ def test_selection_keeps_each_heads_best_blocks_and_follows_the_mass_rule(channe
         assert info["blocks_kept"] == keep * HKV
 
 
+def test_vectorised_exp_and_log_are_within_an_ulp():
+    """vexp16 and vlog16 (ops/vec16.h), which the selection's log-sum-exp uses: at most about
+    one float32 ulp from the float64 result; exp flushes inputs below -87 to 0. vexp8d (the
+    estimated block masses, in double): within about one double ulp of exp."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(100000, generator=g) * -87, torch.rand(50000, generator=g) * 80 - 40,
+                   torch.rand(1000, generator=g) * -1e-3])
+    ref = torch.exp(x.double())
+    ulps = (_C.ops.vexp16(x).double() - ref).abs() / torch.from_numpy(np.spacing(ref.float().numpy())).double()
+    assert ulps.max() < 1.5, ulps.max()
+    assert _C.ops.vexp16(torch.tensor([-87.5, -200.0])).tolist() == [0.0, 0.0]
+    x = torch.cat([1 + torch.rand(100000, generator=g) * 255, torch.exp(torch.rand(50000, generator=g) * 170 - 85),
+                   1 + torch.rand(1000, generator=g) * 1e-3])
+    ref = torch.log(x.double())
+    ulps = (_C.ops.vlog16(x).double() - ref).abs() / torch.from_numpy(np.spacing(ref.float().abs().numpy())).double()
+    assert ulps.max() < 1.5, ulps.max()
+    assert _C.ops.vlog16(torch.tensor([1.0, 2.0, 0.5])).tolist() == [0.0, pytest.approx(math.log(2)),
+                                                                     pytest.approx(-math.log(2))]
+    assert math.isnan(_C.ops.vlog16(torch.tensor([float("nan")])).item())
+    x = torch.cat([torch.rand(100000, generator=g, dtype=torch.float64) * -708,
+                   torch.rand(50000, generator=g, dtype=torch.float64) * -30,
+                   torch.rand(1000, generator=g, dtype=torch.float64) * -1e-6])
+    ref = torch.exp(x)
+    ulps = (_C.ops.vexp8d(x) - ref).abs() / torch.from_numpy(np.spacing(ref.numpy()))
+    assert ulps.max() < 2.5, ulps.max()
+    assert _C.ops.vexp8d(torch.tensor([0.0, -708.5, -1e4], dtype=torch.float64)).tolist() == [1.0, 0.0, 0.0]
+
+
 def test_channel_estimate_ranks_closer_to_the_true_block_mass_than_the_bound():
     """On keys whose channels vary independently inside a block (the bound is loose), the
     blocks kept by the channel estimate carry more of the exact softmax mass than those
