@@ -106,7 +106,7 @@ void top_channels(const float* q, int32_t D, int32_t R, int32_t* chan) {
 // Blocks scored together by one query head: independent chains of vector work that the
 // core overlaps (one block alone is a chain of dependent reductions), sharing the head's
 // channel list and weights.
-constexpr int kBatch = 4;
+constexpr int kBatch = 8;
 
 // What scoring needs of one query head, prepared once per step: for the channel estimate
 // the chosen channels, q on them, and q / 2 zeroed on them (the centre term's weights);
