@@ -8,6 +8,7 @@
 #include "ops/attention_plan.h"
 #include "ops/block_sparsity.h"
 #include "ops/cpu_kernels.h"
+#include "ops/vec16.h"
 
 #ifdef K25_WITH_CUDA
 #include "model/cuda_glue.h"
@@ -215,6 +216,39 @@ void bind_ops(py::module_& m) {
   bind_cuda_ops(m);
 #endif
   py::module_ ops = m.def_submodule("ops", "CPU kernels on float32 tensors (for tests)");
+  // The 16-lane exp and log of ops/vec16.h, elementwise (for their accuracy tests).
+  auto lanes16 = [](const at::Tensor& x, float pad, cpu::v16 (*fn)(cpu::v16)) {
+    check(x, at::kFloat, "x");
+    at::Tensor in = x.contiguous();
+    at::Tensor out = at::empty_like(in);
+    const float* src = in.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    for (int64_t i = 0; i < in.numel(); i += 16) {
+      cpu::v16 v = cpu::v16{} + pad;
+      const int64_t n = std::min<int64_t>(16, in.numel() - i);
+      for (int64_t t = 0; t < n; ++t) v[t] = src[i + t];
+      v = fn(v);
+      for (int64_t t = 0; t < n; ++t) dst[i + t] = v[t];
+    }
+    return out;
+  };
+  ops.def("vexp16", [=](const at::Tensor& x) { return lanes16(x, 0.0f, cpu::vexp16); });
+  ops.def("vlog16", [=](const at::Tensor& x) { return lanes16(x, 1.0f, cpu::vlog16); });
+  ops.def("vexp8d", [](const at::Tensor& x) {
+    check(x, at::kDouble, "x");
+    at::Tensor in = x.contiguous();
+    at::Tensor out = at::empty_like(in);
+    const double* src = in.data_ptr<double>();
+    double* dst = out.data_ptr<double>();
+    for (int64_t i = 0; i < in.numel(); i += 8) {
+      cpu::v8d v{};
+      const int64_t n = std::min<int64_t>(8, in.numel() - i);
+      for (int64_t t = 0; t < n; ++t) v[t] = src[i + t];
+      v = cpu::vexp8d(v);
+      for (int64_t t = 0; t < n; ++t) dst[i + t] = v[t];
+    }
+    return out;
+  });
   ops.def("rms_norm", [](const at::Tensor& x, const at::Tensor& w, double eps) {
     check_rows(x, "x");
     check(w, at::kFloat, "w");
@@ -314,7 +348,7 @@ void bind_ops(py::module_& m) {
       [=](const at::Tensor& q, const at::Tensor& kv, py::tuple layout, int32_t layer, const at::Tensor& query_start,
           const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& summaries,
           int32_t num_heads, double scale, int32_t min_context, int32_t recent_blocks, int32_t sink_blocks,
-          double max_ratio, double mass_target, bool compensation, int32_t score_channels) {
+          double max_ratio, double mass_target, bool compensation, int32_t score_channels, bool info) -> py::object {
         check_rows(q, "q");
         check(kv, at::kFloat, "kv");
         const KVLayout L = layout_of(layout);
@@ -333,8 +367,14 @@ void bind_ops(py::module_& m) {
         if (compensation && S.fields != 4) {
           throw Error(ErrorCode::kInvalidArgument, "compensation needs summaries with 4 fields (min, max, sums)");
         }
-        LayerSelection sel;
-        std::vector<float> lse;
+        // info=False (timing): the selection's buffers persist across calls, as the engine's
+        // per-layer selections do, and no Python lists are built.
+        thread_local LayerSelection kept_sel;
+        thread_local std::vector<float> kept_lse;
+        LayerSelection fresh_sel;
+        std::vector<float> fresh_lse;
+        LayerSelection& sel = info ? fresh_sel : kept_sel;
+        std::vector<float>& lse = info ? fresh_lse : kept_lse;
         at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * L.head_dim}, q.options());
         {
           py::gil_scoped_release release;
@@ -342,22 +382,23 @@ void bind_ops(py::module_& m) {
                                   layer, b, summaries.data_ptr<float>(), S, num_heads, static_cast<float>(scale), p,
                                   &sel, &lse);
         }
-        py::dict info;
-        info["context_lens"] = sel.context_lens;
-        info["sparse"] = std::vector<int32_t>(sel.sparse.begin(), sel.sparse.end());
-        info["head_tables"] = sel.head_tables;
-        info["blocks_total"] = sel.blocks_total;
-        info["blocks_kept"] = sel.blocks_kept;
-        info["selections"] = sel.selections;
-        info["entropy_bits"] = sel.entropy_bits;
-        info["top_blocks"] = sel.top_blocks;
-        return py::make_tuple(out, info);
+        if (!info) return py::cast(out);
+        py::dict d;
+        d["context_lens"] = sel.context_lens;
+        d["sparse"] = std::vector<int32_t>(sel.sparse.begin(), sel.sparse.end());
+        d["head_tables"] = sel.head_tables;
+        d["blocks_total"] = sel.blocks_total;
+        d["blocks_kept"] = sel.blocks_kept;
+        d["selections"] = sel.selections;
+        d["entropy_bits"] = sel.entropy_bits;
+        d["top_blocks"] = sel.top_blocks;
+        return py::make_tuple(out, d);
       },
       py::arg("q"), py::arg("kv"), py::arg("layout"), py::arg("layer"), py::arg("query_start"),
       py::arg("context_lens"), py::arg("block_tables"), py::arg("summaries"), py::arg("num_heads"), py::arg("scale"),
       py::arg("min_context") = 2048, py::arg("recent_blocks") = 2, py::arg("sink_blocks") = 1,
       py::arg("max_ratio") = 0.6, py::arg("mass_target") = 0.95, py::arg("compensation") = false,
-      py::arg("score_channels") = 8);
+      py::arg("score_channels") = 8, py::arg("info") = true);
 }
 
 }  // namespace k25::bindings

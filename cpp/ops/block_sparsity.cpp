@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
+#include <cstring>
+#include <functional>
+#include <utility>
 
 #include "ops/parallel.h"
+#include "ops/vec16.h"
 
 namespace k25 {
 
@@ -60,6 +63,227 @@ void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, 
   });
 }
 
+namespace {
+
+using cpu::hmax16;
+using cpu::hsum16;
+using cpu::load16;
+using cpu::v16;
+
+constexpr float kNegInf = -INFINITY;
+
+// Blocks per scoring task: a sequence of a few hundred blocks still spreads over the
+// threads, and a task is long enough to pay for itself.
+constexpr int32_t kBlocksPerTask = 32;
+
+// A block's rank as one integer, larger is better: the score's bits mapped to an unsigned
+// order, then the block index reversed, so that equal scores rank the lower block first
+// (the order a stable sort by descending score gives). Integer keys also give NaN scores
+// a fixed place, where a float comparison would break the ordering nth_element needs.
+inline uint64_t rank_key(float score, int32_t j) {
+  uint32_t u;
+  const float x = score + 0.0f;  // -0 ranks as +0
+  std::memcpy(&u, &x, sizeof(u));
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<uint64_t>(u) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
+}
+
+inline int32_t key_block(uint64_t key) { return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(key)); }
+
+// The R channels of largest |q_d|, largest first (ties: lower channel first), by insertion
+// into a list of R: the same channels in the same order as sorting all D.
+void top_channels(const float* q, int32_t D, int32_t R, int32_t* chan) {
+  int32_t n = 0;
+  for (int32_t d = 0; d < D; ++d) {
+    const float a = std::fabs(q[d]);
+    if (n == R && !(a > std::fabs(q[chan[R - 1]]))) continue;
+    int32_t i = n < R ? n++ : R - 1;
+    for (; i > 0 && a > std::fabs(q[chan[i - 1]]); --i) chan[i] = chan[i - 1];
+    chan[i] = d;
+  }
+}
+
+// Blocks scored together by one query head: independent chains of vector work that the
+// core overlaps (one block alone is a chain of dependent reductions), sharing the head's
+// channel list and weights.
+constexpr int kBatch = 8;
+
+// What scoring needs of one query head, prepared once per step: for the channel estimate
+// the chosen channels, q on them, and q / 2 zeroed on them (the centre term's weights);
+// for the bound max(q, 0) and min(q, 0).
+struct QueryPrep {
+  const float* q;    // [D]
+  const float* a;    // [D]: q / 2 off the chosen channels (estimate) or max(q, 0) (bound)
+  const float* b;    // [D]: min(q, 0) (bound)
+  const int32_t* chan;
+  const float* qv;   // [R]: q on the chosen channels
+};
+
+// Per block of kB: sum_d w_d * (mn_d + mx_d), 16 lanes at a time (mx = mn + D).
+template <int kB>
+inline void centre_dots(const float* w, const float* const* mn, int32_t D, float* out) {
+  v16 acc[kB] = {};
+  int32_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const v16 wd = load16(w + d);
+    for (int b = 0; b < kB; ++b) acc[b] += wd * (load16(mn[b] + d) + load16(mn[b] + D + d));
+  }
+  for (int b = 0; b < kB; ++b) {
+    out[b] = hsum16(acc[b]);
+    for (int32_t t = d; t < D; ++t) out[b] += w[t] * (mn[b][t] + mn[b][D + t]);
+  }
+}
+
+// The channel estimate of kB blocks for one query head: each key's exact q_d k_d on the
+// chosen channels plus q_d (min_d + max_d) / 2 on the others, scaled; per block the
+// maximum m of those scores over its n keys and l = sum exp(score - m), so that its
+// log-mass is m + log l. Fast path: K stored [D][bs] with bs a multiple of 16, so one
+// channel of 16 keys is one vector load.
+template <int kB>
+inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, const float* const* K,
+                        const float* const* mn, const int32_t* n, float scale, float* m, float* l) {
+  float rest[kB];
+  centre_dots<kB>(qp.a, mn, D, rest);
+  v16 lane;
+  for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+  int32_t n_max = 0;
+  for (int b = 0; b < kB; ++b) n_max = std::max(n_max, n[b]);
+  for (int32_t c = 0; c < n_max; c += 16) {
+    v16 acc[kB] = {};
+    for (int32_t i = 0; i < R; ++i) {
+      const int64_t off = static_cast<int64_t>(qp.chan[i]) * bs + c;
+      const float qd = qp.qv[i];
+      for (int b = 0; b < kB; ++b) acc[b] += load16(K[b] + off) * qd;
+    }
+    for (int b = 0; b < kB; ++b) {
+      if (c >= n[b]) continue;
+      // Lanes past the block's last key are masked by selecting -inf (they may hold garbage).
+      const v16 sc = lane < static_cast<float>(n[b] - c) ? (acc[b] + rest[b]) * scale : v16{} + kNegInf;
+      const float top = hmax16(sc);
+      if (c == 0) {
+        m[b] = top;
+        l[b] = hsum16(cpu::vexp16(sc - top));
+      } else {
+        const float m_new = std::max(m[b], top);
+        l[b] = l[b] * cpu::vexp(m[b] - m_new) + hsum16(cpu::vexp16(sc - m_new));
+        m[b] = m_new;
+      }
+    }
+  }
+}
+
+// The same for one block of any layout and block size: keys gathered 16 at a time.
+inline void channel_lse_any(const QueryPrep& qp, int32_t R, const KVLayout& L, const float* K, const float* mn,
+                            int32_t n, float scale, float* m, float* l) {
+  const int32_t D = L.head_dim;
+  float rest;
+  centre_dots<1>(qp.a, &mn, D, &rest);
+  v16 lane;
+  for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+  *m = kNegInf;
+  *l = 0.0f;
+  for (int32_t c = 0; c < n; c += 16) {
+    const int32_t cnt = std::min(16, n - c);
+    v16 acc{};
+    for (int32_t i = 0; i < R; ++i) {
+      float k[16] = {};
+      for (int32_t t = 0; t < cnt; ++t) k[t] = key_at(K, L, c + t, qp.chan[i]);
+      acc += load16(k) * qp.qv[i];
+    }
+    const v16 sc = lane < static_cast<float>(cnt) ? (acc + rest) * scale : v16{} + kNegInf;
+    const float m_new = std::max(*m, hmax16(sc));
+    *l = *l * cpu::vexp(*m - m_new) + hsum16(cpu::vexp16(sc - m_new));
+    *m = m_new;
+  }
+}
+
+// The Quest bound and the centre estimate of kB blocks for one query head, scaled:
+// sum_d (max(q_d, 0) mx_d + min(q_d, 0) mn_d) (= sum_d max(q_d mn_d, q_d mx_d), mn <= mx,
+// without a comparison) and q·(mn + mx) / 2.
+template <int kB>
+inline void bound_and_centre(const QueryPrep& qp, int32_t D, const float* const* mn, float scale, float* ub,
+                             float* ctr) {
+  v16 u[kB] = {}, c[kB] = {};
+  int32_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const v16 qa = load16(qp.a + d), qb = load16(qp.b + d), q = load16(qp.q + d);
+    for (int b = 0; b < kB; ++b) {
+      const v16 lo = load16(mn[b] + d), hi = load16(mn[b] + D + d);
+      u[b] += qa * hi + qb * lo;
+      c[b] += q * (lo + hi);
+    }
+  }
+  for (int b = 0; b < kB; ++b) {
+    float us = hsum16(u[b]), cs = hsum16(c[b]);
+    for (int32_t t = d; t < D; ++t) {
+      us += qp.a[t] * mn[b][D + t] + qp.b[t] * mn[b][t];
+      cs += qp.q[t] * (mn[b][t] + mn[b][D + t]);
+    }
+    ub[b] = us * scale;
+    ctr[b] = 0.5f * cs * scale;
+  }
+}
+
+// The largest of x[0, n), 16 lanes at a time (a running scalar maximum is a chain of
+// dependent compares); the maximum does not depend on the order.
+inline float max_of(const float* x, int32_t n) {
+  v16 acc = v16{} + kNegInf;
+  int32_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const v16 v = load16(x + j);
+    acc = acc < v ? v : acc;
+  }
+  float top = hmax16(acc);
+  for (; j < n; ++j) top = std::max(top, x[j]);
+  return top;
+}
+
+// The greedy mass rule over candidate blocks: while `have` < `want`, take the best
+// remaining candidate (keys: rank keys, larger first) and add its mass. Returns how many
+// it takes. Rather than sorting, it splits the candidates at their middle rank with
+// nth_element and adds or keeps whole halves (expected O(n)); the partial sums are added
+// in another order than one by one, so the count can differ from running down the
+// sorted order only where `want` lies within rounding of a partial sum.
+int32_t greedy_count(uint64_t* first, uint64_t* last, const double* mass, double have, double want) {
+  int32_t taken = 0;
+  while (have < want && first != last) {
+    if (last - first == 1) return taken + 1;
+    uint64_t* mid = first + (last - first) / 2;
+    std::nth_element(first, mid, last, std::greater<uint64_t>());
+    double s = 0;
+    for (const uint64_t* k = first; k < mid; ++k) s += mass[key_block(*k)];
+    if (have + s >= want) {
+      last = mid;
+    } else {
+      have += s;
+      taken += static_cast<int32_t>(mid - first);
+      first = mid;
+    }
+  }
+  return taken;
+}
+
+// Buffers of one selection, kept by the calling thread across calls (the engine thread
+// selects layer after layer, step after step).
+struct SelectScratch {
+  std::vector<int32_t> nbs, chan, need, keep;
+  std::vector<size_t> base;
+  std::vector<int64_t> items, tasks;
+  std::vector<float> qbuf, raw, raw2, score, est;
+  std::vector<uint64_t> keys;
+  std::vector<double> entropy;
+  std::vector<QueryPrep> prep;
+};
+
+// Per-task buffers of the workers.
+struct TaskScratch {
+  std::vector<double> mass;
+  std::vector<uint8_t> kept;
+  std::vector<uint64_t> all;
+};
+
+}  // namespace
+
 bool select_blocks(const float* q, int64_t q_stride, const float* kv, const float* summaries, const SummaryLayout& S,
                    const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B, int32_t num_heads, float scale,
                    const SparsityParams& p, LayerSelection* out) {
@@ -80,208 +304,262 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
   if (!any) return false;
   out->head_tables.assign(static_cast<size_t>(nseq) * Hkv * MB, -1);
 
+  // (A reference: the workers' lambdas must see this thread's buffers, not their own.)
+  thread_local SelectScratch scratch;
+  SelectScratch& X = scratch;
   // Eligible sequences: their block counts and where their scores start in the flat
-  // buffers ([Hkv][nb] per sequence).
-  std::vector<int32_t> nbs(nseq, 0);
-  std::vector<size_t> base(nseq, 0);
-  std::vector<int64_t> items;  // s * Hkv + h of every eligible (sequence, KV head)
+  // buffers ([Hkv][nb] per sequence; the per-query-head ones are [Hkv][group][nb]).
+  X.nbs.assign(nseq, 0);
+  X.base.assign(nseq, 0);
+  X.items.clear();  // s * Hkv + h of every eligible (sequence, KV head)
+  X.tasks.clear();  // (s, first block) of every scoring task, as s * 2^32 + block
   size_t flat = 0;
   for (int32_t s = 0; s < nseq; ++s) {
     if (B.query_start[s + 1] - B.query_start[s] != 1 || B.context_lens[s] <= p.min_context) continue;
-    nbs[s] = (B.context_lens[s] + bs - 1) / bs;
-    base[s] = flat;
-    flat += static_cast<size_t>(Hkv) * nbs[s];
-    for (int32_t h = 0; h < Hkv; ++h) items.push_back(static_cast<int64_t>(s) * Hkv + h);
+    const int32_t nb = (B.context_lens[s] + bs - 1) / bs;
+    X.nbs[s] = nb;
+    X.base[s] = flat;
+    flat += static_cast<size_t>(Hkv) * nb;
+    for (int32_t h = 0; h < Hkv; ++h) X.items.push_back(static_cast<int64_t>(s) * Hkv + h);
+    for (int32_t j = 0; j < nb; j += kBlocksPerTask) X.tasks.push_back((static_cast<int64_t>(s) << 32) | j);
   }
-  std::vector<float> score_all(flat, -INFINITY);  // per KV head: the rank score
-  std::vector<float> est_all(flat, -INFINITY);    // per KV head: the estimate the count uses
-  // 1. Scores, one (sequence, KV head) per task (a batch of one sequence still spreads over
-  //    the threads): per query head the channel estimate (or the bound) relative to its
-  //    best block; per KV head the largest of those over the group.
-  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t ib, int64_t ie) {
-    std::vector<float> ub;         // [nb]: one query head's bounds (or channel estimates)
-    std::vector<float> ctr;        // [nb]: one query head's q . (block key centre) (or channel estimates)
-    std::vector<int32_t> chan(D);  // channels by |q_d|, largest first
-    std::vector<float> acc(bs);    // one block's estimated scores
-    for (int64_t it = ib; it < ie; ++it) {
-      const int32_t s = static_cast<int32_t>(items[it] / Hkv), h = static_cast<int32_t>(items[it] % Hkv);
-      const int32_t ctx = B.context_lens[s];
-      const int32_t nb = nbs[s];
-      const int32_t* table = B.block_tables + s * MB;
-      const float* qrow = q + static_cast<int64_t>(B.query_start[s]) * q_stride;
-      auto tokens = [&](int32_t j) { return j == nb - 1 ? ctx - (nb - 1) * bs : bs; };
-      ub.resize(nb);
-      ctr.resize(nb);
-      float* sc = score_all.data() + base[s] + static_cast<size_t>(h) * nb;
-      float* es = est_all.data() + base[s] + static_cast<size_t>(h) * nb;
-      for (int32_t g = 0; g < group; ++g) {
-        const float* qh = qrow + static_cast<int64_t>(h * group + g) * D;
-        if (R > 0) {
-          // The R channels of largest |q_d| (ties: lower channel first).
-          std::iota(chan.begin(), chan.end(), 0);
-          std::partial_sort(chan.begin(), chan.begin() + R, chan.end(), [&](int32_t a, int32_t b) {
-            const float fa = std::fabs(qh[a]), fb = std::fabs(qh[b]);
-            return fa > fb || (fa == fb && a < b);
-          });
-        }
-        for (int32_t j = 0; j < nb; ++j) {
-          const float* mn = summaries + S.offset(table[j], layer, h);
-          const float* mx = mn + D;
-          if (R > 0) {
-            // Channel estimate: each key's exact q_d k_d on the chosen channels plus
-            // q_d (min_d + max_d) / 2 on the others; the block's log-mass is the
-            // log-sum-exp of those scores (token count included). Rank and count both.
-            float rest = 0.0f;
-            for (int32_t d = 0; d < D; ++d) rest += qh[d] * (mn[d] + mx[d]);
-            rest *= 0.5f;
-            const int32_t n = tokens(j);
-            std::fill(acc.begin(), acc.begin() + n, 0.0f);
-            const float* K = kv + L.k_offset(table[j], layer, h);
-            for (int32_t i = 0; i < R; ++i) {
-              const int32_t d = chan[i];
-              const float qd = qh[d];
-              rest -= qd * 0.5f * (mn[d] + mx[d]);
-              if (L.k_transposed) {
-                const float* row = K + static_cast<int64_t>(d) * bs;
-                for (int32_t t = 0; t < n; ++t) acc[t] += qd * row[t];
-              } else {
-                for (int32_t t = 0; t < n; ++t) acc[t] += qd * K[static_cast<int64_t>(t) * D + d];
-              }
-            }
-            float top = -INFINITY;
-            for (int32_t t = 0; t < n; ++t) {
-              acc[t] = (acc[t] + rest) * scale;
-              top = std::max(top, acc[t]);
-            }
-            float sum = 0.0f;
-            for (int32_t t = 0; t < n; ++t) sum += std::exp(acc[t] - top);
-            ub[j] = ctr[j] = top + std::log(sum);
-            continue;
-          }
-          float b = 0.0f, c = 0.0f;
-          for (int32_t d = 0; d < D; ++d) {
-            b += std::max(qh[d] * mn[d], qh[d] * mx[d]);
-            c += qh[d] * (mn[d] + mx[d]);
-          }
-          ub[j] = b * scale;
-          ctr[j] = 0.5f * c * scale;
-        }
-        // Relative to this head's best block, so that a head with small logits still
-        // gets its blocks: heads differ in scale, and the kept set is shared.
-        const float top = *std::max_element(ub.begin(), ub.begin() + nb);
-        for (int32_t j = 0; j < nb; ++j) sc[j] = std::max(sc[j], ub[j] - top);
-        const float ctop = *std::max_element(ctr.begin(), ctr.begin() + nb);
-        for (int32_t j = 0; j < nb; ++j) es[j] = std::max(es[j], ctr[j] - ctop);
-      }
-    }
-  });
-  struct SeqStats {
-    int64_t total = 0, kept = 0, selections = 0;
-    double entropy = 0;
-    std::vector<int32_t> top;
-  };
-  std::vector<SeqStats> stats(nseq);
-  // 2-3. Per sequence: the count, then every head's kept blocks.
-  parallel_for(0, nseq, 1, [&](int64_t sb, int64_t se) {
-    std::vector<int32_t> order;
-    std::vector<double> mass;   // [nb]: one head's estimated softmax masses
-    std::vector<uint8_t> kept;  // [nb]: one head's selection
-    for (int64_t s = sb; s < se; ++s) {
-      const int32_t nb = nbs[s];
-      if (nb == 0) continue;
-      const int32_t ctx = B.context_lens[s];
-      const int32_t* table = B.block_tables + s * MB;
-      auto tokens = [&](int32_t j) { return j == nb - 1 ? ctx - (nb - 1) * bs : bs; };
-      const float* score = score_all.data() + base[s];
-      const float* est = est_all.data() + base[s];
-      // Mandatory blocks: sinks and the newest ones.
-      auto mandatory = [&](int32_t j) { return j < p.sink_blocks || j >= nb - p.recent_blocks; };
-      int32_t n_mand = 0;
-      for (int32_t j = 0; j < nb; ++j) n_mand += mandatory(j) ? 1 : 0;
-      // The non-mandatory blocks into `order`, best first by `sc`.
-      auto rank_others = [&](const float* sc) {
-        order.clear();
-        for (int32_t j = 0; j < nb; ++j) {
-          if (!mandatory(j)) order.push_back(j);
-        }
-        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
-      };
-      // 2. Each head's need under the mass rule, with masses from the channel estimate
-      //    (or, with R = 0, the centre estimate).
-      int32_t need = n_mand;
-      SeqStats& st = stats[s];
-      mass.resize(nb);
-      for (int32_t h = 0; h < Hkv; ++h) {
-        // With R = 0 the count comes from the centre estimate: the bound exceeds it by the
-        // block's spread, so masses estimated from bounds look peaked and the cap would
-        // always bind.
-        const float* sc = est + static_cast<size_t>(h) * nb;
-        const float top = *std::max_element(sc, sc + nb);
-        double total = 0, covered = 0;
-        for (int32_t j = 0; j < nb; ++j) {
-          // (The channel estimate already counts the block's tokens.)
-          mass[j] = (R > 0 ? 1 : tokens(j)) * std::exp(static_cast<double>(sc[j] - top));
-          total += mass[j];
-          if (mandatory(j)) covered += mass[j];
-        }
-        // Entropy (bits) of the estimated mass over blocks: low when a few blocks dominate.
-        double ent = 0;
-        for (int32_t j = 0; j < nb; ++j) {
-          const double w = mass[j] / total;
-          if (w > 0) ent -= w * std::log2(w);
-        }
-        st.entropy += ent;
-        rank_others(sc);
-        int32_t k = n_mand;
-        for (int32_t j : order) {
-          if (covered >= p.mass_target * total) break;
-          covered += mass[j];
-          ++k;
-        }
-        need = std::max(need, k);
-      }
-      // 3. Clamp the skipped fraction to [min_ratio, max_ratio] (mandatory blocks stay).
-      const int32_t keep_min = static_cast<int32_t>(std::ceil(nb * (1.0 - p.max_ratio) - 1e-9));
-      const int32_t keep_max = static_cast<int32_t>(std::floor(nb * (1.0 - p.min_ratio) + 1e-9));
-      const int32_t keep = std::max(n_mand, std::min(std::max(need, keep_min), keep_max));
-      if (keep >= nb) continue;  // nothing to skip: stays dense
-      // Every head: mandatory blocks plus its best others, in position order.
-      for (int32_t h = 0; h < Hkv; ++h) {
-        const float* sc = score + static_cast<size_t>(h) * nb;
-        rank_others(sc);
-        if (h == 0 && st.top.empty()) {
-          std::vector<int32_t> all(nb);
-          std::iota(all.begin(), all.end(), 0);
-          std::stable_sort(all.begin(), all.end(), [&](int32_t a, int32_t b) { return sc[a] > sc[b]; });
-          for (int32_t i = 0; i < std::min<int32_t>(8, nb); ++i) st.top.push_back(table[all[i]]);
-        }
-        kept.resize(nb);
-        for (int32_t j = 0; j < nb; ++j) kept[j] = mandatory(j) ? 1 : 0;
-        for (int32_t i = 0; i < keep - n_mand; ++i) kept[order[i]] = 1;
-        int32_t* ht = out->head_tables.data() + (static_cast<size_t>(s) * Hkv + h) * MB;
-        int32_t n = 0;
-        for (int32_t j = 0; j < nb; ++j) {
-          if (kept[j]) ht[n++] = table[j];
-        }
-      }
-      out->sparse[s] = 1;
-      out->context_lens[s] = (keep - 1) * bs + tokens(nb - 1);
-      st.total += static_cast<int64_t>(nb) * Hkv;
-      st.kept += static_cast<int64_t>(keep) * Hkv;
-      st.selections += Hkv;
-    }
-  });
-  bool sparse_any = false;
+  // Each eligible query row, prepared once (not once per block).
+  X.prep.assign(static_cast<size_t>(nseq) * num_heads, QueryPrep{});
+  X.qbuf.resize(static_cast<size_t>(nseq) * num_heads * (2 * D + R));
+  X.chan.resize(static_cast<size_t>(nseq) * num_heads * R);
   for (int32_t s = 0; s < nseq; ++s) {
-    if (!out->sparse[s]) continue;
-    sparse_any = true;
-    out->blocks_total += stats[s].total;
-    out->blocks_kept += stats[s].kept;
-    out->selections += stats[s].selections;
-    out->entropy_bits += stats[s].entropy;
-    if (out->top_blocks.empty()) out->top_blocks = stats[s].top;
+    if (X.nbs[s] == 0) continue;
+    for (int32_t hq = 0; hq < num_heads; ++hq) {
+      const size_t i = static_cast<size_t>(s) * num_heads + hq;
+      QueryPrep& qp = X.prep[i];
+      qp.q = q + static_cast<int64_t>(B.query_start[s]) * q_stride + static_cast<int64_t>(hq) * D;
+      float* a = X.qbuf.data() + i * (2 * D + R);
+      float* b = a + D;
+      float* qv = b + D;
+      int32_t* chan = X.chan.data() + i * R;
+      qp.a = a;
+      qp.b = b;
+      qp.chan = chan;
+      qp.qv = qv;
+      if (R > 0) {
+        top_channels(qp.q, D, R, chan);
+        for (int32_t d = 0; d < D; ++d) a[d] = 0.5f * qp.q[d];
+        for (int32_t k = 0; k < R; ++k) {
+          qv[k] = qp.q[chan[k]];
+          a[chan[k]] = 0.0f;
+        }
+      } else {
+        for (int32_t d = 0; d < D; ++d) {
+          a[d] = std::max(qp.q[d], 0.0f);
+          b[d] = std::min(qp.q[d], 0.0f);
+        }
+      }
+    }
   }
-  return sparse_any;
+  X.raw.resize(flat * group);                // per query head: channel estimates (or bounds)
+  X.raw2.resize(R > 0 ? 0 : flat * group);  // per query head: centre estimates (bound rule)
+  X.score.resize(flat);                      // per KV head: the rank score
+  X.est.resize(R > 0 ? 0 : flat);            // per KV head: the estimate the count uses (bound rule)
+  X.keys.resize(flat);
+  X.need.assign(static_cast<size_t>(nseq) * Hkv, 0);
+  X.keep.assign(nseq, 0);
+  X.entropy.assign(static_cast<size_t>(nseq) * Hkv, 0.0);
+  const bool fast = L.k_transposed && bs % 16 == 0;
+
+  // 1. Per block and query head: the channel estimate (or the bound and the centre
+  //    estimate), blocks in chunks so that one long sequence spreads over the threads.
+  parallel_for(0, static_cast<int64_t>(X.tasks.size()), 1, [&](int64_t tb, int64_t te) {
+    const float* mn[kBlocksPerTask];
+    const float* K[kBlocksPerTask];
+    int32_t n[kBlocksPerTask];
+    float m[kBlocksPerTask], l[kBlocksPerTask];
+    for (int64_t ti = tb; ti < te; ++ti) {
+      const int32_t s = static_cast<int32_t>(X.tasks[ti] >> 32), j0 = static_cast<int32_t>(X.tasks[ti] & 0xFFFFFFFF);
+      const int32_t nb = X.nbs[s], ctx = B.context_lens[s];
+      const int32_t cnt = std::min(nb - j0, kBlocksPerTask);
+      const int32_t* table = B.block_tables + static_cast<int64_t>(s) * MB + j0;
+      const QueryPrep* prep = X.prep.data() + static_cast<size_t>(s) * num_heads;
+      float* raw = X.raw.data() + X.base[s] * group + j0;
+      float* raw2 = R > 0 ? nullptr : X.raw2.data() + X.base[s] * group + j0;
+      for (int32_t k = 0; k < cnt; ++k) n[k] = j0 + k == nb - 1 ? ctx - (nb - 1) * bs : bs;
+      for (int32_t h = 0; h < Hkv; ++h) {
+        for (int32_t k = 0; k < cnt; ++k) {
+          mn[k] = summaries + S.offset(table[k], layer, h);
+          K[k] = kv + L.k_offset(table[k], layer, h);
+        }
+        for (int32_t g = 0; g < group; ++g) {
+          const QueryPrep& qp = prep[h * group + g];
+          const size_t at = static_cast<size_t>(h * group + g) * nb;
+          int32_t k = 0;
+          if (R > 0) {
+            if (fast) {
+              for (; k + kBatch <= cnt; k += kBatch) {
+                channel_lse<kBatch>(qp, R, D, bs, K + k, mn + k, n + k, scale, m + k, l + k);
+              }
+              for (; k < cnt; ++k) channel_lse<1>(qp, R, D, bs, K + k, mn + k, n + k, scale, m + k, l + k);
+            } else {
+              for (; k < cnt; ++k) channel_lse_any(qp, R, L, K[k], mn[k], n[k], scale, m + k, l + k);
+            }
+            // log-mass = m + log l, 16 blocks at a time (l >= 1: the best key adds exp(0)).
+            for (k = 0; k < cnt; k += 16) {
+              v16 lv = v16{} + 1.0f, mv{};
+              for (int32_t t = 0; t < std::min(16, cnt - k); ++t) {
+                lv[t] = l[k + t];
+                mv[t] = m[k + t];
+              }
+              const v16 e = mv + cpu::vlog16(lv);
+              for (int32_t t = 0; t < std::min(16, cnt - k); ++t) raw[at + k + t] = e[t];
+            }
+          } else {
+            for (; k + kBatch <= cnt; k += kBatch) {
+              bound_and_centre<kBatch>(qp, D, mn + k, scale, raw + at + k, raw2 + at + k);
+            }
+            for (; k < cnt; ++k) bound_and_centre<1>(qp, D, mn + k, scale, raw + at + k, raw2 + at + k);
+          }
+        }
+      }
+    }
+  });
+
+  // Mandatory blocks of a sequence of nb blocks: sinks [0, sink) and the newest
+  // [nb - recent, nb); the others are [others_begin, others_end).
+  auto others_range = [&](int32_t nb) {
+    const int32_t b = std::min(std::max(p.sink_blocks, 0), nb);
+    const int32_t e = std::max(b, nb - std::max(p.recent_blocks, 0));
+    return std::pair<int32_t, int32_t>(b, e);
+  };
+  // Per query head relative to its best block (heads differ in scale, and the kept set is
+  // shared, so a head with small logits still gets its blocks); per KV head the largest of
+  // those over the group.
+  auto combine = [&](const float* per_head, float* dst, int32_t nb) {
+    for (int32_t g = 0; g < group; ++g) {
+      const float* r = per_head + static_cast<size_t>(g) * nb;
+      const float top = max_of(r, nb);
+      if (g == 0) {
+        for (int32_t j = 0; j < nb; ++j) dst[j] = r[j] - top;
+      } else {
+        for (int32_t j = 0; j < nb; ++j) dst[j] = std::max(dst[j], r[j] - top);
+      }
+    }
+  };
+
+  // 2. Per (sequence, KV head): the group's scores, the estimated masses and their
+  //    entropy, and the head's need under the mass rule.
+  parallel_for(0, static_cast<int64_t>(X.items.size()), 1, [&](int64_t ib, int64_t ie) {
+    thread_local TaskScratch T;
+    for (int64_t it = ib; it < ie; ++it) {
+      const int32_t s = static_cast<int32_t>(X.items[it] / Hkv), h = static_cast<int32_t>(X.items[it] % Hkv);
+      const int32_t nb = X.nbs[s], ctx = B.context_lens[s];
+      const size_t off = X.base[s] + static_cast<size_t>(h) * nb;
+      float* sc = X.score.data() + off;
+      combine(X.raw.data() + off * group, sc, nb);
+      float* es = sc;
+      if (R == 0) {
+        // The count comes from the centre estimate: the bound exceeds it by the block's
+        // spread, so masses estimated from bounds look peaked and the cap would always bind.
+        es = X.est.data() + off;
+        combine(X.raw2.data() + off * group, es, nb);
+      }
+      const float top = max_of(es, nb);
+      const auto [ob, oe] = others_range(nb);
+      // Masses exp(e - best), times the token count with the bound rule (the channel
+      // estimate already counts them). Entropy (bits) of the masses, low when a few blocks
+      // dominate: log T - sum m log m / T with log m = x + log(tokens), so no log per block.
+      // (exp in double, 8 blocks at a time: the count compares sums of masses.)
+      T.mass.resize(nb);
+      for (int32_t j = 0; j < nb; j += 8) {
+        cpu::v8d x{};
+        for (int32_t t = 0; t < std::min(8, nb - j); ++t) x[t] = static_cast<double>(es[j + t] - top);
+        const cpu::v8d e = cpu::vexp8d(x);
+        for (int32_t t = 0; t < std::min(8, nb - j); ++t) T.mass[j + t] = e[t];
+      }
+      const double log_bs = std::log(static_cast<double>(bs));
+      const int32_t last_tokens = ctx - (nb - 1) * bs;
+      double total = 0, covered = 0, mlogm = 0;
+      for (int32_t j = 0; j < nb; ++j) {
+        const double x = static_cast<double>(es[j] - top);
+        const bool last = j == nb - 1;
+        const double m = R > 0 ? T.mass[j] : (last ? last_tokens : bs) * T.mass[j];
+        T.mass[j] = m;
+        total += m;
+        if (j < ob || j >= oe) covered += m;
+        if (m > 0) mlogm += m * (x + (R > 0 ? 0.0 : (last ? std::log(static_cast<double>(last_tokens)) : log_bs)));
+      }
+      X.entropy[static_cast<size_t>(s) * Hkv + h] = (std::log(total) - mlogm / total) / std::log(2.0);
+      uint64_t* keys = X.keys.data() + off;
+      for (int32_t j = ob; j < oe; ++j) keys[j - ob] = rank_key(es[j], j);
+      const int32_t n_mand = nb - (oe - ob);
+      X.need[static_cast<size_t>(s) * Hkv + h] =
+          n_mand + greedy_count(keys, keys + (oe - ob), T.mass.data(), covered, p.mass_target * total);
+    }
+  });
+
+  // The count per sequence: the largest need over its heads, the skipped fraction clamped
+  // to [min_ratio, max_ratio] (mandatory blocks stay).
+  int32_t first_sparse = -1;
+  for (int32_t s = 0; s < nseq; ++s) {
+    const int32_t nb = X.nbs[s];
+    if (nb == 0) continue;
+    const auto [ob, oe] = others_range(nb);
+    const int32_t n_mand = nb - (oe - ob);
+    int32_t need = n_mand;
+    for (int32_t h = 0; h < Hkv; ++h) need = std::max(need, X.need[static_cast<size_t>(s) * Hkv + h]);
+    const int32_t keep_min = static_cast<int32_t>(std::ceil(nb * (1.0 - p.max_ratio) - 1e-9));
+    const int32_t keep_max = static_cast<int32_t>(std::floor(nb * (1.0 - p.min_ratio) + 1e-9));
+    const int32_t keep = std::max(n_mand, std::min(std::max(need, keep_min), keep_max));
+    if (keep >= nb) continue;  // nothing to skip: stays dense
+    out->sparse[s] = 1;
+    out->context_lens[s] = (keep - 1) * bs + (B.context_lens[s] - (nb - 1) * bs);
+    X.keep[s] = keep;
+    out->blocks_total += static_cast<int64_t>(nb) * Hkv;
+    out->blocks_kept += static_cast<int64_t>(keep) * Hkv;
+    out->selections += Hkv;
+    for (int32_t h = 0; h < Hkv; ++h) out->entropy_bits += X.entropy[static_cast<size_t>(s) * Hkv + h];
+    if (first_sparse < 0) first_sparse = s;
+  }
+  if (first_sparse < 0) return false;
+
+  // 3. Every head of a sparse sequence: its mandatory blocks plus its best-scoring others
+  //    (nth_element, not a sort), as a block table in position order.
+  std::vector<int32_t> top;
+  parallel_for(0, static_cast<int64_t>(X.items.size()), 1, [&](int64_t ib, int64_t ie) {
+    thread_local TaskScratch T;
+    for (int64_t it = ib; it < ie; ++it) {
+      const int32_t s = static_cast<int32_t>(X.items[it] / Hkv), h = static_cast<int32_t>(X.items[it] % Hkv);
+      if (!out->sparse[s]) continue;
+      const int32_t nb = X.nbs[s];
+      const int32_t keep = X.keep[s];
+      const int32_t* table = B.block_tables + static_cast<int64_t>(s) * MB;
+      const size_t off = X.base[s] + static_cast<size_t>(h) * nb;
+      const float* sc = X.score.data() + off;
+      const auto [ob, oe] = others_range(nb);
+      uint64_t* keys = X.keys.data() + off;
+      // The channel estimate ranks by the scores phase 2 keyed; the bound rule by others.
+      if (R == 0) {
+        for (int32_t j = ob; j < oe; ++j) keys[j - ob] = rank_key(sc[j], j);
+      }
+      const int32_t take = keep - (nb - (oe - ob));
+      if (take > 0 && take < oe - ob) std::nth_element(keys, keys + take, keys + (oe - ob), std::greater<uint64_t>());
+      T.kept.assign(nb, 0);
+      for (int32_t j = 0; j < nb; ++j) T.kept[j] = j < ob || j >= oe;
+      for (int32_t i = 0; i < take; ++i) T.kept[key_block(keys[i])] = 1;
+      int32_t* ht = out->head_tables.data() + (static_cast<size_t>(s) * Hkv + h) * MB;
+      int32_t n = 0;
+      for (int32_t j = 0; j < nb; ++j) {
+        if (T.kept[j]) ht[n++] = table[j];
+      }
+      if (s == first_sparse && h == 0) {
+        // Statistics: the best-scoring blocks (mandatory ones included), best first.
+        T.all.resize(nb);
+        for (int32_t j = 0; j < nb; ++j) T.all[j] = rank_key(sc[j], j);
+        const int32_t k = std::min<int32_t>(8, nb);
+        std::partial_sort(T.all.begin(), T.all.begin() + k, T.all.end(), std::greater<uint64_t>());
+        for (int32_t i = 0; i < k; ++i) top.push_back(table[key_block(T.all[i])]);
+      }
+    }
+  });
+  out->top_blocks = std::move(top);
+  return true;
 }
 
 cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelection& sel) {

@@ -14,19 +14,19 @@ L, HKV, D, BS = 2, 2, 64, 16
 LAYOUT = (L, HKV, D, BS)
 
 
-def empty_pool(num_blocks):
-    # CPU layout: [blocks][layers][K, V][heads] with K transposed ([D][BS]) and V [BS][D].
-    return torch.full((num_blocks, L, 2, HKV, BS * D), float("nan"))
+def empty_pool(num_blocks, bs=BS):
+    # CPU layout: [blocks][layers][K, V][heads] with K transposed ([D][bs]) and V [bs][D].
+    return torch.full((num_blocks, L, 2, HKV, bs * D), float("nan"))
 
 
-def write_keys(pool, layer, table, keys, values, start=0):
+def write_keys(pool, layer, table, keys, values, start=0, bs=BS):
     """Writes keys/values [n, HKV, D] for positions start.. through the block table."""
     for i in range(keys.shape[0]):
         pos = start + i
-        b, off = table[pos // BS], pos % BS
-        kt = pool[b, layer, 0].view(HKV, D, BS)
+        b, off = table[pos // bs], pos % bs
+        kt = pool[b, layer, 0].view(HKV, D, bs)
         kt[:, :, off] = keys[i]
-        pool[b, layer, 1].view(HKV, BS, D)[:, off] = values[i]
+        pool[b, layer, 1].view(HKV, bs, D)[:, off] = values[i]
 
 
 def batch(ctxs, qlens, tables):
@@ -67,23 +67,23 @@ def test_summaries_are_the_per_channel_min_and_max_of_each_blocks_keys():
     assert torch.equal(summ[table[0], 1, :, 0], keys[0] + 100.0)
 
 
-def random_sequences(seed, ctxs, Hq):
+def random_sequences(seed, ctxs, Hq, bs=BS):
     g = torch.Generator().manual_seed(seed)
-    nb_total = sum(-(-c // BS) for c in ctxs) + 2
-    pool = empty_pool(nb_total)
+    nb_total = sum(-(-c // bs) for c in ctxs) + 2
+    pool = empty_pool(nb_total, bs)
     summ = torch.zeros(nb_total, L, HKV, 2, D)
     free = torch.randperm(nb_total, generator=g).tolist()
     tables, ks, vs = [], [], []
     for c in ctxs:
-        table = [free.pop() for _ in range(-(-c // BS))]
+        table = [free.pop() for _ in range(-(-c // bs))]
         # Keys with structure: a few "topic" directions so that some blocks matter more.
         base = torch.randn(8, HKV, D, generator=g)
         which = torch.randint(8, (c,), generator=g)
         k = base[which] * 2 + torch.randn(c, HKV, D, generator=g) * 0.5
         v = torch.randn(c, HKV, D, generator=g)
-        write_keys(pool, 0, table, k, v)
+        write_keys(pool, 0, table, k, v, bs=bs)
         qs, cl, bt = batch([c], [c], [table])
-        _C.ops.update_key_summaries(pool.view(-1), LAYOUT, summ, 0, qs, cl, bt)
+        _C.ops.update_key_summaries(pool.view(-1), (L, HKV, D, bs), summ, 0, qs, cl, bt)
         tables.append(table)
         ks.append(k)
         vs.append(v)
@@ -208,7 +208,7 @@ def upper_bound_scores(q, summ, table, Hq, nb, centre=False):
     return torch.stack(out)  # [HKV, nb]
 
 
-def channel_estimates(q, summ, table, keys, Hq, nb, ctx, R):
+def channel_estimates(q, summ, table, keys, Hq, nb, ctx, R, bs=BS):
     """The channel estimate (float64): per query head, the R channels of largest |q_d|
     (ties: lower channel first); each key's score q_d k_d on those channels plus
     q_d (min_d + max_d) / 2 on the others, scaled; a block's log-mass is the log-sum-exp
@@ -229,7 +229,7 @@ def channel_estimates(q, summ, table, keys, Hq, nb, ctx, R):
             rest = (qh * (mn[:, h] + mx[:, h]) / 2)[:, ~sel].sum(-1)  # [nb]
             est = []
             for j in range(nb):
-                k = keys[j * BS:min(ctx, (j + 1) * BS), h].double()  # [n, D]
+                k = keys[j * bs:min(ctx, (j + 1) * bs), h].double()  # [n, D]
                 s = ((k[:, sel] * qh[sel]).sum(-1) + rest[j]) / math.sqrt(D)
                 est.append(torch.logsumexp(s, 0))
             est = torch.stack(est)
@@ -238,41 +238,51 @@ def channel_estimates(q, summ, table, keys, Hq, nb, ctx, R):
     return torch.stack(out)  # [HKV, nb]
 
 
-@pytest.mark.parametrize("channels", [0, 8, 64, 200])
-def test_selection_keeps_each_heads_best_blocks_and_follows_the_mass_rule(channels):
-    Hq, ctx = 4, 4000
-    pool, summ, tables, ks, vs, q = random_sequences(11, [ctx], Hq)
-    qs, cl, bt = batch([ctx], [1], [tables[0]])
-    nb = -(-ctx // BS)
-    tok = torch.full((nb,), float(BS), dtype=torch.float64)
-    tok[-1] = ctx - (nb - 1) * BS
+def reference_scores(q, summ, table, keys, Hq, ctx, channels, bs=BS):
+    """The documented rule (float64): per KV head the rank score and the estimate that sizes
+    the count ([HKV, nb] each), and the weight a block's estimated mass carries."""
+    nb = -(-ctx // bs)
     if channels == 0:
         # Quest bound ranks; the centre estimate (times the token count) sizes.
-        sc = upper_bound_scores(q[0], summ, tables[0], Hq, nb)
-        est = upper_bound_scores(q[0], summ, tables[0], Hq, nb, centre=True)
-        weight = tok
-    else:
-        # The channel estimate does both (token count included); 200 > D: exact scores.
-        sc = est = channel_estimates(q[0], summ, tables[0], ks[0], Hq, nb, ctx, channels)
-        weight = torch.ones(nb, dtype=torch.float64)
+        tok = torch.full((nb,), float(bs), dtype=torch.float64)
+        tok[-1] = ctx - (nb - 1) * bs
+        return (upper_bound_scores(q, summ, table, Hq, nb), upper_bound_scores(q, summ, table, Hq, nb, centre=True),
+                tok)
+    # The channel estimate does both (token count included); channels > D: exact scores.
+    est = channel_estimates(q, summ, table, keys, Hq, nb, ctx, channels, bs)
+    return est, est, torch.ones(nb, dtype=torch.float64)
+
+
+def reference_need(est, weight, mand, target):
+    """Fewest blocks, mandatory ones first, then by estimate, whose estimated mass reaches
+    `target` of the total."""
+    nb = est.shape[0]
+    w = weight * torch.exp(est - est.max())
+    covered = float(sum(w[j] for j in mand))
+    k = len(mand)
+    for j in sorted((j for j in range(nb) if j not in mand), key=lambda j: -float(est[j])):
+        if covered >= target * float(w.sum()):
+            break
+        covered += float(w[j])
+        k += 1
+    return k
+
+
+# Block sizes: 16 (the default; one vector of keys per channel), 32 (several per block),
+# 8 and 24 (the path that gathers keys for any block size).
+@pytest.mark.parametrize("channels,bs", [(0, 16), (8, 16), (64, 16), (200, 16), (0, 24), (8, 8), (8, 24), (8, 32)])
+def test_selection_keeps_each_heads_best_blocks_and_follows_the_mass_rule(channels, bs):
+    Hq, ctx = 4, 4007  # a partial last block at every block size
+    pool, summ, tables, ks, vs, q = random_sequences(11, [ctx], Hq, bs)
+    qs, cl, bt = batch([ctx], [1], [tables[0]])
+    nb = -(-ctx // bs)
+    sc, est, weight = reference_scores(q[0], summ, tables[0], ks[0], Hq, ctx, channels, bs)
     mand = set([0] + list(range(nb - 2, nb)))
-
-    def need(h, target):
-        w = weight * torch.exp(est[h] - est[h].max())
-        covered = float(sum(w[j] for j in mand))
-        k = len(mand)
-        for j in sorted((j for j in range(nb) if j not in mand), key=lambda j: -float(est[h, j])):
-            if covered >= target * float(w.sum()):
-                break
-            covered += float(w[j])
-            k += 1
-        return k
-
     for target, cap in [(0.5, 0.8), (0.95, 0.6), (0.999, 0.8), (0.2, 0.8)]:
-        _, info = _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, 1 / math.sqrt(D),
-                                          min_context=100, recent_blocks=2, sink_blocks=1, max_ratio=cap,
-                                          mass_target=target, score_channels=channels)
-        want = max(need(h, target) for h in range(HKV))
+        _, info = _C.ops.sparse_attention(q, pool.view(-1), (L, HKV, D, bs), 0, qs, cl, bt, summ, Hq,
+                                          1 / math.sqrt(D), min_context=100, recent_blocks=2, sink_blocks=1,
+                                          max_ratio=cap, mass_target=target, score_channels=channels)
+        want = max(reference_need(est[h], weight, mand, target) for h in range(HKV))
         keep = min(max(want, math.ceil(nb * (1 - cap) - 1e-9)), math.floor(nb * 0.9 + 1e-9))
         heads = torch.tensor(info["head_tables"]).view(1, HKV, -1)
         for h in range(HKV):
@@ -282,6 +292,75 @@ def test_selection_keeps_each_heads_best_blocks_and_follows_the_mass_rule(channe
             others = sorted((j for j in range(nb) if j not in mand), key=lambda j: (-float(sc[h, j]), j))
             assert kept - mand == set(others[:keep - len(mand)]), (target, cap, h)
         assert info["blocks_kept"] == keep * HKV
+
+
+@pytest.mark.parametrize("channels", [0, 8])
+def test_batched_selection_and_its_statistics_follow_the_reference(channels):
+    """Several sequences in one call, the first too short to go sparse, and the partial last
+    block among the ranked ones (recent_blocks=0): per sequence the count and every head's
+    kept blocks, and the statistics (entropy of the estimated masses summed over the
+    selections; the best-scoring blocks of the first selection) equal a float64 reference."""
+    Hq, ctxs, cap, target = 6, [700, 3001, 2213, 2600], 0.8, 0.99
+    pool, summ, tables, ks, vs, q = random_sequences(23, ctxs, Hq)
+    qs, cl, bt = batch(ctxs, [1] * len(ctxs), tables)
+    _, info = _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, 1 / math.sqrt(D),
+                                      min_context=1000, recent_blocks=0, sink_blocks=2, max_ratio=cap,
+                                      mass_target=target, score_channels=channels)
+    heads = torch.tensor(info["head_tables"]).view(len(ctxs), HKV, -1)
+    assert info["sparse"] == [0, 1, 1, 1]
+    entropy, kept_total, top, by_rule = 0.0, 0, None, 0
+    for i, ctx in enumerate(ctxs[1:], 1):
+        nb = -(-ctx // BS)
+        sc, est, weight = reference_scores(q[i], summ, tables[i], ks[i], Hq, ctx, channels)
+        mand = {0, 1}
+        keep = max(reference_need(est[h], weight, mand, target) for h in range(HKV))
+        keep = min(max(keep, math.ceil(nb * (1 - cap) - 1e-9)), math.floor(nb * 0.9 + 1e-9))
+        by_rule += keep > math.ceil(nb * (1 - cap) - 1e-9)
+        for h in range(HKV):
+            kept_phys = [b for b in heads[i, h].tolist() if b >= 0]
+            kept = [tables[i].index(b) for b in kept_phys]
+            assert kept == sorted(kept) and len(kept) == keep, (i, h)
+            others = sorted(range(2, nb), key=lambda j: (-float(sc[h, j]), j))
+            assert set(kept) - mand == set(others[:keep - 2]), (i, h)
+            w = weight * torch.exp(est[h] - est[h].max())
+            p = w / w.sum()
+            entropy += float(-(p[p > 0] * torch.log2(p[p > 0])).sum())
+        assert info["context_lens"][i] == (keep - 1) * BS + ctx - (nb - 1) * BS
+        kept_total += keep * HKV
+        if top is None:
+            top = [tables[i][j] for j in sorted(range(nb), key=lambda j: (-float(sc[0, j]), j))[:8]]
+    assert by_rule >= 2, "the mass rule, not the cap, sets most counts"
+    assert info["blocks_kept"] == kept_total and info["selections"] == 3 * HKV
+    assert info["entropy_bits"] == pytest.approx(entropy, rel=1e-5)
+    assert info["top_blocks"] == top
+
+
+def test_vectorised_exp_and_log_are_within_an_ulp():
+    """vexp16 and vlog16 (ops/vec16.h), which the selection's log-sum-exp uses: at most about
+    one float32 ulp from the float64 result; exp flushes inputs below -87 to 0. vexp8d (the
+    estimated block masses, in double): within about one double ulp of exp."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(100000, generator=g) * -87, torch.rand(50000, generator=g) * 80 - 40,
+                   torch.rand(1000, generator=g) * -1e-3])
+    ref = torch.exp(x.double())
+    ulps = (_C.ops.vexp16(x).double() - ref).abs() / torch.from_numpy(np.spacing(ref.float().numpy())).double()
+    assert ulps.max() < 1.5, ulps.max()
+    assert _C.ops.vexp16(torch.tensor([-87.5, -200.0])).tolist() == [0.0, 0.0]
+    x = torch.cat([1 + torch.rand(100000, generator=g) * 255, torch.exp(torch.rand(50000, generator=g) * 170 - 85),
+                   1 + torch.rand(1000, generator=g) * 1e-3])
+    ref = torch.log(x.double())
+    ulps = (_C.ops.vlog16(x).double() - ref).abs() / torch.from_numpy(np.spacing(ref.float().abs().numpy())).double()
+    assert ulps.max() < 1.5, ulps.max()
+    assert _C.ops.vlog16(torch.tensor([1.0, 2.0, 0.5])).tolist() == [0.0, pytest.approx(math.log(2)),
+                                                                     pytest.approx(-math.log(2))]
+    assert math.isnan(_C.ops.vlog16(torch.tensor([float("nan")])).item())
+    x = torch.cat([torch.rand(100000, generator=g, dtype=torch.float64) * -708,
+                   torch.rand(50000, generator=g, dtype=torch.float64) * -30,
+                   torch.rand(1000, generator=g, dtype=torch.float64) * -1e-6])
+    ref = torch.exp(x)
+    ulps = (_C.ops.vexp8d(x) - ref).abs() / torch.from_numpy(np.spacing(ref.numpy()))
+    assert ulps.max() < 2.5, ulps.max()
+    assert _C.ops.vexp8d(torch.tensor([0.0, -708.5, -1e4], dtype=torch.float64)).tolist() == [1.0, 0.0, 0.0]
 
 
 def test_channel_estimate_ranks_closer_to_the_true_block_mass_than_the_bound():

@@ -1,0 +1,154 @@
+// 16-float vectors and a vectorisable exp for the CPU kernels (attention, selection).
+//
+// GCC vector extensions: one v16 is one AVX-512 register, two AVX2 registers or four NEON
+// registers, so the same source serves x86-64 and ARM; nothing here names an instruction.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace k25::cpu {
+
+// exp(x) in float with ~1 ulp error, written so the compiler vectorises loops over it
+// (std::exp is not vectorised without -ffast-math). Inputs below -87 flush to 0.
+inline float vexp(float x) {
+  const float lo = -87.0f, hi = 88.0f;
+  const bool under = x < lo;
+  x = std::min(std::max(x, lo), hi);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return under ? 0.0f : p * scale;
+}
+
+// 16 floats as one vector (GCC/Clang vector extensions: AVX-512, 2x AVX2 or 4x NEON).
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned access
+
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+
+// exp of 16 floats; the same algorithm as vexp.
+inline v16 vexp16(v16 x) {
+  const v16 lo = v16{} - 87.0f, hi = v16{} + 88.0f;
+  const auto under = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // Round to nearest by the 1.5 * 2^23 trick (|x * log2 e| < 2^22 here).
+  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  const v16 out = p * (v16)e;  // same-size vector cast: reinterprets the bits
+  return under ? v16{} : out;
+}
+
+// 8 doubles as one vector, and their exp with an error of a few double ulps: Cody-Waite
+// reduction to |r| <= log(2)/2, then the Taylor series to r^13 (truncation below 1e-17).
+// Inputs below -708 flush to 0 (std::exp would give subnormals there).
+typedef double v8d __attribute__((vector_size(64)));
+typedef int64_t v8l __attribute__((vector_size(64)));
+
+inline v8d vexp8d(v8d x) {
+  const auto under = x < -708.0;
+  x = x < -708.0 ? v8d{} - 708.0 : x;
+  x = x > 709.0 ? v8d{} + 709.0 : x;
+  // Round to nearest by the 1.5 * 2^52 trick (|x * log2 e| < 2^51 here).
+  const v8d n = (x * 1.4426950408889634074 + 6755399441055744.0) - 6755399441055744.0;
+  const v8d r = (x - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
+  v8d p = v8d{} + 1.0 / 6227020800.0;  // 1/13!
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  const v8l e = (__builtin_convertvector(n, v8l) + 1023) << 52;
+  const v8d out = p * (v8d)e;
+  return under ? v8d{} : out;
+}
+
+// log of 16 positive normal floats with ~1 ulp error (the Cephes logf polynomial on a
+// mantissa in [sqrt(1/2), sqrt(2))); NaN stays NaN; zeros, negatives, subnormals and
+// infinities are not handled.
+inline v16 vlog16(v16 x) {
+  const v16i bits = (v16i)x;
+  v16i e = ((bits >> 23) & 0xff) - 126;
+  v16 m = (v16)((bits & 0x807fffff) | 0x3f000000);  // x = m * 2^e, m in [0.5, 1)
+  const auto small = m < 0.707106781186547524f;
+  e = small ? e - 1 : e;
+  m = small ? m + m - 1.0f : m - 1.0f;
+  const v16 z = m * m;
+  v16 y = v16{} + 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  const v16 fe = __builtin_convertvector(e, v16);
+  y += fe * -2.12194440e-4f;
+  y -= 0.5f * z;
+  const v16 r = m + y + fe * 0.693359375f;
+  return x == x ? r : x;
+}
+
+// Horizontal max and sum as log-depth shuffle trees (a scalar loop costs ~4x more).
+inline float hmax16(v16 x) {
+  const v16i s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const v16i s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const v16i s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const v16i s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  v16 y = __builtin_shuffle(x, s8);
+  x = x > y ? x : y;
+  y = __builtin_shuffle(x, s4);
+  x = x > y ? x : y;
+  y = __builtin_shuffle(x, s2);
+  x = x > y ? x : y;
+  y = __builtin_shuffle(x, s1);
+  x = x > y ? x : y;
+  return x[0];
+}
+
+inline float hsum16(v16 x) {
+  const v16i s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const v16i s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const v16i s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const v16i s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  x += __builtin_shuffle(x, s8);
+  x += __builtin_shuffle(x, s4);
+  x += __builtin_shuffle(x, s2);
+  x += __builtin_shuffle(x, s1);
+  return x[0];
+}
+
+}  // namespace k25::cpu
