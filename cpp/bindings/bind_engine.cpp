@@ -67,6 +67,8 @@ py::dict stats_dict(const EngineStats& s) {
   d["prefix_cache_tier_hits"] = s.prefix_cache_tier_hits;
   d["prefix_spilled_blocks"] = s.prefix_spilled_blocks;
   d["prefix_tier_blocks"] = s.prefix_tier_blocks;
+  d["cold_blocks"] = s.cold_blocks;
+  d["cold_demotes"] = s.cold_demotes;
   d["block_size"] = s.block_size;
   d["busy_time_s"] = s.busy_time_s;
   d["last_step_s"] = s.last_step_s;

@@ -37,6 +37,8 @@ py::dict tier_stats_dict(const TierStats& s) {
   py::dict d;
   d["offloads"] = s.offloads;
   d["offloads_to_l2"] = s.offloads_to_l2;
+  d["l2_blocks"] = s.l2_blocks;
+  d["l3_blocks"] = s.l3_blocks;
   d["offloads_to_l3"] = s.offloads_to_l3;
   d["spills"] = s.spills;
   d["fetches"] = s.fetches;

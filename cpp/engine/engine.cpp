@@ -11,6 +11,7 @@
 #include "engine/sequence.h"
 #include "k25/status.h"
 #include "kv/block_pool.h"
+#include "ops/kv_layout.h"
 
 namespace k25 {
 
@@ -57,16 +58,13 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
     token_bytes_.resize(vocab_size_);
   }
   pool_ = std::make_unique<BlockPool>(config_.num_kv_blocks);
+  max_seq_blocks_ = config_.num_kv_blocks;
   scheduler_ = std::make_unique<Scheduler>(config_, pool_.get());
   stats_.blocks_total = pool_->num_total();
   stats_.blocks_free = pool_->num_total();
   stats_.block_size = config_.block_size;
   if (config_.swap_preempted) {
     last_tier_stats_ = std::make_shared<TierStats>();
-    if (config_.enable_dynamic_sparsity) {
-      // The per-block key summaries live beside the pool and would not move with a block.
-      fail(ErrorCode::kUnsupported, "swapping KV to tiers does not carry dynamic-sparsity summaries yet");
-    }
     swap_ = std::make_unique<KVSwap>(
         config_, executor_->kv_host_base(), executor_->kv_block_bytes(), scheduler_.get(), pool_.get(),
         [this] {
@@ -78,6 +76,13 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
           record_kv_event(id, blocks, reason.c_str(), true);
         },
         [this](TierConfig* tc) { return executor_->configure_tiers(tc); });
+    if (executor_->supports_cold_blocks()) {
+      // A sequence longer than L1 keeps running with some of its blocks in L2 (use (a) of
+      // the tiers, docs/offload.md).
+      KVSwap* swap = swap_.get();
+      scheduler_->set_cold_room([swap](int32_t want) { return swap->cold_room(want); });
+      max_seq_blocks_ = swap_->max_sequence_blocks();
+    }
     if (config_.enable_prefix_caching) {
       // Cached blocks evicted from L1 go down to L2/L3 and are found there (docs/offload.md).
       pool_->set_record_evictions(true);
@@ -168,12 +173,14 @@ std::unique_ptr<Sequence> Engine::make_sequence(RequestSpec spec) const {
   }
   const int64_t max_total = std::min<int64_t>(P + p.max_new_tokens, config_.max_seq_len);
   const int32_t blocks = blocks_for_tokens(max_total, config_.block_size);
-  if (blocks > config_.num_kv_blocks) {
+  if (blocks > max_seq_blocks_) {
+    const std::string room = max_seq_blocks_ > config_.num_kv_blocks
+                                 ? "the KV pool and L2 hold " + std::to_string(max_seq_blocks_)
+                                 : "the KV pool holds " + std::to_string(config_.num_kv_blocks);
     fail(ErrorCode::kResourceExhausted,
-         "the request needs up to " + std::to_string(max_total) + " tokens of KV (" +
-             std::to_string(blocks) + " blocks) but the KV pool holds " +
-             std::to_string(config_.num_kv_blocks) + " blocks of " +
-             std::to_string(config_.block_size) + " tokens; raise kv_cache_bytes or lower max_new_tokens");
+         "the request needs up to " + std::to_string(max_total) + " tokens of KV (" + std::to_string(blocks) +
+             " blocks) but " + room + " blocks of " + std::to_string(config_.block_size) +
+             " tokens; raise kv_cache_bytes (or l2_bytes with cache_mode='hierarchical') or lower max_new_tokens");
   }
 
   auto seq = std::make_unique<Sequence>();
@@ -383,6 +390,25 @@ void Engine::loop() {
   }
 }
 
+void Engine::refresh_fetched_kv() {
+  const std::vector<KVSwap::Landed> landed = swap_->take_landed();
+  if (landed.empty()) return;
+  BatchMeta runs;
+  runs.query_start.push_back(0);
+  for (const KVSwap::Landed& l : landed) {
+    runs.max_blocks_per_seq = std::max<int32_t>(runs.max_blocks_per_seq, static_cast<int32_t>(l.seq->block_table.size()));
+  }
+  runs.block_tables.assign(static_cast<size_t>(runs.max_blocks_per_seq) * landed.size(), -1);
+  for (size_t i = 0; i < landed.size(); ++i) {
+    const KVSwap::Landed& l = landed[i];
+    runs.query_start.push_back(runs.query_start.back() + (l.end_token - l.first_token));
+    runs.context_lens.push_back(l.end_token);
+    std::copy(l.seq->block_table.begin(), l.seq->block_table.end(),
+              runs.block_tables.begin() + static_cast<std::ptrdiff_t>(i) * runs.max_blocks_per_seq);
+  }
+  executor_->refresh_fetched_kv(runs);
+}
+
 void Engine::fail_all(const std::string& error) {
   if (in_flight_) {
     // Wait for the launched steps (they write the pool; a failure between a launch and the
@@ -511,7 +537,10 @@ void Engine::step() {
     collect_in_flight();
     if (!scheduler_->has_unfinished()) return;
   }
-  if (swap_) swap_->apply_completions();
+  if (swap_) {
+    swap_->apply_completions();
+    refresh_fetched_kv();
+  }
   StepPlan plan = scheduler_->schedule();
   for (size_t i = 0; i < plan.preempted.size(); ++i) {
     const bool swapped = std::any_of(plan.swap_outs.begin(), plan.swap_outs.end(),
@@ -580,7 +609,9 @@ void Engine::step() {
         meta.token_ids.push_back(seq->tokens[pos]);
       }
       meta.positions.push_back(pos);
-      meta.slot_mapping.push_back(static_cast<int64_t>(seq->block_table[pos / bs]) * bs + pos % bs);
+      const int32_t block = seq->block_table[pos / bs];
+      if (block < 0) fail(ErrorCode::kInternal, "a step writes into a cold block");
+      meta.slot_mapping.push_back(static_cast<int64_t>(block) * bs + pos % bs);
       const bool last = j == s.num_new_tokens - 1;
       const bool prompt_row = seq->want_prompt_logits && pos < seq->num_prompt_tokens;
       if (prompt_row || (last && s.emits)) {
@@ -611,6 +642,15 @@ void Engine::step() {
     meta.context_lens.push_back(seq->num_computed + s.num_new_tokens);
     std::copy(seq->block_table.begin(), seq->block_table.end(),
               meta.block_tables.begin() + static_cast<std::ptrdiff_t>(i) * max_blocks);
+    if (seq->num_cold > 0) {
+      // Cold blocks are read where they lie in L2: entry j of meta.cold_blocks.
+      int32_t* row = meta.block_tables.data() + static_cast<std::ptrdiff_t>(i) * max_blocks;
+      for (size_t b = 0; b < seq->block_table.size(); ++b) {
+        if (row[b] != kColdBlock) continue;
+        row[b] = cold_block_id(static_cast<int32_t>(meta.cold_blocks.size()));
+        meta.cold_blocks.push_back(swap_->cold_data(seq->cold_keys.at(b)));
+      }
+    }
     meta.max_query_len = std::max(meta.max_query_len, s.num_new_tokens);
     meta.max_context_len = std::max(meta.max_context_len, seq->num_computed + s.num_new_tokens);
     if (seq->num_computed + s.num_new_tokens < seq->num_tokens() || s.num_new_tokens > 1) {
@@ -685,6 +725,10 @@ void Engine::step() {
       stats_.swap_s_per_block = swap_->swap_s_per_block();
       stats_.prefix_spilled_blocks = c.prefix_spills;
       stats_.prefix_tier_blocks = swap_->num_prefix_blocks();
+      stats_.cold_demotes = c.cold_demotes;
+      int32_t cold = 0;
+      for (const Sequence* r : scheduler_->running()) cold += r->num_cold;
+      stats_.cold_blocks = cold;
     }
   }
   for (RequestOutput& o : outs) emit(std::move(o));

@@ -35,6 +35,10 @@ struct BatchMeta {
   // launched step whose sampled id this token is (token_ids holds a placeholder then).
   // Empty: every id is in token_ids.
   std::vector<int32_t> prev_rows;
+  // Cold blocks (kv_layout.h): block table entry cold_block_id(j) is the block whose KV lies
+  // at cold_blocks[j] (host memory, the pool's block layout). Only where
+  // ModelExecutor::supports_cold_blocks().
+  std::vector<const void*> cold_blocks;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_seqs() const { return static_cast<int32_t>(context_lens.size()); }
@@ -92,6 +96,13 @@ class ModelExecutor {
     return false;
   }
   virtual int64_t kv_block_bytes() const { return 0; }
+  // KV fetched back from the tiers into L1 (tokens [context_lens[s] - query length,
+  // context_lens[s]) of each sequence of `runs`, through its block table): rebuild what
+  // the executor derives from the keys as they are written (dynamic-sparsity summaries).
+  virtual void refresh_fetched_kv(const BatchMeta& runs) { (void)runs; }
+  // Whether steps may name cold blocks (BatchMeta::cold_blocks): the attention reads them in
+  // host memory.
+  virtual bool supports_cold_blocks() const { return false; }
 };
 
 }  // namespace k25

@@ -76,7 +76,49 @@ uint64_t KVSwap::demote_counted(int32_t block, const TierCallback& on_done) {
   return key;
 }
 
+int32_t KVSwap::cold_room(int32_t want) {
+  while (tiers_->l2_room() < want && evict_oldest_prefix()) {
+  }
+  return tiers_->l2_room();
+}
+
+const void* KVSwap::cold_data(uint64_t key) const {
+  const uint8_t* p = tiers_->l2_data(key);
+  if (!p) fail(ErrorCode::kInternal, "cold block " + std::to_string(key) + " is not in L2");
+  return p;
+}
+
+void KVSwap::demote_cold(const StepPlan& plan) {
+  for (uint64_t key : plan.cold_freed) tiers_->free(key);
+  if (plan.cold_demotes.empty()) return;
+  // Before anything else of this plan takes an L2 slot: the scheduler counted the room.
+  auto pending = std::make_shared<std::atomic<int32_t>>(0);
+  auto failed = std::make_shared<std::atomic<bool>>(false);
+  auto done = [this, pending, failed](const TierResult& r) {
+    if (!r.ok) failed->store(true);
+    std::lock_guard<std::mutex> lk(mu_);
+    --*pending;
+    copied_cv_.notify_all();
+  };
+  for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      ++*pending;
+    }
+    const uint64_t key = tiers_->demote(d.block, done, {}, /*allow_l3=*/false);
+    if (key == 0) fail(ErrorCode::kInternal, "no L2 slot for a cold block although the plan counted one");
+    d.seq->cold_keys.at(static_cast<size_t>(d.index)) = key;
+    ++counters_.cold_demotes;
+  }
+  // The step reads them in L2 and may reuse their L1 blocks: wait until they are there.
+  std::unique_lock<std::mutex> lk(mu_);
+  copied_cv_.wait(lk, [&] { return pending->load() == 0; });
+  // An L1 -> L2 copy is a memcpy (or a copy-stream transfer) that has no failure of its own.
+  if (failed->load()) fail(ErrorCode::kInternal, "copying a cold block to L2 failed");
+}
+
 void KVSwap::start(const StepPlan& plan) {
+  demote_cold(plan);
   auto on_done = [this](const TierResult& r) {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -153,6 +195,7 @@ void KVSwap::start(const StepPlan& plan) {
 void KVSwap::spill_prefixes(const StepPlan& plan, const TierCallback& on_done) {
   std::unordered_set<int32_t> moving;  // a block is copied out once per plan
   for (const SwapOut& so : plan.swap_outs) moving.insert(so.blocks.begin(), so.blocks.end());
+  for (const StepPlan::ColdDemote& d : plan.cold_demotes) moving.insert(d.block);
   for (const BlockPool::Evicted& e : plan.prefix_spills) {
     if (prefix_.count(e.hash) || moving.count(e.block)) continue;
     const uint64_t key = demote_counted(e.block, on_done);
@@ -271,6 +314,8 @@ void KVSwap::finish_swap_in(Sequence* s) {
   }
   for (uint64_t key : s->swap_keys) drop_key(key);
   s->swap_keys.clear();
+  const int32_t first = s->swap_first_block * config_.block_size;
+  if (tokens > first) landed_.push_back({s, first, tokens});
   s->num_computed = tokens;
   s->swap = SwapState::kNone;
   s->swap_tokens = 0;
@@ -337,6 +382,10 @@ void KVSwap::apply_completions() {
 
 void KVSwap::on_finish(Sequence* s) {
   fetch_started_.erase(s->id);
+  for (uint64_t& key : s->cold_keys) {
+    if (key != 0) tiers_->free(key);
+    key = 0;  // the scheduler drops the entries when it releases the blocks
+  }
   for (uint64_t key : s->swap_keys) drop_key(key);
   if (s->swap == SwapState::kIn && s->swap_in_pending > 0) {
     orphans_[s->id] = Orphan{std::move(s->block_table), s->swap_in_pending};

@@ -11,6 +11,10 @@
 //     and the sequence is skipped until apply_completions() sees all of them land, then
 //     its num_computed comes back. A failed fetch (checksum, short read, ...) is logged
 //     as a KV event with the fault as reason; the sequence recomputes from that block on.
+//   - cold blocks (a sequence longer than L1): blocks the plan released from a running
+//     sequence are copied to L2 (never L3) before the step reuses them; the sequence keeps
+//     their keys and the attention reads them in L2 (cold_data) until the sequence ends or
+//     is preempted.
 //   - prefix spill (with enable_prefix_caching): a cached block that the plan evicted from
 //     L1 is demoted too (start() waits for its copy as for a swap-out) and indexed by its
 //     chain hash; the scheduler finds such blocks past a prompt's L1 hits through
@@ -46,6 +50,7 @@ struct SwapCounters {
   int64_t prefix_spills = 0;   // cached prefix blocks copied down from L1
   int64_t prefix_fetches = 0;  // of those, blocks fetched back for a later request
   int64_t prefix_dropped = 0;  // indexed copies freed to make room (or lost to a fault)
+  int64_t cold_demotes = 0;    // blocks of running sequences moved to L2 (a sequence longer than L1)
 };
 
 class KVSwap {
@@ -84,6 +89,23 @@ class KVSwap {
                         uint64_t parent, std::vector<uint64_t>* hashes) const;
   int32_t num_prefix_blocks() const { return static_cast<int32_t>(prefix_.size()); }
 
+  // Scheduler::ColdRoom: L2 slots free for cold blocks, after dropping the oldest cached
+  // prefix copies while fewer than `want` are.
+  int32_t cold_room(int32_t want);
+  // Where a cold block's KV lies in L2 (the L1 block layout); kInternal when it is not there.
+  const void* cold_data(uint64_t key) const;
+  // The most blocks one sequence may have: L1's and L2's resident slots.
+  int32_t max_sequence_blocks() const { return config_.num_kv_blocks + tiers_->map().l2_capacity(); }
+
+  // Sequences whose fetched KV landed since the last call: tokens [first_token, end_token)
+  // of each are back in L1 (the engine rebuilds what derives from the keys, e.g. the
+  // dynamic-sparsity block summaries, before the next step reads them).
+  struct Landed {
+    Sequence* seq;
+    int32_t first_token, end_token;
+  };
+  std::vector<Landed> take_landed() { return std::move(landed_); }
+
   TierStats tier_stats() const { return tiers_->stats(); }
   TierManager& tiers() { return *tiers_; }
   SwapCounters counters() const { return counters_; }
@@ -108,6 +130,7 @@ class KVSwap {
   void drop_key(uint64_t key);
   uint64_t demote_counted(int32_t block, const TierCallback& on_done);
   void spill_prefixes(const StepPlan& plan, const TierCallback& on_done);
+  void demote_cold(const StepPlan& plan);
   void take_prefixes(Sequence* s);
   bool evict_oldest_prefix();
   void erase_prefix(uint64_t hash);
@@ -120,6 +143,7 @@ class KVSwap {
   std::function<void()> wake_;
   EventSink events_;
   SwapCounters counters_;
+  std::vector<Landed> landed_;
   std::unordered_map<uint64_t, KeyInfo> keys_;  // engine thread only
   std::unordered_map<int64_t, Orphan> orphans_;
   std::unordered_map<uint64_t, TierPrefix> prefix_;  // by chain hash

@@ -73,15 +73,49 @@ void Scheduler::cache_full_blocks(Sequence* seq) {
     if (std::find(t, t + bs, kPendingToken) != t + bs) return;  // its last token is still being sampled
     const uint64_t parent = i == 0 ? 0 : seq->block_hashes[i - 1];
     if (static_cast<int32_t>(seq->block_hashes.size()) == i) seq->block_hashes.push_back(block_chain_hash(parent, t, bs));
-    pool_->register_block(seq->block_table[i], seq->block_hashes[i], parent, t, bs);
+    if (seq->block_table[i] >= 0) pool_->register_block(seq->block_table[i], seq->block_hashes[i], parent, t, bs);
     ++seq->num_cache_checked;
   }
 }
 
 void Scheduler::release_blocks(Sequence* seq, bool cache) {
   if (cache) cache_full_blocks(seq);
+  // Cold entries hold no L1 block (their tier keys are the engine's to free).
+  seq->block_table.erase(std::remove(seq->block_table.begin(), seq->block_table.end(), kColdBlock),
+                         seq->block_table.end());
   pool_->release_all(seq->block_table);
   seq->num_cache_checked = 0;
+  seq->cold_keys.clear();
+  seq->num_cold = 0;
+}
+
+std::vector<int32_t> Scheduler::cold_candidates(const Sequence& seq, int32_t limit) const {
+  // Oldest first, keeping the first block (attention sinks; what sparsity always reads).
+  // The block this step writes into is never full and computed, so never a candidate.
+  std::vector<int32_t> out;
+  const int32_t full = std::min<int32_t>(seq.num_computed / config_.block_size,
+                                         static_cast<int32_t>(seq.block_table.size()));
+  for (int32_t i = 1; i < full && static_cast<int32_t>(out.size()) < limit; ++i) {
+    const int32_t b = seq.block_table[i];
+    if (b >= 0 && pool_->refcount(b) == 1) out.push_back(i);
+  }
+  return out;
+}
+
+bool Scheduler::make_cold(Sequence* seq, int32_t need, StepPlan* plan) {
+  if (!cold_room_ || need <= 0) return false;
+  const std::vector<int32_t> picks = cold_candidates(*seq, need);
+  if (static_cast<int32_t>(picks.size()) < need) return false;
+  const int32_t want = static_cast<int32_t>(plan->cold_demotes.size()) + need;
+  if (cold_room_(want) < want) return false;
+  if (seq->cold_keys.size() < seq->block_table.size()) seq->cold_keys.resize(seq->block_table.size(), 0);
+  for (int32_t i : picks) {
+    plan->cold_demotes.push_back({seq, i, seq->block_table[i]});
+    pool_->decref(seq->block_table[i]);  // free now; its bytes are copied out before the step
+    seq->block_table[i] = kColdBlock;
+    ++seq->num_cold;
+  }
+  return true;
 }
 
 bool Scheduler::prefix_eligible(const Sequence& seq) const {
@@ -112,7 +146,13 @@ void Scheduler::preempt(Sequence* seq, StepPlan* plan) {
   running_.erase(it);
   plan->preempted.push_back(seq->id);
   plan->preempted_blocks.push_back(seq->block_table);
-  if (config_.swap_preempted && seq->num_computed > 0) {
+  if (seq->num_cold > 0) {
+    // A sequence with cold blocks recomputes (its KV did not fit L1 in the first place).
+    for (uint64_t k : seq->cold_keys) {
+      if (k != 0) plan->cold_freed.push_back(k);
+    }
+  }
+  if (config_.swap_preempted && seq->num_computed > 0 && seq->num_cold == 0) {
     const int32_t n = blocks_for_tokens(seq->num_computed, config_.block_size);
     plan->swap_outs.push_back({seq, std::vector<int32_t>(seq->block_table.begin(), seq->block_table.begin() + n),
                                seq->num_computed});
@@ -191,6 +231,22 @@ StepPlan Scheduler::schedule() {
     bool self_preempted = false;
     while (blocks_missing(*s, n) > pool_->num_free()) {
       Sequence* victim = pick_victim();  // never null: s itself qualifies
+      const int32_t resident = static_cast<int32_t>(s->block_table.size()) - s->num_cold;
+      if (victim == s && cold_room_ && resident + blocks_missing(*s, n) > pool_->num_total()) {
+        // Longer than L1 itself: rather than preempt itself, s moves some of its computed
+        // blocks to L2 and goes on (a prompt chunk shrinks to what that can make room for).
+        // A sequence that would fit L1 alone preempts itself as before (it is swapped out,
+        // or recomputed, and readmitted when the others have made room).
+        const int32_t short_by = blocks_missing(*s, n) - pool_->num_free();
+        const int32_t can = static_cast<int32_t>(cold_candidates(*s, short_by).size());
+        if (can < short_by && n > 1) {
+          const int32_t blocks = static_cast<int32_t>(s->block_table.size()) + pool_->num_free() + can;
+          const int32_t fit = blocks * config_.block_size - s->num_computed;
+          if (fit > 0) n = std::min(n, fit);
+        }
+        const int32_t need = blocks_missing(*s, n) - pool_->num_free();
+        if (need <= 0 || make_cold(s, need, &plan)) continue;  // the shorter chunk may fit as it is
+      }
       preempt(victim, &plan);
       preempted_for_running = true;
       if (victim == s) {
@@ -340,13 +396,21 @@ void Scheduler::check_invariants() const {
         blocks_for_tokens(s->num_computed, config_.block_size)) {
       fail(ErrorCode::kInternal, "sequence without blocks for its computed tokens");
     }
-    for (int32_t b : s->block_table) {
+    int32_t cold = 0;
+    for (size_t i = 0; i < s->block_table.size(); ++i) {
+      const int32_t b = s->block_table[i];
+      if (b == kColdBlock) {
+        if (i >= s->cold_keys.size() || s->cold_keys[i] == 0) fail(ErrorCode::kInternal, "cold block without a key");
+        ++cold;
+        continue;
+      }
       if (owners.at(b)++ == 0) ++owned;  // blocks, not references (prefix blocks are shared)
     }
+    if (cold != s->num_cold) fail(ErrorCode::kInternal, "cold block count wrong");
   }
   for (Sequence* s : waiting_) {
     if (s->status != SeqStatus::kWaiting) fail(ErrorCode::kInternal, "waiting queue state");
-    if (!s->block_table.empty() || s->num_computed != 0) {
+    if (!s->block_table.empty() || s->num_computed != 0 || s->num_cold != 0) {
       fail(ErrorCode::kInternal, "waiting sequence holds KV blocks");
     }
   }

@@ -47,6 +47,16 @@ struct StepPlan {
   // Prefix caching with tiers: cached blocks that this plan's allocations evicted from L1
   // (their bytes intact until the step writes them), for the engine to copy down.
   std::vector<BlockPool::Evicted> prefix_spills;
+  // Cold blocks: computed blocks of a sequence that would otherwise have to preempt itself,
+  // released from L1 in this plan; the engine copies them to L2 before the step reuses them
+  // (Sequence::cold_keys gets their keys). And cold copies of preempted sequences, to free.
+  struct ColdDemote {
+    Sequence* seq;
+    int32_t index;  // in the sequence's block table
+    int32_t block;  // the L1 block it leaves
+  };
+  std::vector<ColdDemote> cold_demotes;
+  std::vector<uint64_t> cold_freed;
   std::vector<int64_t> preempted;  // ids preempted while planning this step
   std::vector<std::vector<int32_t>> preempted_blocks;  // the blocks each one gave back
   int32_t num_tokens = 0;
@@ -89,6 +99,13 @@ class Scheduler {
   // all known (a pending token waits for a later call).
   void cache_full_blocks(Sequence* seq);
 
+  // Cold blocks (a sequence longer than L1): set by the engine when the tiers and the
+  // executor support them. Returns how many L2 slots cold blocks may take now, making room
+  // for up to `want` if it can (by dropping cached prefix copies).
+  using ColdRoom = std::function<int32_t(int32_t want)>;
+  void set_cold_room(ColdRoom f) { cold_room_ = std::move(f); }
+  bool cold_blocks_enabled() const { return static_cast<bool>(cold_room_); }
+
   Sequence* find(int64_t id);
   bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
   int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
@@ -103,6 +120,11 @@ class Scheduler {
 
  private:
   void preempt(Sequence* seq, StepPlan* plan);
+  // Cold blocks: the sequence's computed full blocks it could move to L2 (resident, not its
+  // first block, not shared), oldest first, at most `limit`.
+  std::vector<int32_t> cold_candidates(const Sequence& seq, int32_t limit) const;
+  // Moves `need` of them to L2 in this plan; false (nothing changed) when it cannot.
+  bool make_cold(Sequence* seq, int32_t need, StepPlan* plan);
   // The lowest-ranked running sequence that may be preempted (not swapping in).
   Sequence* pick_victim() const;
   int32_t blocks_missing(const Sequence& seq, int32_t num_new_tokens) const;
@@ -123,6 +145,7 @@ class Scheduler {
   int64_t num_preemptions_ = 0;
   int64_t prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0, prefix_tier_hit_tokens_ = 0;
   TierPrefixLookup tier_lookup_;
+  ColdRoom cold_room_;
 };
 
 // True when a ranks before b (higher priority class, then earlier arrival).

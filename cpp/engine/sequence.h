@@ -29,6 +29,8 @@ enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
 // Pipelined decode: the token a launched step is sampling, until its result is collected
 // (always the last of Sequence::tokens; see Engine::step).
 constexpr int32_t kPendingToken = -1;
+// A block_table entry for a cold block (see Sequence::cold_keys).
+constexpr int32_t kColdBlock = -2;
 const char* finish_reason_name(FinishReason r);
 
 struct Sequence {
@@ -64,6 +66,12 @@ struct Sequence {
   int32_t swap_first_block = 0;
   std::vector<uint64_t> tier_prefix_hashes;
   bool prefix_fetch = false;  // this swap-in fetches cached prefix blocks (not its own KV)
+  // Cold blocks (tiered KV, a sequence longer than L1; docs/offload.md): block_table[i] is
+  // kColdBlock for a computed block whose KV was moved to L2, where the attention reads it
+  // in place; cold_keys[i] is its tier key (0 for a resident block; entries past the end
+  // are resident too). Freed when the sequence ends or is preempted (it recomputes then).
+  std::vector<uint64_t> cold_keys;
+  int32_t num_cold = 0;
   bool want_prompt_logits = false;
   // Tokens from this index on are computed one per step, as decodes are (>= 0): scoring
   // a text the way generation would compute it (teacher-forced decoding).

@@ -269,6 +269,23 @@ class TorchExecutor : public ModelExecutor {
   }
 
   bool supports_async() const override { return graph_async() || emulate_async_; }
+  void refresh_fetched_kv(const BatchMeta& runs) override {
+    if (!sparse_) return;
+    // The fetched blocks' summaries were another block's (or stale): fold their keys in
+    // again, as the step that wrote them did.
+    cpu::AttentionBatch ab;
+    ab.query_start = runs.query_start.data();
+    ab.context_lens = runs.context_lens.data();
+    ab.block_tables = runs.block_tables.data();
+    ab.max_blocks_per_seq = runs.max_blocks_per_seq;
+    ab.num_seqs = runs.num_seqs();
+    for (int32_t l = 0; l < layout_.num_layers; ++l) {
+      update_key_summaries(kv_.data_ptr<float>(), layout_, sparse_->summaries, sparse_->layout, l, ab);
+    }
+  }
+  // The CPU fused kernels read cold blocks in host memory; the CUDA kernels and the unfused
+  // path (index_select on the pool) do not.
+  bool supports_cold_blocks() const override { return kv_.is_cpu() && fused_ && !sparse_; }
   int32_t max_async_batch() const override { return 128; }
 
   void launch_async(const BatchMeta& meta, const std::vector<SampleRequest>& samples) override {

@@ -165,6 +165,13 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   ab.block_tables = meta.block_tables.data();
   ab.max_blocks_per_seq = meta.max_blocks_per_seq;
   ab.num_seqs = meta.num_seqs();
+  if (!meta.cold_blocks.empty()) {
+    if (cuda || !fused || sparse) {
+      fail(ErrorCode::kUnsupported, "cold KV blocks (a sequence longer than the KV pool) need the CPU backend's "
+                                    "fused kernels without dynamic sparsity");
+    }
+    ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_blocks.data());
+  }
 #ifdef K25_WITH_CUDA
   cuda_glue::DeviceBatch db;
   if (prepared) {

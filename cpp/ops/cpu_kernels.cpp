@@ -160,6 +160,18 @@ struct Partials {
   }
 };
 
+// The KV blocks a step reads: pool blocks by id, cold blocks (negative ids) by pointer.
+struct KVBlocks {
+  const float* pool;
+  const float* const* cold;
+  const KVLayout& L;
+  const float* block(int32_t id) const {
+    return id >= 0 ? pool + id * L.block_elems() : cold[cold_block_index(id)];
+  }
+  const float* k(int32_t id, int32_t layer, int32_t head) const { return block(id) + L.k_in_block(layer, head); }
+  const float* v(int32_t id, int32_t layer, int32_t head) const { return block(id) + L.v_in_block(layer, head); }
+};
+
 // kR query rows (the heads of a GQA group for one or a few tokens of one sequence)
 // against every key they may see, 16 keys at a time, with an online softmax. One load
 // of each K/V vector serves all rows; the accumulators stay in vector registers.
@@ -168,7 +180,7 @@ struct Partials {
 // writes its log-sum-exp there.
 template <int kD, int kR>
 void attend_tile(const float* const* qrows, float* const* orows, float* const* lrows, const int32_t* pos,
-                 const int32_t* lo, const float* kv, const KVLayout& L, int32_t layer, int32_t kv_head,
+                 const int32_t* lo, const KVBlocks& kv, const KVLayout& L, int32_t layer, int32_t kv_head,
                  const int32_t* table, float scale, bool partial) {
   constexpr int kC = kD / 16;
   const int32_t bs = L.block_size;
@@ -187,13 +199,13 @@ void attend_tile(const float* const* qrows, float* const* orows, float* const* l
   const int32_t last_blk = pos_max / bs;
   const int64_t head_bytes = L.head_elems() * static_cast<int64_t>(sizeof(float));
   for (int32_t blk = lo_min / bs; blk <= last_blk; ++blk) {
-    const float* Kt = kv + L.k_offset(table[blk], layer, kv_head);  // [D][bs]
-    const float* V = kv + L.v_offset(table[blk], layer, kv_head);   // [bs][D]
+    const float* Kt = kv.k(table[blk], layer, kv_head);  // [D][bs]
+    const float* V = kv.v(table[blk], layer, kv_head);   // [bs][D]
     if (blk < last_blk) {
       // Blocks of one sequence are scattered in the pool, so the hardware prefetcher
       // cannot follow; fetch the next block's K and V while this one is computed.
-      const char* nk = reinterpret_cast<const char*>(kv + L.k_offset(table[blk + 1], layer, kv_head));
-      const char* nv = reinterpret_cast<const char*>(kv + L.v_offset(table[blk + 1], layer, kv_head));
+      const char* nk = reinterpret_cast<const char*>(kv.k(table[blk + 1], layer, kv_head));
+      const char* nv = reinterpret_cast<const char*>(kv.v(table[blk + 1], layer, kv_head));
       for (int64_t off = 0; off < head_bytes; off += 64) {
         __builtin_prefetch(nk + off);
         __builtin_prefetch(nv + off);
@@ -256,7 +268,7 @@ void attend_tile(const float* const* qrows, float* const* orows, float* const* l
 template <int kD>
 void attend_tile_rows(int rows, const float* const* q, float* const* o, float* const* lse, const int32_t* pos,
                       const int32_t* lo,
-                      const float* kv, const KVLayout& L, int32_t layer, int32_t kv_head, const int32_t* table,
+                      const KVBlocks& kv, const KVLayout& L, int32_t layer, int32_t kv_head, const int32_t* table,
                       float scale, bool partial) {
   switch (rows) {
     case 1: return attend_tile<kD, 1>(q, o, lse, pos, lo, kv, L, layer, kv_head, table, scale, partial);
@@ -273,17 +285,17 @@ void attend_tile_rows(int rows, const float* const* q, float* const* o, float* c
 constexpr int kMaxTileRows = 8;
 
 // Any head_dim and block size: the same algorithm one key at a time.
-inline void attend_row_generic(const float* qr, float* out, float* lse, const float* kv, const KVLayout& L,
+inline void attend_row_generic(const float* qr, float* out, float* lse, const KVBlocks& kv, const KVLayout& L,
                                int32_t layer, int32_t kv_head, const int32_t* table, int32_t pos, int32_t lo,
                                float scale, bool partial, std::vector<float>& acc) {
   const int32_t bs = L.block_size, D = L.head_dim;
   acc.assign(D, 0.0f);
   float m = kNegInf, l = 0.0f;
   for (int32_t kp = lo; kp <= pos; ++kp) {
-    const int64_t block = table[kp / bs];
+    const int32_t block = table[kp / bs];
     const int32_t off = kp % bs;
-    const float* Kt = kv + L.k_offset(block, layer, kv_head);
-    const float* v = kv + L.v_offset(block, layer, kv_head) + static_cast<int64_t>(off) * D;
+    const float* Kt = kv.k(block, layer, kv_head);
+    const float* v = kv.v(block, layer, kv_head) + static_cast<int64_t>(off) * D;
     float s = 0.0f;
     for (int32_t d = 0; d < D; ++d) s += qr[d] * Kt[static_cast<int64_t>(d) * bs + off];
     s *= scale;
@@ -303,7 +315,7 @@ inline void attend_row_generic(const float* qr, float* out, float* lse, const fl
   if (lse) *lse = m + std::log(l);
 }
 
-void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out, const float* kv,
+void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out, const KVBlocks& kv,
                  const KVLayout& L, int32_t layer, const AttentionBatch& B, int32_t num_heads, float scale,
                  int32_t window, const Partials& partials, std::vector<float>& scratch) {
   const bool partial = w.partial >= 0;
@@ -378,11 +390,12 @@ void paged_attention(const float* q, int64_t q_stride, float* out, const float* 
   // instead so that every thread gets a similar mix of long and short ones.
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+  const KVBlocks blocks{kv, B.cold_blocks, L};
   parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
     std::vector<float> scratch;
     for (int64_t wid = wb; wid < we; ++wid) {
       for (int64_t i = wid; i < n; i += workers) {
-        attend_item(items[i], q, q_stride, out, kv, L, layer, B, num_heads, scale, sliding_window, partials, scratch);
+        attend_item(items[i], q, q_stride, out, blocks, L, layer, B, num_heads, scale, sliding_window, partials, scratch);
       }
     }
   });

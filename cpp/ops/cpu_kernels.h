@@ -23,6 +23,8 @@ struct AttentionBatch {
   // When set, paged_attention also writes each (row, query head)'s log-sum-exp of the
   // scaled scores here: [T][num_heads] (what compensation for skipped blocks needs).
   float* row_lse = nullptr;
+  // Cold blocks (kv_layout.h): table entry cold_block_id(j) is read at cold_blocks[j].
+  const float* const* cold_blocks = nullptr;
 };
 
 // out[t] = rmsnorm(x[t]) * w over rows of n; x and out may alias.

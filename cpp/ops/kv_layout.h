@@ -22,12 +22,22 @@ struct KVLayout {
   int64_t head_elems() const { return static_cast<int64_t>(block_size) * head_dim; }
   int64_t layer_elems() const { return 2 * num_kv_heads * head_elems(); }
   int64_t block_elems() const { return num_layers * layer_elems(); }
+  // Where a layer's K (V) head starts within one block.
+  int64_t k_in_block(int32_t layer, int32_t head) const { return layer * layer_elems() + head * head_elems(); }
+  int64_t v_in_block(int32_t layer, int32_t head) const { return k_in_block(layer, head) + num_kv_heads * head_elems(); }
   int64_t k_offset(int64_t block, int32_t layer, int32_t head) const {
-    return block * block_elems() + layer * layer_elems() + head * head_elems();
+    return block * block_elems() + k_in_block(layer, head);
   }
   int64_t v_offset(int64_t block, int32_t layer, int32_t head) const {
     return k_offset(block, layer, head) + num_kv_heads * head_elems();
   }
 };
+
+// Cold blocks (a sequence longer than the primary pool, tiered KV on the CPU): a block that
+// lives in L2 host memory is named in a block table by a negative id, cold_block_id(j),
+// meaning entry j of the step's cold-block pointer list; the attention kernel reads it in
+// place (its bytes have the pool's block layout). -1 stays "no block".
+constexpr int32_t cold_block_id(int32_t j) { return -2 - j; }
+constexpr int32_t cold_block_index(int32_t id) { return -2 - id; }
 
 }  // namespace k25

@@ -139,12 +139,10 @@ class K25Config:
                               "(the standard cache has no tiers to offload to)")
         if self.cache_mode == "hierarchical":
             # What works (docs/offload.md): preemption parks a sequence's KV in L2/L3 and
-            # fetches it back, on the CPU backend.
+            # fetches it back (CPU and CUDA); cached prefix blocks spill there; on the CPU a
+            # sequence longer than L1 runs with its older blocks in L2.
             need(self.enable_async_offload, "cache_mode='hierarchical' needs enable_async_offload=True (tier "
                                             "moves are asynchronous; there is no synchronous offload)")
-            need(not self.enable_dynamic_sparsity, "cache_mode='hierarchical' with enable_dynamic_sparsity=True is "
-                                                   "not implemented yet (block key summaries do not move with "
-                                                   "swapped blocks)")
             positive_int("l2_bytes", allow_none=True)
             need((self.l3_path is None) == (self.l3_bytes is None),
                  "l3_path and l3_bytes go together: set both for an L3 tier, or neither")

@@ -96,6 +96,9 @@ def check_prometheus_export(tiers):
     assert moved[(("direction", "out"), ("model", "m"), ("tier", "l3"))] == tiers["bytes_to_l3"]
     fetched = {tuple(sorted(x.labels.items())): x.value for x in fams["k25_kv_tier_fetches"].samples}
     assert fetched[(("model", "m"), ("tier", "l3"))] == tiers["fetches_from_l3"]
+    held = {tuple(sorted(x.labels.items())): x.value for x in fams["k25_kv_tier_blocks"].samples}
+    assert held == {(("model", "m"), ("tier", "l2")): tiers["l2_blocks"],
+                    (("model", "m"), ("tier", "l3")): tiers["l3_blocks"]}
     assert not any(dict(k[1])["model"] == "plain" for k in samples)  # no tiers, no series
 
 
@@ -136,7 +139,6 @@ def test_corrupted_l3_pages_are_recomputed_and_output_stays_correct(tmp_path, re
     (dict(cache_mode="hierarchical", enable_async_offload=True, l3_path="/tmp/x"), "go together"),
     (dict(cache_mode="hierarchical", enable_async_offload=True, l3_bytes=1 << 20), "go together"),
     (dict(cache_mode="hierarchical", enable_async_offload=True, l2_bytes=0), "l2_bytes"),
-    (dict(cache_mode="hierarchical", enable_async_offload=True, enable_dynamic_sparsity=True), "sparsity"),
     (dict(l2_bytes=1 << 20), "applies to cache_mode='hierarchical'"),
     (dict(enable_async_offload=True), "needs cache_mode='hierarchical'"),
 ])
@@ -290,3 +292,33 @@ def test_two_prompts_claiming_the_same_tier_copies_in_one_step(tmp_path, referen
     assert outs == expect
     assert s1["requests_failed"] == s0["requests_failed"]
     assert s1["prefix_cache_tier_hits"] > s0["prefix_cache_tier_hits"]
+
+
+def test_swapping_with_dynamic_sparsity_rebuilds_the_block_summaries(tmp_path, reference):
+    """Dynamic sparsity ranks blocks by per-block key summaries kept beside the pool; a
+    block fetched back from L2/L3 lands in a different L1 block, so its summaries are
+    rebuilt from its keys before the next step selects. The oracle is the same sparse
+    configuration on a pool that never swaps: equal tokens, with sparse steps on both."""
+    prompts, _, per_block = reference
+    sparse = dict(enable_dynamic_sparsity=True, sparsity_min_context=128, sparsity_recent_blocks=2,
+                  max_sparsity_ratio=0.8, sparsity_mass_target=0.5)
+    longest = max(len(p) for p in prompts) + NEW_TOKENS
+    roomy = K25Model(K25Config(num_threads=2, kv_cache_bytes=len(prompts) * (-(-longest // BLOCK) + 1) * per_block,
+                               block_size=BLOCK, prefill_chunk_size=64, max_num_batched_tokens=96, max_batch_size=4,
+                               **sparse))
+    try:
+        want = [o.token_ids for o in roomy.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                                    temperature=0.0)]
+        assert roomy.stats()["preemptions"] == 0 and roomy.get_current_sparsity_ratio() > 0
+    finally:
+        roomy.close()
+    model = tiered(tmp_path, per_block, prompts, l2_slots=3, l3_pages=200, **sparse)
+    try:
+        outs = model.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+        s = model.stats()
+        ratio = model.get_current_sparsity_ratio()
+    finally:
+        model.close()
+    assert s["swap_ins"] > 0 and s["swap_fallbacks"] == 0 and ratio > 0
+    for i, (o, w) in enumerate(zip(outs, want)):
+        assert o.token_ids == w, f"prompt {i} differs after swapping with sparsity"

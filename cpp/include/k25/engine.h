@@ -109,6 +109,10 @@ struct EngineStats {
   int64_t prefix_cache_tier_hits = 0;
   int64_t prefix_spilled_blocks = 0;
   int32_t prefix_tier_blocks = 0;
+  // A sequence longer than L1 (cache_mode="hierarchical", CPU): blocks of running sequences
+  // that live in L2 now, and blocks moved there so far.
+  int32_t cold_blocks = 0;
+  int64_t cold_demotes = 0;
 };
 
 struct RequestSpec {
@@ -160,6 +164,8 @@ class Engine {
   void gauges_locked();  // the gauges of stats_ from the scheduler and pool; mu_ held
   void refresh_gauges();
   void fail_all(const std::string& error);
+  // Hands the KV that tier fetches brought back since the last call to the executor.
+  void refresh_fetched_kv();
   void finish(Sequence* seq, int reason, const std::string& error, std::vector<RequestOutput>* outs);
   bool check_stop(Sequence* seq, int32_t token, std::string* matched);
   // Pipelined decode (async scheduling): see engine.cpp.
@@ -180,6 +186,7 @@ class Engine {
   std::vector<int32_t> eos_token_ids_;
   size_t max_stop_len_cap_ = 0;
   int32_t vocab_size_ = 0;
+  int32_t max_seq_blocks_ = 0;  // most KV blocks one request may need (L1, plus L2 with cold blocks)
 
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<Scheduler> scheduler_;

@@ -127,6 +127,11 @@ std::optional<TierMove> CacheStateMap::begin_demote(int32_t l1_block, bool allow
   return TierMove{key, e.via, e.l1_block, e.l2_slot, e.l3_page};
 }
 
+int32_t CacheStateMap::l2_room() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return std::max(0, std::min(l2_capacity() - residents_, static_cast<int32_t>(free_slots_.size())));
+}
+
 std::optional<TierMove> CacheStateMap::begin_spill(uint64_t key) {
   std::lock_guard<std::mutex> lk(mu_);
   TierEntry& e = get(key, "spill");

@@ -117,6 +117,8 @@ class CacheStateMap {
   int32_t num_l1_blocks() const { return static_cast<int32_t>(l1_user_.size()); }
   int32_t num_l2_slots() const { return static_cast<int32_t>(l2_owner_.size()); }
   int32_t l2_capacity() const { return num_l2_slots() - staging_; }  // resident slots
+  // Resident slots a demote to L2 could take now.
+  int32_t l2_room() const;
   int64_t num_l3_pages() const { return static_cast<int64_t>(l3_owner_.size()); }
 
   // Throws kInternal unless every slot, page and L1 block is used by exactly the entries

@@ -278,9 +278,10 @@ void TierManager::start_waiting() {
   }
 }
 
-uint64_t TierManager::demote(int32_t l1_block, TierCallback done, std::function<void(uint64_t)> copied) {
+uint64_t TierManager::demote(int32_t l1_block, TierCallback done, std::function<void(uint64_t)> copied,
+                             bool allow_l3) {
   const auto t0 = Clock::now();
-  const std::optional<TierMove> mv = map_.begin_demote(l1_block, l3_ != nullptr);
+  const std::optional<TierMove> mv = map_.begin_demote(l1_block, allow_l3 && l3_ != nullptr);
   if (!mv) {
     std::lock_guard<std::mutex> lk(mu_);
     ++stats_.refused;
@@ -297,6 +298,12 @@ uint64_t TierManager::demote(int32_t l1_block, TierCallback done, std::function<
     start(*mv, TierOp::kDemote, t0, std::move(done), std::move(copied));
   }
   return mv->key;
+}
+
+const uint8_t* TierManager::l2_data(uint64_t key) const {
+  const std::optional<TierEntry> e = map_.entry(key);
+  if (!e || e->state != BlockState::kInL2) return nullptr;
+  return l2_->slot(e->l2_slot);
 }
 
 bool TierManager::spill(uint64_t key, TierCallback done) {
@@ -349,8 +356,12 @@ bool TierManager::run_pending(size_t index) {
 }
 
 TierStats TierManager::stats() const {
+  const TierCounts c = map_.counts();
   std::lock_guard<std::mutex> lk(mu_);
-  return stats_;
+  TierStats s = stats_;
+  s.l2_blocks = c.l2_residents;
+  s.l3_blocks = c.l3_pages_used;
+  return s;
 }
 
 void TierManager::corrupt_next_l3_writes_for_test(int32_t n) {

@@ -93,8 +93,9 @@ class TierManager {
   // unwritten) until `copied` runs, or `done` if that comes first (no copy happened: it
   // failed, or the key was freed before the copy started): from then on only the host
   // copy is used. Returns the copy's key, or 0 when neither L2 nor L3 has room
-  // (nothing started; no callback).
-  uint64_t demote(int32_t l1_block, TierCallback done, std::function<void(uint64_t key)> copied = {});
+  // (nothing started; no callback). allow_l3 = false: L2 or nothing.
+  uint64_t demote(int32_t l1_block, TierCallback done, std::function<void(uint64_t key)> copied = {},
+                  bool allow_l3 = true);
   // Starts writing an L2 block to L3; false when L3 has no free page.
   bool spill(uint64_t key, TierCallback done);
   // Starts copying the block back into l1_block (allocated by the caller, not read until
@@ -110,6 +111,9 @@ class TierManager {
   bool run_pending(size_t index);
 
   const CacheStateMap& map() const { return map_; }
+  // The bytes of a block settled in L2 (laid out as in L1), or nullptr when it is not.
+  const uint8_t* l2_data(uint64_t key) const;
+  int32_t l2_room() const { return map_.l2_room(); }
   TierStats stats() const;
   int32_t in_flight() const;
   int64_t block_bytes() const { return config_.block_bytes; }

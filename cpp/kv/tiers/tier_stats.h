@@ -54,6 +54,9 @@ struct TierStats {
   LatencyHistogram offload_latency;  // demote started -> block safe in L2/L3
   LatencyHistogram fetch_latency;    // fetch started -> block back in L1
   LatencyHistogram spill_latency;
+  // Now: L2 slots and L3 pages held by copies (in flight included; staging slots not).
+  int32_t l2_blocks = 0;
+  int64_t l3_blocks = 0;
 
   int64_t failures() const;
 };

@@ -90,6 +90,8 @@ def tier_metrics(engine_stats: Dict[str, Dict]):
                                   labels=["model", "tier"])
     faults = CounterMetricFamily("k25_kv_tier_faults", "KV tier transfers that failed, by reason",
                                  labels=["model", "reason"])
+    held = GaugeMetricFamily("k25_kv_tier_blocks", "KV block copies a tier holds now (parked, cached prefix, cold)",
+                             labels=["model", "tier"])
     for model, s in engine_stats.items():
         t = s.get("tiers")
         if not t:
@@ -106,6 +108,7 @@ def tier_metrics(engine_stats: Dict[str, Dict]):
             moved.add_metric([model, tier, "out"], t[f"bytes_to_{tier}"])
             moved.add_metric([model, tier, "in"], t[f"bytes_from_{tier}"])
             fetches.add_metric([model, tier], t[f"fetches_from_{tier}"])
+            held.add_metric([model, tier], t[f"{tier}_blocks"])
         for reason, n in t["faults"].items():
             faults.add_metric([model, reason], n)
-    yield from (latency, moved, fetches, faults)
+    yield from (latency, moved, fetches, faults, held)

@@ -1,0 +1,97 @@
+"""A context longer than the KV pool (issue #6 use (a)), default model, CPU, batch 1.
+
+The same prompt runs twice in one process: on a pool that holds all of it (the
+reference), and with cache_mode="hierarchical" on a pool (L1) that holds only a fraction
+of it, the rest of its blocks going "cold" to L2, where the attention reads them in place.
+Reports the decode tokens/s and the P50 / P99 decode step latency of both (each streamed
+token's arrival time), their ratio, the blocks that went cold, and checks that the two
+runs give the same greedy tokens.
+
+    python bench/cpu_long_context.py [--tokens 8000] [--l1-fraction 0.25] [--new 64] [--threads 2]
+"""
+import argparse
+import asyncio
+import json
+import time
+
+import numpy as np
+
+
+def text_ids(model, n):
+    from pydoc_data import topics
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    ids = model.tokenize([text])[0]
+    assert len(ids) >= n
+    return ids[:n]
+
+
+async def timed_stream(model, ids, new):
+    stamps, tokens = [], []
+    async for ev in model.stream_events(ids, max_new_tokens=new, ignore_eos=True, temperature=0.0):
+        if ev.token_ids:
+            stamps.append(time.perf_counter())
+            tokens.extend(ev.token_ids)
+    return stamps, tokens
+
+
+def run(cfg, ids, new):
+    from k25 import K25Model
+    m = K25Model(cfg)
+    try:
+        m.generate([ids[:64]], max_new_tokens=2, temperature=0.0)  # warm-up
+        stamps, tokens = asyncio.run(timed_stream(m, ids, new))
+        s, tiers = m.stats(), m.tier_stats()
+    finally:
+        m.close()
+    steps = np.diff(np.array(stamps))  # decode steps (the first token comes from the prefill)
+    return {"tokens": tokens, "decode_tok_s": len(steps) / steps.sum(), "p50_ms": 1e3 * np.percentile(steps, 50),
+            "p99_ms": 1e3 * np.percentile(steps, 99), "cold_demotes": s.get("cold_demotes", 0),
+            "preemptions": s["preemptions"], "l2_bytes_in": tiers["bytes_to_l2"] if tiers else 0}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8000)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--l1-fraction", type=float, default=0.25, help="of the blocks the sequence needs")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    from k25 import K25Config, K25Model, _C
+    base = dict(num_threads=args.threads, max_seq_len=max(args.tokens + args.new + 8, 8192),
+                prefill_chunk_size=512, max_num_batched_tokens=512, block_size=16)
+    probe = K25Model(K25Config(**base))
+    try:
+        ids = text_ids(probe, args.tokens)
+        per_block = probe.kv_block_bytes
+    finally:
+        probe.close()
+    need = -(-(args.tokens + args.new) // 16)
+    l1 = max(40, int(need * args.l1_fraction))
+    page = _C.kv_page_bytes(per_block)
+    resident = run(K25Config(**base, kv_cache_bytes=(need + 4) * per_block), ids, args.new)
+    cold = run(K25Config(**base, kv_cache_bytes=l1 * per_block, cache_mode="hierarchical",
+                         enable_async_offload=True, l2_bytes=(need + 4) * page), ids, args.new)
+    same = resident["tokens"] == cold["tokens"]
+    res = {"date": time.strftime("%Y-%m-%d"), "context": args.tokens, "new": args.new, "blocks_needed": need,
+           "l1_blocks": l1, "threads": args.threads, "same_tokens": same,
+           "resident": {k: v for k, v in resident.items() if k != "tokens"},
+           "cold": {k: v for k, v in cold.items() if k != "tokens"},
+           "decode_ratio": cold["decode_tok_s"] / resident["decode_tok_s"],
+           "p99_ratio": cold["p99_ms"] / resident["p99_ms"]}
+    print(f"context {args.tokens} + {args.new} new tokens = {need} blocks of {per_block} bytes; "
+          f"L1 of {l1} blocks ({l1 / need:.0%}) in the tiered run, {args.threads} threads")
+    for name, r in (("all resident", resident), ("L1 + cold L2", cold)):
+        print(f"{name:>13}: decode {r['decode_tok_s']:6.2f} tok/s, step P50 {r['p50_ms']:7.1f} ms, "
+              f"P99 {r['p99_ms']:7.1f} ms; cold demotes {r['cold_demotes']}, preemptions {r['preemptions']}")
+    print(f"cold / resident: decode tok/s {res['decode_ratio']:.3f}, P99 {res['p99_ratio']:.3f}; "
+          f"same greedy tokens: {same}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if not same:
+        raise SystemExit("the cold run's tokens differ from the all-resident run")
+
+
+if __name__ == "__main__":
+    main()
