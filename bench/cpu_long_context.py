@@ -7,7 +7,10 @@ Reports the decode tokens/s and the P50 / P99 decode step latency of both (each 
 token's arrival time), their ratio, the blocks that went cold, and checks that the two
 runs give the same greedy tokens.
 
-    python bench/cpu_long_context.py [--tokens 8000] [--l1-fraction 0.25] [--new 64] [--threads 2]
+    python bench/cpu_long_context.py [--tokens 8000] [--l1-fraction 0.25] [--new 64] [--threads 2] [--sparse]
+
+--sparse turns dynamic sparsity on in both runs (defaults: cap 0.6, mass target 0.95): the
+cold run then reads only the selected cold blocks in L2.
 """
 import argparse
 import asyncio
@@ -41,12 +44,14 @@ def run(cfg, ids, new):
         m.generate([ids[:64]], max_new_tokens=2, temperature=0.0)  # warm-up
         stamps, tokens = asyncio.run(timed_stream(m, ids, new))
         s, tiers = m.stats(), m.tier_stats()
+        m_ratio = m.get_current_sparsity_ratio()
     finally:
         m.close()
     steps = np.diff(np.array(stamps))  # decode steps (the first token comes from the prefill)
     return {"tokens": tokens, "decode_tok_s": len(steps) / steps.sum(), "p50_ms": 1e3 * np.percentile(steps, 50),
             "p99_ms": 1e3 * np.percentile(steps, 99), "cold_demotes": s.get("cold_demotes", 0),
-            "preemptions": s["preemptions"], "l2_bytes_in": tiers["bytes_to_l2"] if tiers else 0}
+            "preemptions": s["preemptions"], "l2_bytes_in": tiers["bytes_to_l2"] if tiers else 0,
+            "sparsity_ratio": m_ratio}
 
 
 def main():
@@ -55,11 +60,13 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--l1-fraction", type=float, default=0.25, help="of the blocks the sequence needs")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sparse", action="store_true", help="dynamic sparsity on in both runs")
     ap.add_argument("--json")
     args = ap.parse_args()
     from k25 import K25Config, K25Model, _C
     base = dict(num_threads=args.threads, max_seq_len=max(args.tokens + args.new + 8, 8192),
-                prefill_chunk_size=512, max_num_batched_tokens=512, block_size=16)
+                prefill_chunk_size=512, max_num_batched_tokens=512, block_size=16,
+                enable_dynamic_sparsity=args.sparse)
     probe = K25Model(K25Config(**base))
     try:
         ids = text_ids(probe, args.tokens)
@@ -74,6 +81,7 @@ def main():
                          enable_async_offload=True, l2_bytes=(need + 4) * page), ids, args.new)
     same = resident["tokens"] == cold["tokens"]
     res = {"date": time.strftime("%Y-%m-%d"), "context": args.tokens, "new": args.new, "blocks_needed": need,
+           "sparse": args.sparse,
            "l1_blocks": l1, "threads": args.threads, "same_tokens": same,
            "resident": {k: v for k, v in resident.items() if k != "tokens"},
            "cold": {k: v for k, v in cold.items() if k != "tokens"},
@@ -83,7 +91,8 @@ def main():
           f"L1 of {l1} blocks ({l1 / need:.0%}) in the tiered run, {args.threads} threads")
     for name, r in (("all resident", resident), ("L1 + cold L2", cold)):
         print(f"{name:>13}: decode {r['decode_tok_s']:6.2f} tok/s, step P50 {r['p50_ms']:7.1f} ms, "
-              f"P99 {r['p99_ms']:7.1f} ms; cold demotes {r['cold_demotes']}, preemptions {r['preemptions']}")
+              f"P99 {r['p99_ms']:7.1f} ms; cold demotes {r['cold_demotes']}, preemptions {r['preemptions']}, "
+              f"skipped blocks {r['sparsity_ratio']:.2f}")
     print(f"cold / resident: decode tok/s {res['decode_ratio']:.3f}, P99 {res['p99_ratio']:.3f}; "
           f"same greedy tokens: {same}")
     if args.json:

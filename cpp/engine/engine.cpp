@@ -547,6 +547,13 @@ void Engine::step() {
                                      [&](const SwapOut& so) { return so.seq->id == plan.preempted[i]; });
     if (!swapped) record_kv_event(plan.preempted[i], plan.preempted_blocks[i], "preempt_recompute");
   }
+  for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
+    // Before this step's writes reset the L1 block's summaries for its new content.
+    std::vector<float> sums = executor_->block_summaries(d.block);
+    if (sums.empty()) continue;
+    if (d.seq->cold_summaries.size() < d.seq->block_table.size()) d.seq->cold_summaries.resize(d.seq->block_table.size());
+    d.seq->cold_summaries[static_cast<size_t>(d.index)] = std::move(sums);
+  }
   if (swap_) swap_->start(plan);  // records preempt_swap (or preempt_recompute) itself
   for (const ScheduledSeq& s : plan.seqs) {
     if (s.seq->first_scheduled_time < 0) s.seq->first_scheduled_time = t0;
@@ -649,6 +656,9 @@ void Engine::step() {
         if (row[b] != kColdBlock) continue;
         row[b] = cold_block_id(static_cast<int32_t>(meta.cold_blocks.size()));
         meta.cold_blocks.push_back(swap_->cold_data(seq->cold_keys.at(b)));
+        if (b < seq->cold_summaries.size() && !seq->cold_summaries[b].empty()) {
+          meta.cold_summaries.push_back(seq->cold_summaries[b].data());
+        }
       }
     }
     meta.max_query_len = std::max(meta.max_query_len, s.num_new_tokens);

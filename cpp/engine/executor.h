@@ -39,6 +39,7 @@ struct BatchMeta {
   // at cold_blocks[j] (host memory, the pool's block layout). Only where
   // ModelExecutor::supports_cold_blocks().
   std::vector<const void*> cold_blocks;
+  std::vector<const float*> cold_summaries;  // with dynamic sparsity: [j] for cold_blocks[j]
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_seqs() const { return static_cast<int32_t>(context_lens.size()); }
@@ -103,6 +104,12 @@ class ModelExecutor {
   // Whether steps may name cold blocks (BatchMeta::cold_blocks): the attention reads them in
   // host memory.
   virtual bool supports_cold_blocks() const { return false; }
+  // A copy of what the executor derives from one L1 block's keys (dynamic-sparsity
+  // summaries), for a block that goes cold; empty when it derives nothing.
+  virtual std::vector<float> block_summaries(int32_t block) const {
+    (void)block;
+    return {};
+  }
 };
 
 }  // namespace k25

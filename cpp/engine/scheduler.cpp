@@ -86,6 +86,7 @@ void Scheduler::release_blocks(Sequence* seq, bool cache) {
   pool_->release_all(seq->block_table);
   seq->num_cache_checked = 0;
   seq->cold_keys.clear();
+  seq->cold_summaries.clear();
   seq->num_cold = 0;
 }
 

@@ -72,6 +72,9 @@ struct Sequence {
   // are resident too). Freed when the sequence ends or is preempted (it recomputes then).
   std::vector<uint64_t> cold_keys;
   int32_t num_cold = 0;
+  // With dynamic sparsity: each cold block's key summaries, saved when it left L1 (its L1
+  // block's summaries are another block's from then on); empty entries otherwise.
+  std::vector<std::vector<float>> cold_summaries;
   bool want_prompt_logits = false;
   // Tokens from this index on are computed one per step, as decodes are (>= 0): scoring
   // a text the way generation would compute it (teacher-forced decoding).

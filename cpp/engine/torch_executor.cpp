@@ -283,9 +283,15 @@ class TorchExecutor : public ModelExecutor {
       update_key_summaries(kv_.data_ptr<float>(), layout_, sparse_->summaries, sparse_->layout, l, ab);
     }
   }
-  // The CPU fused kernels read cold blocks in host memory; the CUDA kernels and the unfused
-  // path (index_select on the pool) do not.
-  bool supports_cold_blocks() const override { return kv_.is_cpu() && fused_ && !sparse_; }
+  // The CPU fused kernels (dense and sparse) read cold blocks in host memory; the CUDA
+  // kernels and the unfused path (index_select on the pool) do not.
+  bool supports_cold_blocks() const override { return kv_.is_cpu() && fused_; }
+  std::vector<float> block_summaries(int32_t block) const override {
+    if (!sparse_) return {};
+    const int64_t n = sparse_->layout.block_elems();
+    const float* p = sparse_->summaries + static_cast<int64_t>(block) * n;
+    return std::vector<float>(p, p + n);
+  }
   int32_t max_async_batch() const override { return 128; }
 
   void launch_async(const BatchMeta& meta, const std::vector<SampleRequest>& samples) override {

@@ -166,11 +166,15 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   ab.max_blocks_per_seq = meta.max_blocks_per_seq;
   ab.num_seqs = meta.num_seqs();
   if (!meta.cold_blocks.empty()) {
-    if (cuda || !fused || sparse) {
+    if (cuda || !fused) {
       fail(ErrorCode::kUnsupported, "cold KV blocks (a sequence longer than the KV pool) need the CPU backend's "
-                                    "fused kernels without dynamic sparsity");
+                                    "fused kernels");
+    }
+    if (sparse && meta.cold_summaries.size() != meta.cold_blocks.size()) {
+      fail(ErrorCode::kInternal, "cold blocks without their key summaries");
     }
     ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_blocks.data());
+    ab.cold_summaries = sparse ? meta.cold_summaries.data() : nullptr;
   }
 #ifdef K25_WITH_CUDA
   cuda_glue::DeviceBatch db;

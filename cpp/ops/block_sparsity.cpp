@@ -65,6 +65,18 @@ void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, 
 
 namespace {
 
+// A block's summary and keys of one layer and KV head: in the pool, or for a cold block
+// (negative id, kv_layout.h) where the batch's cold lists put them.
+inline const float* summary_at(const float* summaries, const SummaryLayout& S, const cpu::AttentionBatch& B,
+                               int32_t block, int32_t layer, int32_t h) {
+  return block >= 0 ? summaries + S.offset(block, layer, h)
+                    : B.cold_summaries[cold_block_index(block)] + S.offset(0, layer, h);
+}
+inline const float* keys_at(const float* kv, const KVLayout& L, const cpu::AttentionBatch& B, int32_t block,
+                            int32_t layer, int32_t h) {
+  return block >= 0 ? kv + L.k_offset(block, layer, h) : B.cold_blocks[cold_block_index(block)] + L.k_in_block(layer, h);
+}
+
 using cpu::hmax16;
 using cpu::hsum16;
 using cpu::load16;
@@ -384,8 +396,8 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       for (int32_t k = 0; k < cnt; ++k) n[k] = j0 + k == nb - 1 ? ctx - (nb - 1) * bs : bs;
       for (int32_t h = 0; h < Hkv; ++h) {
         for (int32_t k = 0; k < cnt; ++k) {
-          mn[k] = summaries + S.offset(table[k], layer, h);
-          K[k] = kv + L.k_offset(table[k], layer, h);
+          mn[k] = summary_at(summaries, S, B, table[k], layer, h);
+          K[k] = keys_at(kv, L, B, table[k], layer, h);
         }
         for (int32_t g = 0; g < group; ++g) {
           const QueryPrep& qp = prep[h * group + g];
@@ -623,7 +635,7 @@ void compensate_skipped(const float* q, int64_t q_stride, float* out, const floa
         c.resize(skipped.size());
         float m = base;
         for (size_t b = 0; b < skipped.size(); ++b) {
-          const float* sk = summaries + S.offset(skipped[b], layer, h) + 2 * D;
+          const float* sk = summary_at(summaries, S, B, skipped[b], layer, h) + 2 * D;
           float dot = 0.0f;
           for (int32_t d = 0; d < D; ++d) dot += qh[d] * sk[d];
           c[b] = scale * dot * inv_n + log_n;
@@ -635,7 +647,7 @@ void compensate_skipped(const float* q, int64_t q_stride, float* out, const floa
         for (size_t b = 0; b < skipped.size(); ++b) {
           const float w = std::exp(c[b] - m);
           den += w;
-          const float* sv = summaries + S.offset(skipped[b], layer, h) + 3 * D;
+          const float* sv = summary_at(summaries, S, B, skipped[b], layer, h) + 3 * D;
           for (int32_t d = 0; d < D; ++d) mv[d] += w * inv_n * sv[d];
         }
         const float inv = 1.0f / den;

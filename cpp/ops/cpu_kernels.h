@@ -23,8 +23,11 @@ struct AttentionBatch {
   // When set, paged_attention also writes each (row, query head)'s log-sum-exp of the
   // scaled scores here: [T][num_heads] (what compensation for skipped blocks needs).
   float* row_lse = nullptr;
-  // Cold blocks (kv_layout.h): table entry cold_block_id(j) is read at cold_blocks[j].
+  // Cold blocks (kv_layout.h): table entry cold_block_id(j) is read at cold_blocks[j]; with
+  // dynamic sparsity its key summaries (one block of ops/block_sparsity.h's layout) at
+  // cold_summaries[j].
   const float* const* cold_blocks = nullptr;
+  const float* const* cold_summaries = nullptr;
 };
 
 // out[t] = rmsnorm(x[t]) * w over rows of n; x and out may alias.

@@ -129,3 +129,28 @@ def test_without_tiers_a_request_longer_than_the_pool_is_still_refused(default_m
             model.generate([prompts[0]], max_new_tokens=NEW_TOKENS)
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("channels", [8, 0])
+def test_cold_blocks_with_dynamic_sparsity_select_like_an_all_resident_run(default_model, prompts, channels):
+    # The selection ranks cold blocks by the key summaries saved when they left L1 (the
+    # Quest bound, channels=0, ranks by them alone) or reads their keys in L2 (the channel
+    # estimate), and attends over the kept ones in L2.
+    sparse = dict(enable_dynamic_sparsity=True, sparsity_min_context=128, sparsity_recent_blocks=2,
+                  max_sparsity_ratio=0.8, sparsity_mass_target=0.5, sparsity_score_channels=channels)
+    roomy = K25Model(K25Config(num_threads=2, kv_cache_bytes=48 * default_model.kv_block_bytes, block_size=BLOCK,
+                               prefill_chunk_size=64, max_num_batched_tokens=96, **sparse))
+    try:
+        want = roomy.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+        assert roomy.get_current_sparsity_ratio() > 0
+    finally:
+        roomy.close()
+    model = small_l1(default_model, l1_blocks=12, l2_slots=40, **sparse)
+    try:
+        out = model.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+        s = model.stats()
+        ratio = model.get_current_sparsity_ratio()
+    finally:
+        model.close()
+    assert s["cold_demotes"] >= 27 and s["preemptions"] == 0 and ratio > 0
+    assert out.token_ids == want.token_ids
