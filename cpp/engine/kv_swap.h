@@ -104,7 +104,11 @@ class KVSwap {
     Sequence* seq;
     int32_t first_token, end_token;
   };
-  std::vector<Landed> take_landed() { return std::move(landed_); }
+  std::vector<Landed> take_landed() {
+    std::vector<Landed> out;
+    out.swap(landed_);
+    return out;
+  }
 
   TierStats tier_stats() const { return tiers_->stats(); }
   TierManager& tiers() { return *tiers_; }

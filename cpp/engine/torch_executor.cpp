@@ -273,12 +273,7 @@ class TorchExecutor : public ModelExecutor {
     if (!sparse_) return;
     // The fetched blocks' summaries were another block's (or stale): fold their keys in
     // again, as the step that wrote them did.
-    cpu::AttentionBatch ab;
-    ab.query_start = runs.query_start.data();
-    ab.context_lens = runs.context_lens.data();
-    ab.block_tables = runs.block_tables.data();
-    ab.max_blocks_per_seq = runs.max_blocks_per_seq;
-    ab.num_seqs = runs.num_seqs();
+    const cpu::AttentionBatch ab = cpu_attention_batch(runs);
     for (int32_t l = 0; l < layout_.num_layers; ++l) {
       update_key_summaries(kv_.data_ptr<float>(), layout_, sparse_->summaries, sparse_->layout, l, ab);
     }

@@ -159,12 +159,7 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   at::Tensor attn = at::empty({T, Hq * D}, h.options());
   at::Tensor act = at::empty({T, I}, h.options());
 
-  cpu::AttentionBatch ab;
-  ab.query_start = meta.query_start.data();
-  ab.context_lens = meta.context_lens.data();
-  ab.block_tables = meta.block_tables.data();
-  ab.max_blocks_per_seq = meta.max_blocks_per_seq;
-  ab.num_seqs = meta.num_seqs();
+  cpu::AttentionBatch ab = cpu_attention_batch(meta);
   if (!meta.cold_blocks.empty()) {
     if (cuda || !fused) {
       fail(ErrorCode::kUnsupported, "cold KV blocks (a sequence longer than the KV pool) need the CPU backend's "

@@ -52,6 +52,17 @@ struct DeviceStep {
 // Dynamic block sparsity of a step (CPU fused path; ops/block_sparsity.h): the key
 // summaries of every block, the rule's parameters, and per layer the step's selection
 // (read back by the executor for statistics).
+// The CPU kernels' view of a step's sequences (query starts, lengths, block tables).
+inline cpu::AttentionBatch cpu_attention_batch(const BatchMeta& meta) {
+  cpu::AttentionBatch ab;
+  ab.query_start = meta.query_start.data();
+  ab.context_lens = meta.context_lens.data();
+  ab.block_tables = meta.block_tables.data();
+  ab.max_blocks_per_seq = meta.max_blocks_per_seq;
+  ab.num_seqs = meta.num_seqs();
+  return ab;
+}
+
 struct SparseStep {
   SparsityParams params;
   float* summaries = nullptr;
