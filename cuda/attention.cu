@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const T* q, int64_t
   const int q0 = batch.query_start[w.seq];
   const int q_len = batch.query_start[w.seq + 1] - q0;
   const int first_pos = batch.context_lens[w.seq] - q_len;
-  const int* table = batch.block_tables + static_cast<int64_t>(w.seq) * batch.max_blocks;
+  const int* table = table_of(batch, w.seq, w.kv_head, kv.num_kv_heads);
   const int rows = (w.q_end - w.q_begin) * group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 

@@ -54,6 +54,14 @@ __device__ __forceinline__ int derived_splits(int span, const AttnBatch& batch) 
   return max(1, min(batch.decode_splits, (span + k - 1) / k));
 }
 
+// The block table of (sequence, KV head): its own with dynamic sparsity (head_tables),
+// else the sequence's.
+__device__ __forceinline__ const int* table_of(const AttnBatch& batch, int seq, int kv_head, int num_kv_heads) {
+  return batch.head_tables != nullptr
+             ? batch.head_tables + (static_cast<int64_t>(seq) * num_kv_heads + kv_head) * batch.max_blocks
+             : batch.block_tables + static_cast<int64_t>(seq) * batch.max_blocks;
+}
+
 // Work item `item` of a batch: from the list, or for a decode-only batch with device-derived
 // splits, (sequence, KV head, split) from the index and the key range from context_lens.
 // partial == kNoWork: an unused split of a short context (the CTA has nothing to do).

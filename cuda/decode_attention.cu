@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
   const int ctx = batch.context_lens[w.seq];
   const int lo = max(window > 0 ? max(0, ctx - window) : 0, w.key_begin);
   const int hi = min(ctx - 1, w.key_end - 1);
-  const int* table = batch.block_tables + static_cast<int64_t>(w.seq) * batch.max_blocks;
+  const int* table = table_of(batch, w.seq, w.kv_head, kv.num_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int slice = lane % LPK;  // which 16 bytes of the head this lane holds
   const int sub = lane / LPK;    // which key of a warp-wide load
@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t block_rows = static_cast<uint32_t>(kv.num_layers) * 2 * kv.num_kv_heads * bs;
   const uint32_t k_row0 = (static_cast<uint32_t>(layer) * 2 * kv.num_kv_heads + w.kv_head) * bs;
   const int64_t v_delta = static_cast<int64_t>(kv.num_kv_heads) * bs * D;  // K row -> its V row, in elements
-  const int* table = batch.block_tables + static_cast<int64_t>(w.seq) * batch.max_blocks;
+  const int* table = table_of(batch, w.seq, w.kv_head, kv.num_kv_heads);
   const bool pow2 = (bs & (bs - 1)) == 0;  // the usual case: shifts, not divisions
   const int bs_shift = __ffs(bs) - 1;
 

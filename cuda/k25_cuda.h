@@ -59,6 +59,12 @@ struct AttnBatch {
   // Null: merge_kernel does every merge.
   int32_t* split_counters = nullptr;
   int32_t num_decode_merges = 0;
+  // Dynamic block sparsity (select_blocks): [S][num_kv_heads][max_blocks], each (sequence,
+  // KV head) its own block table of kept blocks in position order; context_lens then holds
+  // the kept keys' count. Read by the decode kernels (and the tiled kernel); the prefill
+  // kernels keep block_tables, which is the same table for a multi-token sequence (the
+  // selection copies it). Null: every head reads its sequence's block_tables row.
+  const int32_t* head_tables = nullptr;
 };
 
 // At most this many partials per merge are merged inside the decode kernel (its shared
@@ -115,6 +121,53 @@ bool prefill_attention_sm90(DType t, const void* q, int64_t q_stride, void* out,
 int32_t decode_attention_wave(DType t, int32_t head_dim, int32_t group);
 // Query heads per KV head up to which decodes take the decode kernel.
 constexpr int32_t kDecodeMaxGroup = 8;
+// ---- Dynamic block sparsity on the device (block_sparsity.cu; docs/sparsity.md "CUDA") ----
+// Key summaries: [num_blocks][num_layers][num_kv_heads][min, max][head_dim] in the KV
+// dtype (the min and max of bf16 / fp16 keys are bf16 / fp16 values: exact).
+// Recomputes, for every block that this step's tokens wrote (positions [ctx - q_len, ctx)
+// of each sequence), its summary of `layer` from the keys in the cache (slots below the
+// block's fill only).
+void update_block_summaries(DType t, KVCache kv, int32_t layer, void* summaries, const int32_t* query_start,
+                            const int32_t* context_lens, const int32_t* block_tables, int32_t max_blocks,
+                            int32_t num_seqs, cudaStream_t stream);
+// Bins of the estimates' quantisation: estimates relative to the best block, in steps of
+// 1 / kSparsityBinsPerNat nat over [-kSparsityBins / kSparsityBinsPerNat, 0].
+constexpr int32_t kSparsityBins = 1024;
+constexpr int32_t kSparsityBinsPerNat = 32;
+// The selection's limits: KV heads (a warp each in one CTA) and query heads.
+constexpr int32_t kMaxSparseKvHeads = 16;
+constexpr int32_t kMaxSparseHeads = 128;
+// One layer's selection for a batch of up to num_seqs sequences. Scratch marked "zero at
+// rest" is allocated zeroed once; the selection leaves it zero.
+struct SparseSelect {
+  const int32_t* query_start;
+  const int32_t* context_lens;
+  const int32_t* block_tables;
+  int32_t max_blocks, num_seqs;
+  int32_t num_heads, num_kv_heads, block_size, num_layers, layer;
+  float scale;
+  int32_t min_context, sink_blocks, recent_blocks;
+  float min_ratio, max_ratio, mass_target;
+  float* raw;                     // [S][num_heads][2][max_blocks]: bound, centre (scaled)
+  uint32_t* maxima;               // [S][num_heads][2], zero at rest
+  float* score;                   // [S][Hkv][max_blocks]: rank score relative to the best
+  unsigned long long* mass_hist;  // [S][Hkv][kSparsityBins], zero at rest (fixed point)
+  int32_t* est_hist;              // [S][Hkv][kSparsityBins], zero at rest
+  int32_t* score_hist;            // [S][Hkv][kSparsityBins], zero at rest
+  unsigned long long* head_mass;  // [S][Hkv][2]: total, mandatory (fixed point), zero at rest
+  double* head_mlogm;             // [S][Hkv], zero at rest
+  int32_t* select;                // [S][Hkv][4]: keep, threshold bin, blocks taken from it, sparse
+  int32_t* head_tables;           // [S][Hkv][max_blocks]: out (AttnBatch::head_tables)
+  int32_t* context_lens_out;      // [S]: out, kept keys (sparse) or the context
+  double* layer_stats;            // [4] of this layer, added to: blocks, kept, selections, entropy bits
+};
+// Selects for every single-token sequence longer than min_context (the Quest bound ranks,
+// the centre estimate sizes: docs/sparsity.md), and writes head_tables / context_lens_out
+// for every sequence (a copy of the table and the context where it stays dense).
+// q: rows of q_stride after RoPE; summaries as update_block_summaries keeps them.
+void select_blocks(DType t, const void* q, int64_t q_stride, const void* summaries, int32_t head_dim,
+                   const SparseSelect& a, cudaStream_t stream);
+
 // ---- Sampling on the device (sample.cu): the host sampler's rules, see there. ----
 constexpr int32_t kMaxTopLogprobs = 20;
 constexpr float kGreedyTemp = 1e-5f;  // = k25::kGreedyTemperature

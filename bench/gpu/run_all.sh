@@ -38,6 +38,10 @@ if [ "${K25_ATTN_BENCH:-0}" = "1" ]; then
   FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=$(nproc) python3 bench/gpu/attention_bench.py \
     --json "$OUT/attention_bench.json" ${K25_ATTN_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/attention_bench.log"
 fi
+if [ "${K25_SPARSE_BENCH:-0}" = "1" ]; then
+  python3 bench/gpu/sparse_attention_bench.py --json "$OUT/sparse_attention_bench.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/sparse_attention_bench.log"
+fi
 if [ "${K25_BENCH:-0}" = "1" ]; then
   python3 bench/gpu/model_bench.py --json "$OUT/model_bench.json" 2>&1 | grep -v Warning | tee "$OUT/model_bench.log"
   K25_DISABLE_CUDA_GRAPHS=1 python3 bench/gpu/model_bench.py --batches 1,32 --no-reference --json "$OUT/model_bench_eager.json" 2>&1 | grep -E "decode|prefill" | sed "s/^/eager: /" | tee -a "$OUT/model_bench.log"

@@ -94,11 +94,15 @@ void bind_cuda_ops(py::module_& m) {
     int32_t layer = 0, num_heads = 0, window = 0, merges = 0;
     double scale = 1.0;
     cuda_glue::DeviceBatch batch;
-    at::Tensor run(const at::Tensor& q) const {
+    // Dynamic block sparsity (select): the selection's buffers and the batch it returned.
+    cuda_glue::SparseScratch scratch;
+    cuda_glue::DeviceBatch sparse;
+    at::Tensor run_batch(const at::Tensor& q, const cuda_glue::DeviceBatch& b) const {
       at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * layout.head_dim}, q.options());
-      cuda_glue::paged_attention(q, out, kv, layout, layer, batch, num_heads, scale, window);
+      cuda_glue::paged_attention(q, out, kv, layout, layer, b, num_heads, scale, window);
       return out;
     }
+    at::Tensor run(const at::Tensor& q) const { return run_batch(q, batch); }
   };
   py::class_<AttentionCall>(cu, "AttentionCall")
       .def(py::init([](const at::Tensor& kv, py::tuple layout, int32_t layer, const at::Tensor& query_start,
@@ -154,7 +158,42 @@ void bind_cuda_ops(py::module_& m) {
            py::arg("block_tables"), py::arg("num_heads"), py::arg("scale"), py::arg("window"),
            py::arg("parallelism"), py::arg("decode_splits") = 0)
       .def("run", &AttentionCall::run, py::arg("q"))
-      .def_readonly("merges", &AttentionCall::merges);
+      .def_readonly("merges", &AttentionCall::merges)
+      // Recomputes the summaries of every block the batch's query tokens wrote.
+      .def("update_summaries",
+           [](AttentionCall& c, at::Tensor& summaries) {
+             cuda_glue::update_block_summaries(c.kv, c.layout, c.layer, summaries, c.batch);
+           })
+      // One selection over the batch; returns (head tables [S, Hkv, max_blocks], kept
+      // lengths [S]); run_sparse then attends over them.
+      .def("select",
+           [](AttentionCall& c, const at::Tensor& q, const at::Tensor& summaries, at::Tensor& layer_stats,
+              int32_t min_context, int32_t sink_blocks, int32_t recent_blocks, double min_ratio, double max_ratio,
+              double mass_target) {
+             const int32_t S = static_cast<int32_t>(c.batch.context_lens.numel());
+             if (!c.scratch.raw.defined()) {
+               c.scratch = cuda_glue::make_sparse_scratch(S, c.batch.max_blocks, c.num_heads, c.layout.num_kv_heads,
+                                                          c.kv.device());
+             }
+             SparsityParams p;
+             p.min_context = min_context;
+             p.sink_blocks = sink_blocks;
+             p.recent_blocks = recent_blocks;
+             p.min_ratio = static_cast<float>(min_ratio);
+             p.max_ratio = static_cast<float>(max_ratio);
+             p.mass_target = static_cast<float>(mass_target);
+             p.score_channels = 0;
+             c.sparse = cuda_glue::select_blocks(q, c.layout, c.layer, summaries, c.batch, c.num_heads, c.scale, p,
+                                                 c.scratch, layer_stats);
+             return py::make_tuple(c.sparse.head_tables.narrow(0, 0, S), c.sparse.context_lens);
+           },
+           py::arg("q"), py::arg("summaries"), py::arg("layer_stats"), py::arg("min_context"),
+           py::arg("sink_blocks"), py::arg("recent_blocks"), py::arg("min_ratio"), py::arg("max_ratio"),
+           py::arg("mass_target"))
+      .def("run_sparse", [](const AttentionCall& c, const at::Tensor& q) { return c.run_batch(q, c.sparse); });
+  cu.def("make_block_summaries", [](int64_t num_blocks, py::tuple layout, const at::Tensor& like) {
+    return cuda_glue::make_block_summaries(num_blocks, layout_of(layout), like.scalar_type(), like.device());
+  });
   cu.def("decode_splits_for", [](const at::Tensor& like, int32_t head_dim, int32_t group, int32_t num_seqs,
                                  int32_t num_kv_heads) {
     return cuda_glue::decode_splits_for(like.scalar_type(), head_dim, group, num_seqs, num_kv_heads);

@@ -517,6 +517,9 @@ void Engine::collect(std::unique_ptr<StepRecord> rec) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     add_counts_locked(counts);
+    // The collected step's selection statistics have landed with its outputs (CUDA: the
+    // copy of the device's sums precedes the step's ids on its stream).
+    stats_.sparsity_layers = executor_->sparsity_stats();
   }
   for (RequestOutput& o : outs) emit(std::move(o));
 }

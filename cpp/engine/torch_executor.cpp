@@ -178,18 +178,32 @@ class TorchExecutor : public ModelExecutor {
     kv_ = at::empty({static_cast<int64_t>(num_blocks + (device.is_cuda() ? 1 : 0)) * layout_.block_elems()},
                     at::TensorOptions().dtype(model_->dtype()).device(device));
     if (sparsity) {
-      if (!device.is_cpu() || !fused_) {
-        fail(ErrorCode::kUnsupported, "dynamic sparsity needs the CPU backend with kernel fusion (the CUDA kernel "
-                                      "and the unfused path do not have it yet)");
+      if (!fused_) {
+        fail(ErrorCode::kUnsupported, "dynamic sparsity needs kernel fusion (the unfused path has no sparse "
+                                      "attention)");
       }
       sparse_ = std::make_unique<SparseStep>();
       sparse_->params = *sparsity;
       sparse_->layout = SummaryLayout{c.num_layers, c.num_kv_heads, c.head_dim, sparsity->compensation ? 4 : 2};
       sparse_->layers.resize(c.num_layers);
-      summaries_ = at::empty({static_cast<int64_t>(num_blocks) * sparse_->layout.block_elems()},
-                             at::TensorOptions().dtype(at::kFloat));
-      sparse_->summaries = summaries_.data_ptr<float>();
       stats_.resize(c.num_layers);
+      if (device.is_cpu()) {
+        summaries_ = at::empty({static_cast<int64_t>(num_blocks) * sparse_->layout.block_elems()},
+                               at::TensorOptions().dtype(at::kFloat));
+        sparse_->summaries = summaries_.data_ptr<float>();
+      } else {
+#ifdef K25_WITH_CUDA
+        if (sparsity->score_channels != 0 || sparsity->compensation) {
+          fail(ErrorCode::kUnsupported, "on CUDA, dynamic sparsity ranks blocks by the Quest bound only: set "
+                                        "sparsity_score_channels=0 and sparsity_compensation=False");
+        }
+        // The scratch block of padded graph rows has a summary too.
+        sparse_->device_summaries = cuda_glue::make_block_summaries(num_blocks + 1, layout_, model_->dtype(), device);
+        const auto f64 = at::TensorOptions().dtype(at::kDouble);
+        sparse_->layer_stats = at::zeros({c.num_layers, 4}, f64.device(device));
+        sparse_->host_stats = at::zeros({c.num_layers, 4}, f64.pinned_memory(true));
+#endif
+      }
     }
 #ifdef K25_WITH_CUDA
     const char* off = std::getenv("K25_DISABLE_CUDA_GRAPHS");
@@ -216,6 +230,12 @@ class TorchExecutor : public ModelExecutor {
     if (!use_graphs_) return;
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());
+    // The largest bucket to capture sizes the sparse selection's scratch (graphs keep its
+    // addresses, so it is allocated once, before the first capture).
+    for (int32_t b : kBuckets) {
+      sparse_bucket_ = b;
+      if (b >= max_batch_size) break;
+    }
     for (int32_t b : kBuckets) {
       graph_for(b);
       if (b >= max_batch_size) break;
@@ -231,7 +251,24 @@ class TorchExecutor : public ModelExecutor {
     if (pool_) set_thread_pool(pool_.get());
   }
   int32_t vocab_size() const override { return model_->config().vocab_size; }
-  std::vector<LayerSparsityStats> sparsity_stats() const override { return stats_; }
+  std::vector<LayerSparsityStats> sparsity_stats() const override {
+#ifdef K25_WITH_CUDA
+    if (sparse_ && sparse_->host_stats.defined()) {
+      // The device's running sums as of the latest forward whose copy has landed. The
+      // device selection keeps no top blocks (docs/sparsity.md "CUDA").
+      std::vector<LayerSparsityStats> out(stats_.size());
+      const double* h = sparse_->host_stats.data_ptr<double>();
+      for (size_t l = 0; l < out.size(); ++l) {
+        out[l].blocks_total = std::llround(h[4 * l]);
+        out[l].blocks_skipped = std::llround(h[4 * l] - h[4 * l + 1]);
+        out[l].selections = std::llround(h[4 * l + 2]);
+        out[l].entropy_bits = h[4 * l + 3];
+      }
+      return out;
+    }
+#endif
+    return stats_;
+  }
   void* kv_host_base() override { return kv_.is_cpu() ? kv_.data_ptr() : nullptr; }
   bool configure_tiers(TierConfig* config) override {
 #ifdef K25_WITH_CUDA
@@ -271,6 +308,25 @@ class TorchExecutor : public ModelExecutor {
   bool supports_async() const override { return graph_async() || emulate_async_; }
   void refresh_fetched_kv(const BatchMeta& runs) override {
     if (!sparse_) return;
+#ifdef K25_WITH_CUDA
+    if (kv_.is_cuda()) {
+      c10::cuda::CUDAGuard guard(model_->device());
+      c10::cuda::CUDAStreamGuard sg(engine_stream());
+      const auto i32 = at::TensorOptions().dtype(at::kInt);
+      auto up = [&](const std::vector<int32_t>& v) {
+        return at::tensor(at::ArrayRef<int32_t>(v), i32).to(model_->device());
+      };
+      cuda_glue::DeviceBatch b;
+      b.query_start = up(runs.query_start);
+      b.context_lens = up(runs.context_lens);
+      b.block_tables = up(runs.block_tables);
+      b.max_blocks = runs.max_blocks_per_seq;
+      for (int32_t l = 0; l < layout_.num_layers; ++l) {
+        cuda_glue::update_block_summaries(kv_, layout_, l, sparse_->device_summaries, b);
+      }
+      return;
+    }
+#endif
     // The fetched blocks' summaries were another block's (or stale): fold their keys in
     // again, as the step that wrote them did.
     const cpu::AttentionBatch ab = cpu_attention_batch(runs);
@@ -407,6 +463,9 @@ class TorchExecutor : public ModelExecutor {
 
   void execute_on(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
                   std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) {
+#ifdef K25_WITH_CUDA
+    ensure_sparse_scratch(meta.num_seqs(), meta.max_blocks_per_seq);
+#endif
     at::Tensor logits = model_->forward(meta, kv_, layout_, fused_, nullptr, sparse_.get());
     if (sparse_) {
       for (size_t l = 0; l < stats_.size(); ++l) {
@@ -500,7 +559,20 @@ class TorchExecutor : public ModelExecutor {
            static_cast<int32_t>(meta.logits_rows.size()) == meta.num_seqs();
   }
 
+  // The sparse selection's scratch, for num_seqs sequences of max_blocks blocks: grown
+  // only before any graph has captured its addresses.
+  void ensure_sparse_scratch(int32_t num_seqs, int32_t max_blocks) {
+    if (!sparse_ || kv_.is_cpu()) return;
+    cuda_glue::SparseScratch& x = sparse_->scratch;
+    if (x.raw.defined() && x.num_seqs >= num_seqs && x.max_blocks >= max_blocks) return;
+    if (!graphs_.empty()) fail(ErrorCode::kInternal, "the sparse scratch cannot grow under captured CUDA graphs");
+    const ModelConfig& c = model_->config();
+    x = cuda_glue::make_sparse_scratch(std::max(num_seqs, x.num_seqs), std::max(max_blocks, x.max_blocks),
+                                       c.num_heads, c.num_kv_heads, model_->device());
+  }
+
   DecodeGraph& graph_for(int32_t bucket) {
+    if (graphs_.count(bucket) == 0) ensure_sparse_scratch(std::max(bucket, sparse_bucket_), graph_blocks());
     DecodeGraph& g = graphs_[bucket];
     if (g.graph) return g;
     const at::Device dev = model_->device();
@@ -545,7 +617,7 @@ class TorchExecutor : public ModelExecutor {
     g.argmax = last_ids_.narrow(0, 0, bucket);
     auto body = [&] {
       cuda_glue::take_previous_ids(g.step.ids, g.prev_rows, last_ids_, model_->config().vocab_size);
-      g.logits = model_->forward(none, kv_, layout_, true, &g.step);
+      g.logits = model_->forward(none, kv_, layout_, true, &g.step, sparse_.get());
       cuda_glue::argmax_rows_into(g.logits, g.argmax);
     };
     // The warm-up runs write last_ids_: keep the ids a step in flight left there for the
@@ -675,6 +747,7 @@ class TorchExecutor : public ModelExecutor {
   }
 
   bool use_graphs_ = false;
+  int32_t sparse_bucket_ = kBuckets[7];  // the largest bucket warm_up captures
   std::map<int32_t, DecodeGraph> graphs_;
   at::Tensor last_ids_;  // int32 [max bucket] on the device: the latest graph step's argmax
   AsyncSlot slots_[2];

@@ -318,9 +318,136 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
     ab.split_counters = b.split_counters.data_ptr<int32_t>();
     ab.num_decode_merges = b.num_decode_merges;
   }
+  if (b.head_tables.defined()) {
+    need(b.head_tables.scalar_type() == at::kInt &&
+             b.head_tables.numel() >= b.context_lens.numel() * layout.num_kv_heads * b.max_blocks,
+         "head tables: int32 [sequences, kv heads, max_blocks]");
+    ab.head_tables = b.head_tables.data_ptr<int32_t>();
+  }
   cuda::paged_attention(dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), out.data_ptr(), cache_of(kv, layout), layer,
                         ab, num_heads, static_cast<float>(scale), window, stream());
   check_launch("paged_attention");
+}
+
+at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType dtype,
+                                const at::Device& device) {
+  const int64_t n = num_blocks * layout.num_layers * layout.num_kv_heads * 2 * layout.head_dim;
+  return at::zeros({n}, at::TensorOptions().dtype(dtype).device(device));
+}
+
+void update_block_summaries(const at::Tensor& kv, const KVLayout& layout, int32_t layer, at::Tensor& summaries,
+                            const DeviceBatch& b) {
+  need(summaries.scalar_type() == kv.scalar_type() && summaries.is_cuda() && summaries.is_contiguous(),
+       "block summaries: a contiguous CUDA tensor in the KV dtype");
+  cuda::update_block_summaries(dtype_of(kv), cache_of(kv, layout), layer, summaries.data_ptr(),
+                               b.query_start.data_ptr<int32_t>(), b.context_lens.data_ptr<int32_t>(),
+                               b.block_tables.data_ptr<int32_t>(), b.max_blocks,
+                               static_cast<int32_t>(b.context_lens.numel()), stream());
+  check_launch("update_block_summaries");
+}
+
+namespace {
+
+// Byte offsets of the zero-at-rest parts of SparseScratch::zeroed (8-byte aligned).
+struct ZeroedParts {
+  int64_t maxima, mass_hist, est_hist, score_hist, head_mass, head_mlogm, bytes;
+  ZeroedParts(int64_t S, int64_t Hq, int64_t Hkv) {
+    auto up8 = [](int64_t x) { return (x + 7) / 8 * 8; };
+    const int64_t bins = cuda::kSparsityBins;
+    maxima = 0;
+    mass_hist = up8(maxima + S * Hq * 2 * 4);
+    est_hist = mass_hist + S * Hkv * bins * 8;
+    score_hist = est_hist + S * Hkv * bins * 4;
+    head_mass = up8(score_hist + S * Hkv * bins * 4);
+    head_mlogm = head_mass + S * Hkv * 2 * 8;
+    bytes = head_mlogm + S * Hkv * 8;
+  }
+};
+
+}  // namespace
+
+SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t num_heads, int32_t num_kv_heads,
+                                  const at::Device& device) {
+  const auto i32 = at::TensorOptions().dtype(at::kInt).device(device);
+  const int64_t S = num_seqs, MB = max_blocks;
+  SparseScratch x;
+  x.raw = at::empty({S * num_heads * 2 * MB}, i32.dtype(at::kFloat));
+  x.score = at::empty({S * num_kv_heads * MB}, i32.dtype(at::kFloat));
+  x.select = at::empty({S * num_kv_heads * 4}, i32);
+  x.head_tables = at::empty({S, num_kv_heads, MB}, i32);
+  x.context_lens = at::empty({S}, i32);
+  x.zeroed = at::zeros({ZeroedParts(S, num_heads, num_kv_heads).bytes / 8}, i32.dtype(at::kLong));
+  x.num_seqs = num_seqs;
+  x.max_blocks = max_blocks;
+  x.num_heads = num_heads;
+  x.num_kv_heads = num_kv_heads;
+  return x;
+}
+
+DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t layer, const at::Tensor& summaries,
+                          const DeviceBatch& b, int32_t num_heads, double scale, const SparsityParams& p,
+                          SparseScratch& x, at::Tensor& layer_stats) {
+  const int32_t S = static_cast<int32_t>(b.context_lens.numel());
+  need(layout.head_dim == 64 || layout.head_dim == 128, "CUDA block selection supports head_dim 64 and 128");
+  need(layout.num_kv_heads <= cuda::kMaxSparseKvHeads && num_heads <= cuda::kMaxSparseHeads,
+       "CUDA block selection supports up to 16 KV heads and 128 query heads");
+  need(p.score_channels == 0 && !p.compensation,
+       "CUDA block selection ranks by the Quest bound only (score_channels 0, no compensation)");
+  need(S <= x.num_seqs && b.max_blocks <= x.max_blocks && num_heads == x.num_heads &&
+           layout.num_kv_heads == x.num_kv_heads,
+       "sparse scratch smaller than the batch");
+  need(summaries.scalar_type() == qkv.scalar_type() && qkv.stride(1) == 1, "selection inputs");
+  need(layer_stats.scalar_type() == at::kDouble && layer_stats.is_contiguous() &&
+           layer_stats.numel() >= 4 * static_cast<int64_t>(layer + 1),
+       "layer stats: float64 [num_layers, 4]");
+  const ZeroedParts zp(x.num_seqs, x.num_heads, x.num_kv_heads);
+  uint8_t* z = static_cast<uint8_t*>(x.zeroed.data_ptr());
+  cuda::SparseSelect a;
+  a.query_start = b.query_start.data_ptr<int32_t>();
+  a.context_lens = b.context_lens.data_ptr<int32_t>();
+  a.block_tables = b.block_tables.data_ptr<int32_t>();
+  // Rows of the batch's width (the scratch holds at least that many).
+  a.max_blocks = b.max_blocks;
+  a.num_seqs = S;
+  a.num_heads = num_heads;
+  a.num_kv_heads = layout.num_kv_heads;
+  a.block_size = layout.block_size;
+  a.num_layers = layout.num_layers;
+  a.layer = layer;
+  a.scale = static_cast<float>(scale);
+  a.min_context = p.min_context;
+  a.sink_blocks = p.sink_blocks;
+  a.recent_blocks = p.recent_blocks;
+  a.min_ratio = p.min_ratio;
+  a.max_ratio = p.max_ratio;
+  a.mass_target = p.mass_target;
+  a.raw = x.raw.data_ptr<float>();
+  a.maxima = reinterpret_cast<uint32_t*>(z + zp.maxima);
+  a.score = x.score.data_ptr<float>();
+  a.mass_hist = reinterpret_cast<unsigned long long*>(z + zp.mass_hist);
+  a.est_hist = reinterpret_cast<int32_t*>(z + zp.est_hist);
+  a.score_hist = reinterpret_cast<int32_t*>(z + zp.score_hist);
+  a.head_mass = reinterpret_cast<unsigned long long*>(z + zp.head_mass);
+  a.head_mlogm = reinterpret_cast<double*>(z + zp.head_mlogm);
+  a.select = x.select.data_ptr<int32_t>();
+  a.head_tables = x.head_tables.data_ptr<int32_t>();
+  a.context_lens_out = x.context_lens.data_ptr<int32_t>();
+  a.layer_stats = layer_stats.data_ptr<double>() + 4 * static_cast<int64_t>(layer);
+  cuda::select_blocks(dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), summaries.data_ptr(), layout.head_dim, a,
+                      stream());
+  check_launch("select_blocks");
+  DeviceBatch out = b;
+  out.head_tables = x.head_tables;  // rows of b.max_blocks, as the kernels index them
+  out.context_lens = x.context_lens.narrow(0, 0, S);
+  return out;
+}
+
+void copy_to_host_async(const at::Tensor& src, at::Tensor& dst) {
+  need(src.is_cuda() && src.is_contiguous() && dst.is_cpu() && dst.is_pinned() && dst.is_contiguous() &&
+           src.nbytes() == dst.nbytes(),
+       "copy_to_host_async: a contiguous device tensor into pinned host memory of its size");
+  const cudaError_t e = cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToHost, stream());
+  if (e != cudaSuccess) fail(ErrorCode::kInternal, std::string("copy_to_host_async: ") + cudaGetErrorString(e));
 }
 
 int32_t decode_wave(at::ScalarType dtype, int32_t head_dim, int32_t group) {

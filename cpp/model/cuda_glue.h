@@ -14,6 +14,7 @@
 #include "kv/tiers/block_copier.h"
 #include "kv/tiers/host_tier.h"
 #include "ops/attention_plan.h"
+#include "ops/block_sparsity.h"
 #include "ops/kv_layout.h"
 
 namespace k25::cuda_glue {
@@ -46,6 +47,9 @@ struct DeviceBatch {
   // > 0: decode-only, work derived on the device (see cuda::AttnBatch::decode_splits).
   int32_t decode_splits = 0, num_seqs = 0;
   int32_t min_split_keys = 256;  // derived splits cover at least this many keys each
+  // Dynamic block sparsity: int32 [S, num_kv_heads, max_blocks] of kept blocks, with
+  // context_lens the kept keys (select_blocks); undefined: dense.
+  at::Tensor head_tables;
 };
 // The device form of a plan: its merges reordered so that those the decode kernel can do
 // itself come first (every piece one of the leading num_decode items, group <= the decode
@@ -56,6 +60,34 @@ DeviceBatch make_batch(const at::Tensor& query_start, const at::Tensor& context_
 // The counters of a device-derived decode batch (decode_splits > 1) of num_seqs sequences:
 // zeroed, one per (sequence, KV head); allocate them with the partials, once per batch shape.
 at::Tensor derived_split_counters(int32_t num_seqs, int32_t num_kv_heads, const at::Device& device);
+
+// Dynamic block sparsity on the device (cuda/block_sparsity.cu, docs/sparsity.md "CUDA").
+// Key summaries of every block: [num_blocks * layers * kv heads * 2 * head_dim] in the KV dtype.
+at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType dtype,
+                                const at::Device& device);
+// Recomputes the summaries of `layer` of every block this step's tokens wrote.
+void update_block_summaries(const at::Tensor& kv, const KVLayout& layout, int32_t layer, at::Tensor& summaries,
+                            const DeviceBatch& batch);
+// The selection's buffers for batches of up to num_seqs sequences of up to max_blocks blocks.
+struct SparseScratch {
+  at::Tensor raw, score, select, head_tables, context_lens;
+  at::Tensor zeroed;  // maxima, histograms and per-head sums: zero at rest (cuda::SparseSelect)
+  int32_t num_seqs = 0, max_blocks = 0, num_heads = 0, num_kv_heads = 0;
+};
+SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t num_heads, int32_t num_kv_heads,
+                                  const at::Device& device);
+// Selects the blocks of `layer` for the batch's single-token sequences longer than
+// p.min_context (Quest bound ranks, centre estimate sizes) and returns the batch with
+// head_tables and the kept lengths set. layer_stats: float64 [num_layers, 4] on the device,
+// added to (blocks, kept blocks, selections, entropy bits). p.score_channels must be 0
+// and p.compensation off: the device does neither (ConfigError before this).
+DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t layer, const at::Tensor& summaries,
+                          const DeviceBatch& batch, int32_t num_heads, double scale, const SparsityParams& p,
+                          SparseScratch& scratch, at::Tensor& layer_stats);
+
+// dst (pinned host) = src (device), same size, on the current stream without waiting
+// (a plain cudaMemcpyAsync: capturable in a CUDA graph).
+void copy_to_host_async(const at::Tensor& src, at::Tensor& dst);
 
 // Linear layers of a few rows (cuda/gemv.cu): whether gemv() takes x [M, K], w [N, K]
 // (and b [N], or undefined): bf16 / fp16, M == cuda::kGemvMaxRows (1), K % 8 == 0,

@@ -136,7 +136,12 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   const at::Device dev = device();
   const bool cuda = dev.is_cuda();
   if (prepared && !(cuda && fused)) fail(ErrorCode::kInternal, "prepared inputs are for the fused CUDA path");
-  if (sparse && (cuda || !fused)) fail(ErrorCode::kUnsupported, "dynamic sparsity runs on the fused CPU path only");
+  if (sparse && !fused) fail(ErrorCode::kUnsupported, "dynamic sparsity runs on the fused kernels only");
+#ifdef K25_WITH_CUDA
+  if (sparse && cuda && !(sparse->device_summaries.defined() && sparse->scratch.raw.defined())) {
+    fail(ErrorCode::kInternal, "CUDA sparsity without its device summaries or scratch");
+  }
+#endif
   const int64_t T = prepared ? prepared->ids.size(0) : meta.num_tokens();
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const int32_t Hq = c.num_heads, Hkv = c.num_kv_heads;
@@ -222,7 +227,15 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
     if (fused && cuda) {
 #ifdef K25_WITH_CUDA
       cuda_glue::rope_write_kv(qkv, positions, slots, Hq, rope_cos_, rope_sin_, kv, layout, l);
-      cuda_glue::paged_attention(qkv, attn, kv, layout, l, db, Hq, scale, window);
+      if (sparse) cuda_glue::update_block_summaries(kv, layout, l, sparse->device_summaries, db);
+      if (sparse && window == 0) {
+        const cuda_glue::DeviceBatch kept = cuda_glue::select_blocks(
+            qkv, layout, l, sparse->device_summaries, db, Hq, scale, sparse->params, sparse->scratch,
+            sparse->layer_stats);
+        cuda_glue::paged_attention(qkv, attn, kv, layout, l, kept, Hq, scale, window);
+      } else {
+        cuda_glue::paged_attention(qkv, attn, kv, layout, l, db, Hq, scale, window);
+      }
 #endif
     } else if (fused) {
       cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
@@ -287,6 +300,9 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
       h = h + d;
     }
   }
+#ifdef K25_WITH_CUDA
+  if (sparse && cuda) cuda_glue::copy_to_host_async(sparse->layer_stats, sparse->host_stats);
+#endif
   const at::Tensor logits_rows = prepared ? prepared->logits_rows : on_device(meta.logits_rows, at::kInt, dev);
   if (logits_rows.numel() == 0) return at::empty({0, c.vocab_size}, h.options().dtype(at::kFloat));
   // A prepared (CUDA-graph) decode step wants every row's logits, in order.

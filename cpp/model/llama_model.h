@@ -69,6 +69,14 @@ struct SparseStep {
   SummaryLayout layout;
   std::vector<LayerSelection> layers;  // sized num_layers by the caller
   std::vector<float> lse;              // [T][num_heads] scratch for compensation
+#ifdef K25_WITH_CUDA
+  // The CUDA form (cuda/block_sparsity.cu): summaries in the KV dtype on the device; the
+  // selection's scratch (one for every step and graph: steps run in order on one stream);
+  // per-layer statistics [num_layers, 4] on the device, copied to host_stats (pinned) at
+  // the end of every forward.
+  at::Tensor device_summaries, layer_stats, host_stats;
+  cuda_glue::SparseScratch scratch;
+#endif
 };
 
 class LlamaModel {

@@ -41,7 +41,9 @@ class K25Config:
     sparsity_sink_blocks: int = 1
     sparsity_mass_target: float = 0.95  # estimated softmax mass the kept blocks must reach
     sparsity_compensation: bool = False
-    sparsity_score_channels: int = 8  # channels of the block mass estimate; 0: Quest bound (docs/sparsity.md)
+    # channels of the block mass estimate; 0: Quest bound; None: 8 on the CPU, 0 on CUDA
+    # (the device selection ranks by the bound only; docs/sparsity.md)
+    sparsity_score_channels: Optional[int] = None
     enable_async_offload: bool = False  # with cache_mode="hierarchical": tiered KV (docs/offload.md)
     cache_mode: str = "standard"        # or "hierarchical"
     l2_bytes: Optional[int] = None      # L2 host pool; None: as large as the primary KV pool
@@ -77,8 +79,13 @@ class K25Config:
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         device = self.resolved_device()
         if self.enable_dynamic_sparsity is True and device.startswith("cuda"):
-            raise ConfigError("enable_dynamic_sparsity=True runs on the CPU backend only so far (the CUDA sparse "
-                              "decode kernel is not built yet); use device='cpu'")
+            if self.sparsity_score_channels not in (None, 0):
+                raise ConfigError(f"sparsity_score_channels={self.sparsity_score_channels!r}: on CUDA the block "
+                                  "selection ranks by the Quest bound only (0, the CUDA default); the channel "
+                                  "estimate runs on the CPU backend")
+            if self.sparsity_compensation is True:
+                raise ConfigError("sparsity_compensation=True runs on the CPU backend only (the CUDA selection "
+                                  "keeps no key or value sums)")
         if device.startswith("cuda"):
             from . import _C
             if not _C.cuda_available():
@@ -122,9 +129,10 @@ class K25Config:
         need(isinstance(self.sparsity_mass_target, (int, float)) and not isinstance(self.sparsity_mass_target, bool)
              and 0.0 < self.sparsity_mass_target <= 1.0,
              f"sparsity_mass_target must be in (0, 1], got {self.sparsity_mass_target!r}")
-        need(isinstance(self.sparsity_score_channels, int) and not isinstance(self.sparsity_score_channels, bool)
-             and 0 <= self.sparsity_score_channels <= 256,
-             f"sparsity_score_channels must be an int in [0, 256], got {self.sparsity_score_channels!r}")
+        need(self.sparsity_score_channels is None
+             or (isinstance(self.sparsity_score_channels, int) and not isinstance(self.sparsity_score_channels, bool)
+                 and 0 <= self.sparsity_score_channels <= 256),
+             f"sparsity_score_channels must be None or an int in [0, 256], got {self.sparsity_score_channels!r}")
         need(isinstance(self.enable_dynamic_sparsity, bool), "enable_dynamic_sparsity must be a bool")
         need(isinstance(self.sparsity_compensation, bool), "sparsity_compensation must be a bool")
         if self.sparsity_compensation and not self.enable_dynamic_sparsity:
@@ -165,6 +173,12 @@ class K25Config:
             return self.device
         from . import _C
         return "cuda" if _C.cuda_available() else "cpu"
+
+    def resolved_score_channels(self) -> int:
+        """sparsity_score_channels with None resolved for the device: 8 on the CPU, 0 on CUDA."""
+        if self.sparsity_score_channels is not None:
+            return self.sparsity_score_channels
+        return 0 if self.resolved_device().startswith("cuda") else 8
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -398,14 +398,19 @@ def test_engine_sparsity_switches_and_statistics(tmp_path):
         K25Config(sparsity_compensation=True)
     with pytest.raises(ConfigError, match="enable_kernel_fusion"):
         K25Config(device="cpu", enable_dynamic_sparsity=True, enable_kernel_fusion=False)
+    # CUDA's selection ranks by the Quest bound only (these fail before the device check).
+    with pytest.raises(ConfigError, match="Quest bound only"):
+        K25Config(device="cuda", enable_dynamic_sparsity=True, sparsity_score_channels=8)
     with pytest.raises(ConfigError, match="CPU backend only"):
-        K25Config(device="cuda", enable_dynamic_sparsity=True)
+        K25Config(device="cuda", enable_dynamic_sparsity=True, sparsity_compensation=True)
     with pytest.raises(ConfigError, match="sparsity_mass_target"):
         K25Config(sparsity_mass_target=0.0)
     for bad in (-1, 257, 2.5, True, "8"):
         with pytest.raises(ConfigError, match="sparsity_score_channels"):
             K25Config(sparsity_score_channels=bad)
-    assert K25Config().sparsity_score_channels == 8
+    assert K25Config().sparsity_score_channels is None
+    assert K25Config(device="cpu").resolved_score_channels() == 8
+    assert K25Config(device="cpu", sparsity_score_channels=0).resolved_score_channels() == 0
 
 
 def pydoc_ids(model, n, offset):

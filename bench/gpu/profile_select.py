@@ -1,0 +1,44 @@
+"""Where the device block selection's time goes: per-kernel GPU times (torch.profiler) of
+one selection, B1 @ 8K and B1 @ 32K, 8B attention shape. Diagnostic, not a benchmark.
+
+    python3 bench/gpu/profile_select.py
+"""
+import math
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from k25 import _C
+
+cu = _C.cuda_ops
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def main():
+    for B, L in [(1, 8192), (1, 32768)]:
+        layout = (1, HKV, D, PAGE)
+        nb = L // PAGE
+        kv = torch.randn((B * nb + 1) * 2 * HKV * PAGE * D, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randperm(B * nb, dtype=torch.int32).view(B, nb)
+        q = torch.randn(B, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+        cl = torch.full((B,), L, dtype=torch.int32)
+        call = cu.AttentionCall(kv, layout, 0, torch.arange(B + 1, dtype=torch.int32), cl, tables, HQ,
+                                1 / math.sqrt(D), 0, 264, 1)
+        summ = cu.make_block_summaries(B * nb + 1, layout, kv)
+        cu.AttentionCall(kv, layout, 0, torch.arange(B + 1, dtype=torch.int32) * L, cl, tables, HQ, 1.0, 0, 264,
+                         0).update_summaries(summ)
+        stats = torch.zeros(1, 4, dtype=torch.float64, device="cuda")
+        p = dict(min_context=2048, sink_blocks=1, recent_blocks=16, min_ratio=0.1, max_ratio=0.6, mass_target=0.95)
+        for _ in range(3):
+            call.select(q, summ, stats, **p)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                call.select(q, summ, stats, **p)
+            torch.cuda.synchronize()
+        print(f"B{B} @ {L // 1024}K, 10 selections:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+
+
+if __name__ == "__main__":
+    main()

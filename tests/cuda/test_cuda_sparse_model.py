@@ -1,0 +1,83 @@
+"""Dynamic block sparsity end to end on the GPU, on the default model (bf16).
+
+Sparse against dense on the same GPU over real text (teacher-forced decode steps through
+the eager path), and generation through the CUDA-graph path with its statistics. The
+device ranks by the Quest bound (docs/sparsity.md "CUDA"), whose accuracy on this model
+is below the channel estimate's (bench/RESULTS.md): the bounds here are the bound rule's.
+"""
+import numpy as np
+import pytest
+
+from k25 import K25Config, K25Model
+
+from test_cuda_model import default_model_path
+from test_sparsity import next_token_nll, pydoc_ids
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    path = default_model_path()
+    if path is None:
+        pytest.skip("the default model is not on this machine")
+    return path
+
+
+def gpu_model(path, **kw):
+    # An explicit pool: other tests' tensors may sit in torch's cache (device memory the
+    # gpu_memory_utilization sizing would count as taken).
+    return K25Model(K25Config(model_path=path, device="cuda", dtype="bfloat16", max_seq_len=4096,
+                              kv_cache_bytes=256 << 20, **kw))
+
+
+def test_sparse_decode_on_gpu_tracks_dense(model_path):
+    ctx, decoded = 3072, 96
+    dense_m = gpu_model(model_path)
+    try:
+        docs = [pydoc_ids(dense_m, ctx, off) for off in (0, 30000)]
+        dense = [dense_m.score(ids, decode_from=ctx - decoded) for ids in docs]
+        cfg = dense_m.model_config
+    finally:
+        dense_m.close()
+    m = gpu_model(model_path, enable_dynamic_sparsity=True)
+    try:
+        sparse = [m.score(ids, decode_from=ctx - decoded) for ids in docs]
+        layers = m.stats()["sparsity_layers"]
+        ratio = m.get_current_sparsity_ratio()
+    finally:
+        m.close()
+    for s, d in zip(sparse, dense):
+        assert np.array_equal(s[:ctx - decoded], d[:ctx - decoded]), "prompt chunks are dense"
+        assert not np.array_equal(s[-decoded:], d[-decoded:]), "decode steps went sparse"
+    assert len(layers) == cfg["num_layers"]
+    for l in layers:
+        assert l["selections"] == decoded * len(docs) * cfg["num_kv_heads"]
+        assert 0.1 - 1e-9 <= l["ratio"] <= 0.6 + 1e-9
+        assert l["mean_entropy_bits"] > 0
+    assert 0.1 < ratio <= 0.6
+    agree = np.mean(np.concatenate([s[-decoded - 1:-1].argmax(1) == d[-decoded - 1:-1].argmax(1)
+                                    for s, d in zip(sparse, dense)]))
+    d_nll = np.concatenate([next_token_nll(d, ids, decoded) for d, ids in zip(dense, docs)])
+    s_nll = np.concatenate([next_token_nll(s, ids, decoded) for s, ids in zip(sparse, docs)])
+    ppl_ratio = float(np.exp(s_nll.mean() - d_nll.mean()))
+    print(f"GPU sparse vs dense: top-1 agreement {agree:.3f}, perplexity ratio {ppl_ratio:.4f}, sparsity {ratio:.3f}")
+    assert agree >= 0.9, f"top-1 agreement {agree:.3f}"
+    assert ppl_ratio <= 1.10, f"perplexity ratio {ppl_ratio:.4f}"
+
+
+def test_sparse_generation_runs_in_cuda_graphs(model_path):
+    m = gpu_model(model_path, enable_dynamic_sparsity=True)
+    try:
+        ids = pydoc_ids(m, 2600, 100)
+        short = m.generate([ids[:500]], max_new_tokens=8, temperature=0.0, ignore_eos=True)[0]
+        assert m.get_current_sparsity_ratio() == 0.0, "nothing past sparsity_min_context yet"
+        out = m.generate([ids], max_new_tokens=24, temperature=0.0, ignore_eos=True)[0]
+        st = m.stats()
+        hkv = m.model_config["num_kv_heads"]
+    finally:
+        m.close()
+    assert len(short.token_ids) == 8 and len(out.token_ids) == 24
+    assert st["pipelined_steps"] > 0, "decode steps ran as (pipelined) CUDA graphs"
+    for l in st["sparsity_layers"]:
+        # 23 decode steps past min_context (the first token comes from the prefill).
+        assert l["selections"] == 23 * hkv
+        assert 0.1 - 1e-9 <= l["ratio"] <= 0.6 + 1e-9

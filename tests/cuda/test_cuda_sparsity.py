@@ -1,0 +1,309 @@
+"""Dynamic block sparsity on the device (cuda/block_sparsity.cu) against PyTorch.
+
+- Block summaries equal the per-channel min / max of each written block's keys (torch).
+- The selection equals a float64 PyTorch implementation of the documented device rule
+  (docs/sparsity.md "CUDA": Quest bound ranks, centre estimate sizes, estimates quantised to
+  1/32 nat) up to blocks whose quantum rounding differs; its invariants hold exactly
+  (mandatory blocks, one count per sequence within the clamp, position order, lengths);
+  planted high-scoring blocks are kept by every head.
+- Attention over the selected per-head tables equals float64 attention restricted to those
+  blocks, in the work-list (plan) form and the CUDA-graph (derived splits) form.
+"""
+import math
+
+import pytest
+import torch
+
+from test_cuda_kernels import TOL, pool, pool_view, rel_err
+
+from k25 import _C
+
+cu = getattr(_C, "cuda_ops", None)
+BINS, PER_NAT = 1024, 32
+
+
+def quantum(x):
+    d = -x * PER_NAT
+    return 0 if not d < BINS - 1 else BINS - 1 - max(0, int(d))
+
+
+def ref_select(q, mn, mx, ctx, bs, group, scale, p):
+    """The device rule in float64 for one sequence: keep count and each KV head's kept block indices."""
+    Hkv, nb, D = mn.shape
+    qg = q.double().view(Hkv, group, 1, D)
+    lo, hi = mn.double()[:, None], mx.double()[:, None]
+    u = torch.maximum(qg * lo, qg * hi).sum(-1) * scale           # [Hkv, group, nb]
+    c = 0.5 * scale * (qg * (lo + hi)).sum(-1)
+    score = (u - u.amax(-1, keepdim=True)).amax(1)                # [Hkv, nb]
+    est = (c - c.amax(-1, keepdim=True)).amax(1)
+    n = torch.full((nb,), float(bs), dtype=torch.float64, device=q.device)
+    n[-1] = ctx - (nb - 1) * bs
+    mass = n * est.exp()
+    ob = min(max(p["sink_blocks"], 0), nb)
+    oe = max(ob, nb - max(p["recent_blocks"], 0))
+    n_mand = nb - (oe - ob)
+    needs = []
+    for h in range(Hkv):
+        m = mass[h].tolist()
+        e = est[h].tolist()
+        total = sum(m)
+        have = sum(m[:ob]) + sum(m[oe:])
+        want = p["mass_target"] * total
+        need = n_mand
+        if have < want:
+            bins = {}
+            for j in range(ob, oe):
+                b = bins.setdefault(quantum(e[j]), [0.0, 0])
+                b[0] += m[j]
+                b[1] += 1
+            need = nb
+            taken = 0
+            for b in sorted(bins, reverse=True):
+                v, cnt = bins[b]
+                if have + v >= want:
+                    k = min(cnt, max(1, math.ceil((want - have) / (v / cnt) - 1e-9)))
+                    need = n_mand + taken + k
+                    break
+                have += v
+                taken += cnt
+        needs.append(need)
+    keep_min = math.ceil(nb * (1 - p["max_ratio"]) - 1e-9)
+    keep_max = math.floor(nb * (1 - p["min_ratio"]) + 1e-9)
+    keep = max(n_mand, min(max(max(needs), keep_min), keep_max))
+    if keep >= nb:
+        return nb, None
+    kept = []
+    for h in range(Hkv):
+        s = score[h].tolist()
+        others = sorted(range(ob, oe), key=lambda j: (-quantum(s[j]), j))
+        kept.append(sorted(list(range(ob)) + others[:keep - n_mand] + list(range(oe, nb))))
+    return keep, kept
+
+
+PARAMS = {
+    # the cap binds (random keys spread the mass)
+    "capped": dict(min_context=64, sink_blocks=1, recent_blocks=4, min_ratio=0.1, max_ratio=0.6, mass_target=0.95),
+    # a loose cap: the mass rule sizes
+    "mass": dict(min_context=64, sink_blocks=2, recent_blocks=3, min_ratio=0.1, max_ratio=0.97, mass_target=0.9),
+}
+
+
+def build(seed, dtype, Hq, Hkv, D, bs, seqs, hot_frac=0.05, decode_splits=0):
+    """A paged batch whose single-token sequences have a few 'hot' blocks (keys aligned with
+    the query), so that the estimated mass is concentrated there. Returns the call, the q
+    buffer, per-sequence keys / values / tables / hot blocks, the layout and the pool."""
+    g = torch.Generator().manual_seed(seed)
+    L, layer = 2, 1
+    layout = (L, Hkv, D, bs)
+    nb_total = sum(-(-c // bs) for c, _ in seqs) + 3
+    kv = pool(nb_total, layout, dtype)
+    pv = pool_view(kv, layout)
+    free = torch.randperm(nb_total, generator=g).tolist()
+    maxb = max(-(-c // bs) for c, _ in seqs)
+    tables = torch.full((len(seqs), maxb), -1, dtype=torch.int32)
+    qs, cl, qrows, info = [0], [], [], []
+    group = Hq // Hkv
+    for i, (ctx, qlen) in enumerate(seqs):
+        n = -(-ctx // bs)
+        table = [free.pop() for _ in range(n)]
+        tables[i, :n] = torch.tensor(table, dtype=torch.int32)
+        q = torch.randn(qlen, Hq, D, generator=g)
+        k = torch.randn(ctx, Hkv, D, generator=g) * 0.5
+        hot = sorted(torch.randperm(n, generator=g)[:max(1, int(hot_frac * n))].tolist())
+        # A hot block's keys point along every query head of their group (the rule keeps a
+        # block that any head of the group ranks high, relative to that head's best).
+        qn = q[-1] / q[-1].norm(dim=-1, keepdim=True)
+        for b in hot:
+            sl = slice(b * bs, min(ctx, (b + 1) * bs))
+            for h in range(Hkv):
+                k[sl, h] += 0.6 * math.sqrt(D) * qn[h * group:(h + 1) * group].sum(0)
+        k, v, q = k.to(dtype).cuda(), torch.randn(ctx, Hkv, D, generator=g).to(dtype).cuda(), q.to(dtype).cuda()
+        p = torch.arange(ctx)
+        blocks = torch.tensor(table)[p // bs].cuda()
+        pv[blocks, layer, 0, :, (p % bs).cuda()] = k
+        pv[blocks, layer, 1, :, (p % bs).cuda()] = v
+        qrows.append(q.reshape(qlen, Hq * D))
+        qs.append(qs[-1] + qlen)
+        cl.append(ctx)
+        info.append(dict(k=k, v=v, table=table, hot=hot, ctx=ctx, qlen=qlen))
+    qcat = torch.cat(qrows)
+    buf = torch.randn(qcat.shape[0], qcat.shape[1] + 2 * Hkv * D, device="cuda").to(dtype)
+    buf[:, :Hq * D] = qcat
+    call = cu.AttentionCall(kv, layout, layer, torch.tensor(qs, dtype=torch.int32), torch.tensor(cl, dtype=torch.int32),
+                            tables, Hq, 1.0 / math.sqrt(D), 0, 264, decode_splits)
+    return call, buf, info, layout, kv
+
+
+def summaries_view(summ, layout, layer):
+    L, Hkv, D, bs = layout
+    v = summ.view(-1, L, Hkv, 2, D)[:, layer]
+    return v[:, :, 0], v[:, :, 1]  # [blocks, Hkv, D] each
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D,bs", [(64, 16), (128, 16), (128, 48), (64, 5)])
+def test_summaries_are_the_min_and_max_of_each_written_block(dtype, D, bs):
+    Hq, Hkv = 4, 2
+    seqs = [(1000, 1), (37, 37), (300, 20), (5, 5)]
+    call, buf, info, layout, kv = build(D + bs, dtype, Hq, Hkv, D, bs, seqs)
+    summ = cu.make_block_summaries(kv.numel() // (layout[0] * 2 * Hkv * bs * D), layout, kv)
+    summ.fill_(float("nan"))
+    call.update_summaries(summ)
+    mn, mx = summaries_view(summ, layout, 1)
+    for s in info:
+        ctx, qlen, table = s["ctx"], s["qlen"], s["table"]
+        touched = range((ctx - qlen) // bs, (ctx - 1) // bs + 1)
+        for j in range(len(table)):
+            b = table[j]
+            if j in touched:
+                keys = s["k"][j * bs:min(ctx, (j + 1) * bs)]  # [n, Hkv, D]
+                assert torch.equal(mn[b], keys.amin(0)), (j, ctx)
+                assert torch.equal(mx[b], keys.amax(0)), (j, ctx)
+            else:
+                assert torch.isnan(mn[b]).all() and torch.isnan(mx[b]).all(), "a block the step did not write"
+
+
+def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True):
+    """Selects with `call` and checks the result against ref_select; returns (tables, lens, sparse heads)."""
+    L, Hkv, D, bs = layout
+    group = Hq // Hkv
+    summ = cu.make_block_summaries(kv.numel() // (L * 2 * Hkv * bs * D), layout, kv)
+    # Summaries of every block: an update over whole sequences (the prefill that wrote them).
+    width = max(len(s["table"]) for s in info)
+    full = cu.AttentionCall(kv, layout, 1, torch.tensor([0] + [sum(s["ctx"] for s in info[:i + 1])
+                                                                  for i in range(len(info))], dtype=torch.int32),
+                            torch.tensor([s["ctx"] for s in info], dtype=torch.int32),
+                            torch.tensor([s["table"] + [-1] * (width - len(s["table"])) for s in info],
+                                         dtype=torch.int32), Hq, 1.0, 0, 264, 0)
+    full.update_summaries(summ)
+    if stats is None:
+        stats = torch.zeros(L, 4, dtype=torch.float64, device="cuda")
+    before = stats[1].clone()
+    tables, lens = call.select(buf, summ, stats, **p)
+    tables, lens = tables.cpu(), lens.cpu()
+    mn, mx = summaries_view(summ, layout, 1)
+    row = 0
+    mismatched = kept_total = sparse_heads = nb_sum = keep_sum = 0
+    for i, s in enumerate(info):
+        ctx, table, qlen = s["ctx"], s["table"], s["qlen"]
+        nb = len(table)
+        q = buf[row + qlen - 1, :Hq * D].view(Hq, D)
+        row += qlen
+        keep_ref, kept_ref = nb, None
+        if qlen == 1 and ctx > p["min_context"]:
+            keep_ref, kept_ref = ref_select(q, mn[table].transpose(0, 1), mx[table].transpose(0, 1), ctx, bs, group,
+                                            1.0 / math.sqrt(D), p)
+        if kept_ref is None:
+            assert lens[i].item() == ctx
+            for h in range(Hkv):
+                assert tables[i, h, :nb].tolist() == table, "a dense sequence reads its own table"
+            continue
+        keep = (lens[i].item() - (ctx - (nb - 1) * bs)) // bs + 1
+        assert lens[i].item() == (keep - 1) * bs + ctx - (nb - 1) * bs
+        ob = min(p["sink_blocks"], nb)
+        oe = max(ob, nb - p["recent_blocks"])
+        assert math.ceil(nb * (1 - p["max_ratio"]) - 1e-9) <= keep <= math.floor(nb * (1 - p["min_ratio"]) + 1e-9)
+        assert abs(keep - keep_ref) <= max(1, nb // 100), (keep, keep_ref, nb)
+        hot_others = [j for j in s["hot"] if ob <= j < oe]
+        pos = {b: j for j, b in enumerate(table)}
+        for h in range(Hkv):
+            got = [pos[b] for b in tables[i, h, :keep].tolist()]
+            assert got == sorted(set(got)), "kept blocks in position order, each once"
+            assert set(range(ob)) | set(range(oe, nb)) <= set(got), "sink and recent blocks are kept"
+            if planted and keep - (nb - (oe - ob)) >= len(hot_others):
+                assert set(hot_others) <= set(got), f"head {h} dropped a planted high-scoring block"
+            mismatched += len(set(got) ^ set(kept_ref[h]))
+            kept_total += keep
+        sparse_heads += Hkv
+        nb_sum += nb * Hkv
+        keep_sum += keep * Hkv
+    assert mismatched <= max(2, 0.02 * kept_total), f"{mismatched} of {kept_total} kept blocks differ"
+    st = (stats[1] - before).cpu()
+    assert st[2].item() == sparse_heads and st[0].item() == nb_sum and st[1].item() == keep_sum
+    return tables, lens, sparse_heads
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("rule", ["capped", "mass"])
+def test_selection_matches_the_float64_rule(dtype, group, D, rule):
+    Hkv = 2
+    seqs = [(3000, 1), (40, 1), (1500, 1), (700, 1), (2000, 20)]  # one too short, one prompt chunk
+    call, buf, info, layout, kv = build(group * 11 + D, dtype, Hkv * group, Hkv, D, 16, seqs)
+    _, _, heads = check_selection(call, buf, info, layout, kv, Hkv * group, PARAMS[rule])
+    assert heads == 3 * Hkv, "three sequences were meant to select"
+
+
+def test_selection_of_a_long_context_and_many_heads():
+    seqs = [(32768, 1), (9000, 1)]
+    call, buf, info, layout, kv = build(7, torch.bfloat16, 32, 8, 128, 16, seqs, hot_frac=0.02)
+    check_selection(call, buf, info, layout, kv, 32, PARAMS["mass"])
+    call, buf, info, layout, kv = build(8, torch.bfloat16, 32, 8, 128, 16, seqs, hot_frac=0.02)
+    check_selection(call, buf, info, layout, kv, 32, dict(PARAMS["capped"], max_ratio=0.8, recent_blocks=16))
+
+
+def test_selection_leaves_its_scratch_clean():
+    # The histograms and maxima are zero at rest: a second selection (another query, same
+    # call and scratch) must equal one made with fresh scratch on the same inputs.
+    seqs = [(2500, 1), (1200, 1)]
+    p = PARAMS["mass"]
+    stats = torch.zeros(2, 4, dtype=torch.float64, device="cuda")
+    call, buf, info, layout, kv = build(1, torch.bfloat16, 8, 2, 128, 16, seqs)
+    check_selection(call, buf, info, layout, kv, 8, p, stats)
+    buf2 = buf.clone()
+    buf2[:, :8 * 128] += torch.randn(buf.shape[0], 8 * 128, device="cuda").to(buf.dtype)
+    again, lens_again, _ = check_selection(call, buf2, info, layout, kv, 8, p, stats, planted=False)
+    f_call, _, f_info, f_layout, f_kv = build(1, torch.bfloat16, 8, 2, 128, 16, seqs)
+    fresh, lens_fresh, _ = check_selection(f_call, buf2, f_info, f_layout, f_kv, 8, p, planted=False)
+    assert torch.equal(lens_again, lens_fresh)
+    for i, s in enumerate(info):  # entries past a head's kept count are not written
+        nb, ctx = len(s["table"]), s["ctx"]
+        keep = (lens_fresh[i].item() - (ctx - (nb - 1) * 16)) // 16 + 1
+        assert torch.equal(again[i, :, :keep], fresh[i, :, :keep])
+    assert stats[1, 2].item() == 2 * 2 * 2, "statistics add up over selections"
+
+
+def ref_restricted(q, s, kept, keep, bs, group):
+    """float64 attention of one query row over each KV head's kept blocks."""
+    Hq, D = q.shape
+    out = torch.empty(Hq, D, dtype=torch.float64, device=q.device)
+    ctx, nb = s["ctx"], len(s["table"])
+    for h in range(len(kept)):
+        idx = torch.cat([torch.arange(j * bs, min(ctx, (j + 1) * bs)) for j in kept[h]]).cuda()
+        k, v = s["k"][idx, h].double(), s["v"][idx, h].double()
+        for g in range(group):
+            w = torch.softmax(k @ q[h * group + g].double() / math.sqrt(D), 0)
+            out[h * group + g] = w @ v
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("splits", [0, 1, 16])
+def test_attention_over_the_kept_blocks(dtype, group, splits):
+    # splits 0: the work-list form (with a prompt chunk in the batch when it is allowed);
+    # otherwise the CUDA-graph form with that many derived splits.
+    Hkv, D, bs = 2, 128, 16
+    seqs = [(5000, 1), (3000, 1), (100, 1)] + ([(800, 33)] if splits == 0 else [])
+    call, buf, info, layout, kv = build(group + splits, dtype, Hkv * group, Hkv, D, bs, seqs, decode_splits=splits)
+    p = PARAMS["capped"]
+    tables, lens, heads = check_selection(call, buf, info, layout, kv, Hkv * group, p)
+    assert heads == 3 * Hkv
+    out = call.run_sparse(buf)
+    dense = call.run(buf)
+    Hq = Hkv * group
+    row = 0
+    for i, s in enumerate(info):
+        last = row + s["qlen"] - 1
+        got = out[last].view(Hq, D)
+        if s["qlen"] == 1 and s["ctx"] > p["min_context"]:
+            keep = (lens[i].item() - (s["ctx"] - (len(s["table"]) - 1) * bs)) // bs + 1
+            pos = {b: j for j, b in enumerate(s["table"])}
+            kept = [[pos[b] for b in tables[i, h, :keep].tolist()] for h in range(Hkv)]
+            ref = ref_restricted(buf[last, :Hq * D].view(Hq, D), s, kept, keep, bs, group)
+            assert rel_err(got, ref) < TOL[dtype] / 2
+            assert not torch.equal(got, dense[last].view(Hq, D)), "the sparse path should have run"
+        else:
+            assert torch.equal(out[row:last + 1], dense[row:last + 1]), "rows that do not select are unchanged"
+        row = last + 1
