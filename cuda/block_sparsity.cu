@@ -1,7 +1,7 @@
 // Dynamic block sparsity on the device (issue #5; docs/sparsity.md "CUDA").
 //
 // Per layer and decode step, four launches that need no host decision (CUDA graphs):
-//   1. score_kernel (CTAs over (sequence, 32 blocks)): per block and query head the Quest
+//   1. score_kernel (CTAs over (sequence, 8 blocks)): per block and query head the Quest
 //      bound sum_d max(q_d mn_d, q_d mx_d) and the centre estimate q·(mn + mx) / 2, scaled,
 //      from the block's summary; the per-(sequence, query head) maxima by atomicMax.
 //   2. bin_kernel (CTAs over (sequence, KV head, 256 blocks)): relative to each query
@@ -15,10 +15,12 @@
 //      quantum as many blocks as its mean mass says. The sequence keeps the largest need,
 //      clamped so the skipped fraction lies in [min_ratio, max_ratio]; each head then takes
 //      that many others by quantised score (the threshold quantum and how many of it).
-//      Statistics; the histograms and maxima back to zero.
+//      Statistics.
 //   4. table_kernel (a CTA per (sequence, KV head)): the kept blocks — mandatory, above the
 //      threshold quantum, and of it the lowest-numbered — as a block table in position
-//      order; a dense sequence gets its table copied.
+//      order; a dense sequence gets its table copied. The histograms, sums and maxima back
+//      to zero (many threads here; the count kernel's one CTA per sequence is the serial
+//      part).
 // Quantised (1/32 nat) rather than sorted: the count and the ranking need only prefix sums
 // of a histogram, so a head's selection is a few passes over its blocks, spread over CTAs,
 // not a sort in one CTA (at batch 1 there are only num_kv_heads of those).
@@ -123,6 +125,41 @@ __global__ void summary_kernel(KVCache kv, int layer, T* __restrict__ summ, cons
 constexpr int kScoreBlocks = 8;     // blocks per CTA (many CTAs: at batch 1 the work is one sequence)
 constexpr int kScoreThreads = 256;  // 16 half-warps, one (block, KV head) each at a time
 
+// One (block j, KV head h) of sequence s for every query head of the group: the bound
+// and the centre estimate from the block's summary (this lane's C channels), reduced over
+// the half-warp; lane 0 writes them and folds them into the CTA's maxima.
+template <int C>
+__device__ __forceinline__ void score_item(const SparseSelect& a, int s, int j, int h, int group, const float* qs,
+                                           int hl, uint32_t mask, const float (&mn)[C], const float (&mx)[C],
+                                           uint32_t* smax) {
+  constexpr int D = 16 * C;
+  const int Hq = a.num_heads, MB = a.max_blocks;
+  for (int g = 0; g < group; ++g) {
+    const int hq = h * group + g;
+    const float* qv = qs + hq * D + hl * C;
+    float u = 0.0f, c = 0.0f;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      u += fmaxf(qv[k] * mn[k], qv[k] * mx[k]);
+      c = fmaf(qv[k], mn[k] + mx[k], c);
+    }
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+      u += __shfl_xor_sync(mask, u, o);
+      c += __shfl_xor_sync(mask, c, o);
+    }
+    if (hl == 0) {
+      u *= a.scale;
+      c *= 0.5f * a.scale;
+      float* raw = a.raw + (static_cast<int64_t>(s) * Hq + hq) * 2 * MB;
+      raw[j] = u;
+      raw[MB + j] = c;
+      atomicMax(&smax[2 * hq], order_bits(u));
+      atomicMax(&smax[2 * hq + 1], order_bits(c));
+    }
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads)
     score_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ summ, SparseSelect a) {
@@ -144,36 +181,15 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int half = threadIdx.x / 16, hl = threadIdx.x % 16;
   const uint32_t mask = 0xFFFFu << (16 * ((threadIdx.x % 32) / 16));
   const int* table = a.block_tables + static_cast<int64_t>(s) * MB;
+  // One item at a time: loading several items' summaries ahead (tried: 112 registers, 2
+  // CTAs per SM instead of 5) was slower.
   for (int item = half; item < cnt * Hkv; item += kScoreThreads / 16) {
     const int h = item / cnt, j = j0 + item % cnt;
     float mn[C], mx[C];
     const T* sp = summ + summary_offset(a, table[j], h, D) + hl * C;
     load_floats<T, C>(sp, mn);
     load_floats<T, C>(sp + D, mx);
-    for (int g = 0; g < group; ++g) {
-      const int hq = h * group + g;
-      const float* qv = qs + hq * D + hl * C;
-      float u = 0.0f, c = 0.0f;
-#pragma unroll
-      for (int k = 0; k < C; ++k) {
-        u += fmaxf(qv[k] * mn[k], qv[k] * mx[k]);
-        c = fmaf(qv[k], mn[k] + mx[k], c);
-      }
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) {
-        u += __shfl_xor_sync(mask, u, o);
-        c += __shfl_xor_sync(mask, c, o);
-      }
-      if (hl == 0) {
-        u *= a.scale;
-        c *= 0.5f * a.scale;
-        float* raw = a.raw + (static_cast<int64_t>(s) * Hq + hq) * 2 * MB;
-        raw[j] = u;
-        raw[MB + j] = c;
-        atomicMax(&smax[2 * hq], order_bits(u));
-        atomicMax(&smax[2 * hq + 1], order_bits(c));
-      }
-    }
+    score_item<C>(a, s, j, h, group, qs, hl, mask, mn, mx, smax);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < 2 * Hq; i += blockDim.x) {
@@ -266,14 +282,38 @@ template <typename V>
 __device__ Crossing find_crossing(const V* val, const int* cnt, unsigned long long have, unsigned long long want) {
   const int lane = threadIdx.x % 32;
   const int top = kBins - 1 - 32 * lane;
-  // The lane's 32 bins into registers first: the walk below stops early, and loads inside
-  // it would be issued one round trip at a time.
+  // The lane's 32 bins into registers first, in 16-byte loads (the walk below stops early,
+  // and loads inside it would be issued one round trip at a time): v[i], c[i] is bin top - i.
   unsigned long long v[32];
   int c[32];
+  {
+    const uint4* pv = reinterpret_cast<const uint4*>(val + top - 31);
+    const uint4* pc = reinterpret_cast<const uint4*>(cnt + top - 31);
+    if constexpr (sizeof(V) == 8) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    v[i] = static_cast<unsigned long long>(val[top - i]);
-    c[i] = cnt[top - i];
+      for (int k = 0; k < 16; ++k) {
+        const uint4 x = pv[k];
+        v[31 - 2 * k] = x.x | (static_cast<unsigned long long>(x.y) << 32);
+        v[30 - 2 * k] = x.z | (static_cast<unsigned long long>(x.w) << 32);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const uint4 x = pv[k];
+        v[31 - 4 * k] = x.x;
+        v[30 - 4 * k] = x.y;
+        v[29 - 4 * k] = x.z;
+        v[28 - 4 * k] = x.w;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint4 x = pc[k];
+      c[31 - 4 * k] = static_cast<int>(x.x);
+      c[30 - 4 * k] = static_cast<int>(x.y);
+      c[29 - 4 * k] = static_cast<int>(x.z);
+      c[28 - 4 * k] = static_cast<int>(x.w);
+    }
   }
   unsigned long long lv = 0;
   int lc = 0;
@@ -329,7 +369,7 @@ __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSel
   const int s = blockIdx.x, h = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int nb = eligible_blocks(a, s);
   if (nb == 0) return;  // uniform: table_kernel copies the table
-  const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv;
+  const int Hkv = a.num_kv_heads;
   const int64_t sh = static_cast<int64_t>(s) * Hkv + h;
   int ob, oe;
   others_range(a, nb, &ob, &oe);
@@ -388,20 +428,6 @@ __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSel
       if (t > 0) atomicAdd(st + 3, (log(t) - a.head_mlogm[sh] / t) / log(2.0));
     }
   }
-  // Back to zero for the next layer or step (only the sums' readers are done: this kernel).
-  __syncwarp();
-  unsigned long long* mh = a.mass_hist + sh * kBins;
-  for (int b = lane; b < kBins; b += 32) {
-    mh[b] = 0;
-    a.est_hist[sh * kBins + b] = 0;
-    a.score_hist[sh * kBins + b] = 0;
-  }
-  if (lane == 0) {
-    a.head_mass[2 * sh] = 0;
-    a.head_mass[2 * sh + 1] = 0;
-    a.head_mlogm[sh] = 0;
-  }
-  for (int i = lane; i < 2 * group; i += 32) a.maxima[(static_cast<int64_t>(s) * Hq + h * group) * 2 + i] = 0;
 }
 
 // ---- 4. tables ---------------------------------------------------------------------------
@@ -417,6 +443,25 @@ __global__ void __launch_bounds__(kTableThreads) table_kernel(SparseSelect a) {
   int* out = a.head_tables + sh * MB;
   const int nb = eligible_blocks(a, s);
   const int* sel = a.select + 4 * sh;
+  if (nb > 0) {
+    // Back to zero for the next layer or step: the readers of the histograms, sums and
+    // maxima (bin_kernel, count_kernel) are done.
+    unsigned long long* mh = a.mass_hist + sh * kBins;
+    for (int b = threadIdx.x; b < kBins; b += blockDim.x) {
+      mh[b] = 0;
+      a.est_hist[sh * kBins + b] = 0;
+      a.score_hist[sh * kBins + b] = 0;
+    }
+    if (threadIdx.x == 0) {
+      a.head_mass[2 * sh] = 0;
+      a.head_mass[2 * sh + 1] = 0;
+      a.head_mlogm[sh] = 0;
+    }
+    const int group = a.num_heads / Hkv;
+    for (int i = threadIdx.x; i < 2 * group; i += blockDim.x) {
+      a.maxima[(static_cast<int64_t>(s) * a.num_heads + h * group) * 2 + i] = 0;
+    }
+  }
   if (nb == 0 || sel[3] == 0) {
     const int n = ctx > 0 ? (ctx + bs - 1) / bs : 0;
     for (int j = threadIdx.x; j < n; j += blockDim.x) out[j] = table[j];

@@ -1,9 +1,13 @@
 """Where the device block selection's time goes: per-kernel GPU times (torch.profiler) of
 one selection, B1 @ 8K and B1 @ 32K, 8B attention shape. Diagnostic, not a benchmark.
+--plain B L runs three selections of one case without the profiler, for Nsight Compute:
 
     python3 bench/gpu/profile_select.py
+    ncu --metrics gpu__time_duration.sum --kernel-name regex:"score|bin|count|table" \
+        --launch-skip 4 --launch-count 4 python3 bench/gpu/profile_select.py --plain 1 32768
 """
 import math
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -15,7 +19,8 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
 def main():
-    for B, L in [(1, 8192), (1, 32768)]:
+    plain = len(sys.argv) == 4 and sys.argv[1] == "--plain"
+    for B, L in [(int(sys.argv[2]), int(sys.argv[3]))] if plain else [(1, 8192), (1, 32768)]:
         layout = (1, HKV, D, PAGE)
         nb = L // PAGE
         kv = torch.randn((B * nb + 1) * 2 * HKV * PAGE * D, device="cuda", dtype=torch.bfloat16)
@@ -32,6 +37,8 @@ def main():
         for _ in range(3):
             call.select(q, summ, stats, **p)
         torch.cuda.synchronize()
+        if plain:
+            continue
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 call.select(q, summ, stats, **p)

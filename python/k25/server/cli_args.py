@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batching-window-ms", type=float, default=5.0,
                    help="an idle engine waits this long to gather arrivals (small: it delays short requests)")
     p.add_argument("--enable-dynamic-sparsity", action="store_true", default=None,
-                   help="block-sparse decode attention for long contexts (CPU backend; docs/sparsity.md)")
+                   help="block-sparse decode attention for long contexts (CPU and CUDA; docs/sparsity.md)")
     p.add_argument("--max-sparsity-ratio", type=float, default=None,
                    help="most of a sequence-layer's KV blocks a decode step may skip (0.1-0.8, default 0.6)")
     p.add_argument("--enable-prefix-caching", action="store_true", default=None,
