@@ -171,7 +171,11 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks;
   __shared__ uint32_t smax[2 * kMaxSparseHeads];
   extern __shared__ __align__(16) float qs[];  // [Hq][D]: the sequence's query, as float
+  __shared__ int blocks[kScoreBlocks];           // the CTA's block-table entries
   for (int i = threadIdx.x; i < 2 * Hq; i += blockDim.x) smax[i] = 0;
+  if (threadIdx.x < min(kScoreBlocks, nb - j0)) {
+    blocks[threadIdx.x] = a.block_tables[static_cast<int64_t>(s) * MB + j0 + threadIdx.x];
+  }
   {
     const T* qr = q + static_cast<int64_t>(a.query_start[s]) * q_stride;
     for (int i = threadIdx.x; i < Hq * D; i += blockDim.x) qs[i] = to_f(qr[i]);
@@ -180,13 +184,12 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int cnt = min(kScoreBlocks, nb - j0);
   const int half = threadIdx.x / 16, hl = threadIdx.x % 16;
   const uint32_t mask = 0xFFFFu << (16 * ((threadIdx.x % 32) / 16));
-  const int* table = a.block_tables + static_cast<int64_t>(s) * MB;
   // One item at a time: loading several items' summaries ahead (tried: 112 registers, 2
   // CTAs per SM instead of 5) was slower.
   for (int item = half; item < cnt * Hkv; item += kScoreThreads / 16) {
     const int h = item / cnt, j = j0 + item % cnt;
     float mn[C], mx[C];
-    const T* sp = summ + summary_offset(a, table[j], h, D) + hl * C;
+    const T* sp = summ + summary_offset(a, blocks[item % cnt], h, D) + hl * C;
     load_floats<T, C>(sp, mn);
     load_floats<T, C>(sp + D, mx);
     score_item<C>(a, s, j, h, group, qs, hl, mask, mn, mx, smax);
@@ -278,8 +281,67 @@ struct Crossing {
   unsigned long long above = 0, val = 0;
   int count_above = 0, count = 0;
 };
-template <typename V>
-__device__ Crossing find_crossing(const V* val, const int* cnt, unsigned long long have, unsigned long long want) {
+
+// Lane l's 32 count bins (c[i] = bin top - i), loaded as 16-byte vectors, with the exclusive
+// prefix over the lanes of their sums: split from count_crossing so that the loads can be
+// issued before a barrier and the walk made after it.
+struct CountBins {
+  int c[32];
+  int above = 0, total = 0;
+};
+__device__ __forceinline__ CountBins load_count_bins(const int* cnt) {
+  const int lane = threadIdx.x % 32;
+  CountBins b;
+  const uint4* p = reinterpret_cast<const uint4*>(cnt + kBins - 32 * (lane + 1));
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint4 x = p[k];
+    b.c[31 - 4 * k] = static_cast<int>(x.x);
+    b.c[30 - 4 * k] = static_cast<int>(x.y);
+    b.c[29 - 4 * k] = static_cast<int>(x.z);
+    b.c[28 - 4 * k] = static_cast<int>(x.w);
+  }
+#pragma unroll
+  for (int i = 0; i < 32; ++i) b.total += b.c[i];
+  int pc = b.total;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, pc, o);
+    if (lane >= o) pc += y;
+  }
+  b.above = pc - b.total;
+  return b;
+}
+
+// The crossing of a count histogram (val = count) at `want` blocks.
+__device__ Crossing count_crossing(const CountBins& b, int want) {
+  const int lane = threadIdx.x % 32;
+  const unsigned hit = __ballot_sync(0xffffffffu, b.above + b.total >= want);
+  Crossing r;
+  if (hit == 0) return r;
+  const int src = __ffs(hit) - 1;
+  if (lane == src) {
+    int n = b.above;
+    bool found = false;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      if (!found && n + b.c[i] >= want) {
+        found = true;
+        r.bin = kBins - 1 - 32 * lane - i;
+        r.count_above = n;
+        r.count = b.c[i];
+      }
+      n += b.c[i];
+    }
+  }
+  r.bin = __shfl_sync(0xffffffffu, r.bin, src);
+  r.count_above = __shfl_sync(0xffffffffu, r.count_above, src);
+  r.count = __shfl_sync(0xffffffffu, r.count, src);
+  return r;
+}
+
+// The crossing of the mass histogram `val` (fixed point) with its counts `cnt`.
+__device__ Crossing find_crossing(const unsigned long long* val, const int* cnt, unsigned long long have,
+                                  unsigned long long want) {
   const int lane = threadIdx.x % 32;
   const int top = kBins - 1 - 32 * lane;
   // The lane's 32 bins into registers first, in 16-byte loads (the walk below stops early,
@@ -289,22 +351,11 @@ __device__ Crossing find_crossing(const V* val, const int* cnt, unsigned long lo
   {
     const uint4* pv = reinterpret_cast<const uint4*>(val + top - 31);
     const uint4* pc = reinterpret_cast<const uint4*>(cnt + top - 31);
-    if constexpr (sizeof(V) == 8) {
 #pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        const uint4 x = pv[k];
-        v[31 - 2 * k] = x.x | (static_cast<unsigned long long>(x.y) << 32);
-        v[30 - 2 * k] = x.z | (static_cast<unsigned long long>(x.w) << 32);
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const uint4 x = pv[k];
-        v[31 - 4 * k] = x.x;
-        v[30 - 4 * k] = x.y;
-        v[29 - 4 * k] = x.z;
-        v[28 - 4 * k] = x.w;
-      }
+    for (int k = 0; k < 16; ++k) {
+      const uint4 x = pv[k];
+      v[31 - 2 * k] = x.x | (static_cast<unsigned long long>(x.y) << 32);
+      v[30 - 2 * k] = x.z | (static_cast<unsigned long long>(x.w) << 32);
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -393,6 +444,8 @@ __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSel
       need = n_mand + c.count_above + k;
     }
   }
+  // The score histogram's loads and lane prefix before the barrier (they need no count).
+  const CountBins score_bins = load_count_bins(scr);
   __shared__ int needs[kMaxSparseKvHeads];
   if (lane == 0) needs[h] = need;
   __syncthreads();
@@ -411,7 +464,7 @@ __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSel
     const int take = keep - n_mand;
     int bin = kBins, in_bin = 0;  // take == 0: no other block
     if (take > 0) {
-      const Crossing c = find_crossing(scr, scr, 0ull, static_cast<unsigned long long>(take));
+      const Crossing c = count_crossing(score_bins, take);
       bin = c.bin;  // always found: take <= the others' count
       in_bin = take - c.count_above;
     }

@@ -236,6 +236,8 @@ class TorchExecutor : public ModelExecutor {
       sparse_bucket_ = b;
       if (b >= max_batch_size) break;
     }
+    // Eager steps may hold up to max_batch_size sequences, beyond the largest bucket.
+    ensure_sparse_scratch(std::max(max_batch_size, sparse_bucket_), graph_blocks());
     for (int32_t b : kBuckets) {
       graph_for(b);
       if (b >= max_batch_size) break;

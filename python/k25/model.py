@@ -300,6 +300,14 @@ class K25Model:
         per_token = (4 * c["hidden_size"] + qkv + 3 * c["intermediate_size"]) * elem
         workspace = (config.max_num_batched_tokens * per_token * 2
                      + config.max_batch_size * c["vocab_size"] * 4 * 3 + (512 << 20))
+        if config.enable_dynamic_sparsity:
+            # Block summaries (min and max of the keys in the KV dtype) for every block, and
+            # the selection's scratch for max_batch_size (at least the largest CUDA-graph
+            # bucket's) sequences of max_seq_len (docs/sparsity.md "CUDA").
+            per_block += c["num_layers"] * c["num_kv_heads"] * 2 * c["head_dim"] * elem
+            seqs = max(config.max_batch_size, 1 << (min(config.max_batch_size, 128) - 1).bit_length())
+            hq, hkv = c["num_heads"], c["num_kv_heads"]
+            workspace += seqs * (seq_blocks * (2 * hq + 2 * hkv + 1) * 4 + hkv * (1024 * 16 + 40) + hq * 8)
         budget = int(total * util) - (total - free) - workspace
         blocks = budget // per_block
         if blocks < seq_blocks:
