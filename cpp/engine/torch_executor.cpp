@@ -8,6 +8,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <string>
 
 #include "k25/status.h"
 #include "kv/tiers/tier_manager.h"
@@ -22,6 +23,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "k25_cuda.h"
 #include "model/cuda_glue.h"
 #endif
 
@@ -196,6 +198,15 @@ class TorchExecutor : public ModelExecutor {
         if (sparsity->score_channels != 0 || sparsity->compensation) {
           fail(ErrorCode::kUnsupported, "on CUDA, dynamic sparsity ranks blocks by the Quest bound only: set "
                                         "sparsity_score_channels=0 and sparsity_compensation=False");
+        }
+        // The device selection's limits (cuda/block_sparsity.cu), checked here so that a model
+        // outside them fails at construction rather than at its first decode step.
+        if ((c.head_dim != 64 && c.head_dim != 128) || c.num_kv_heads > cuda::kMaxSparseKvHeads ||
+            c.num_heads > cuda::kMaxSparseHeads) {
+          fail(ErrorCode::kUnsupported, "dynamic sparsity on CUDA supports head_dim 64 or 128, up to 16 KV heads "
+                                        "and 128 query heads; this model has head_dim " +
+                                            std::to_string(c.head_dim) + ", " + std::to_string(c.num_kv_heads) +
+                                            " KV heads, " + std::to_string(c.num_heads) + " query heads");
         }
         // The scratch block of padded graph rows has a summary too.
         sparse_->device_summaries = cuda_glue::make_block_summaries(num_blocks + 1, layout_, model_->dtype(), device);

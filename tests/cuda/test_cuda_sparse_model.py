@@ -1,16 +1,19 @@
-"""Dynamic block sparsity end to end on the GPU, on the default model (bf16).
+"""Dynamic block sparsity end to end on the GPU.
 
-Sparse against dense on the same GPU over real text (teacher-forced decode steps through
-the eager path), and generation through the CUDA-graph path with its statistics. The
-device ranks by the Quest bound (docs/sparsity.md "CUDA"), whose accuracy on this model
-is below the channel estimate's (bench/RESULTS.md): the bounds here are the bound rule's.
+On the default model (bf16): sparse against dense on the same GPU over real text
+(teacher-forced decode steps through the eager path), and generation through the
+CUDA-graph path with its statistics. The device ranks by the Quest bound (docs/sparsity.md
+"CUDA"), whose accuracy on this model is below the channel estimate's (bench/RESULTS.md):
+the bounds here are the bound rule's. On a random-weight checkpoint: tiered KV with
+sparsity, whose fetched blocks need their summaries recomputed on the device.
 """
 import numpy as np
 import pytest
 
 from k25 import K25Config, K25Model
 
-from test_cuda_model import default_model_path
+from oracles import write_random_checkpoint
+from test_cuda_model import default_model_path, prompt_for
 from test_sparsity import next_token_nll, pydoc_ids
 
 
@@ -81,3 +84,36 @@ def test_sparse_generation_runs_in_cuda_graphs(model_path):
         # 23 decode steps past min_context (the first token comes from the prefill).
         assert l["selections"] == 23 * hkv
         assert 0.1 - 1e-9 <= l["ratio"] <= 0.6 + 1e-9
+
+
+def test_tiered_kv_with_sparsity_on_gpu(tmp_path):
+    """Swapping sequences out to L2 and back must not change a sparse run: fetched blocks
+    land in other L1 blocks, whose summaries the engine recomputes on the device
+    (refresh_fetched_kv). Tokens equal a never-swapping sparse run's."""
+    d = tmp_path / "llama3"
+    write_random_checkpoint(d, "llama3", hidden_size=512, num_attention_heads=8, intermediate_size=1024,
+                            head_dim=64, initializer_range=0.15)
+    sparse = dict(enable_dynamic_sparsity=True, sparsity_min_context=64, sparsity_recent_blocks=2)
+    gen = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = K25Model(K25Config(model_path=str(d), device="cuda", dtype="float32", kv_cache_bytes=1 << 30, **sparse))
+    try:
+        prompts = [prompt_for(plain, n, seed=n) for n in (150, 90, 200, 120)]
+        want = [o.token_ids for o in plain.generate(prompts, **gen)]
+        assert plain.get_current_sparsity_ratio() > 0.1
+        per_block = plain.kv_block_bytes
+    finally:
+        plain.close()
+    from k25 import _C
+    page = _C.kv_page_bytes(per_block)
+    m = K25Model(K25Config(model_path=str(d), device="cuda", dtype="float32", kv_cache_bytes=26 * per_block,
+                           cache_mode="hierarchical", enable_async_offload=True, l2_bytes=256 * page,
+                           max_batch_size=4, prefill_chunk_size=64, max_num_batched_tokens=96, **sparse))
+    try:
+        got = [o.token_ids for o in m.generate(prompts, **gen)]
+        s = m.stats()
+        ratio = m.get_current_sparsity_ratio()
+    finally:
+        m.close()
+    assert s["swap_outs"] > 0 and s["swap_ins"] == s["swap_outs"], "the small pool was meant to swap"
+    assert ratio > 0.1
+    assert got == want
