@@ -243,10 +243,7 @@ class TorchExecutor : public ModelExecutor {
     c10::cuda::CUDAStreamGuard sg(engine_stream());
     // The largest bucket to capture sizes the sparse selection's scratch (graphs keep its
     // addresses, so it is allocated once, before the first capture).
-    for (int32_t b : kBuckets) {
-      sparse_bucket_ = b;
-      if (b >= max_batch_size) break;
-    }
+    sparse_bucket_ = bucket_for(max_batch_size);
     // Eager steps may hold up to max_batch_size sequences, beyond the largest bucket.
     ensure_sparse_scratch(std::max(max_batch_size, sparse_bucket_), graph_blocks());
     for (int32_t b : kBuckets) {
@@ -542,6 +539,13 @@ class TorchExecutor : public ModelExecutor {
   // batch-size bucket (padded to it); attention work is derived on the device, so one
   // capture serves every context length. Prefill and mixed steps run eagerly.
   static constexpr int32_t kBuckets[] = {1, 2, 4, 8, 16, 32, 64, 128};
+  // The smallest bucket that holds n sequences (the largest bucket when none does).
+  static int32_t bucket_for(int32_t n) {
+    for (int32_t b : kBuckets) {
+      if (b >= n) return b;
+    }
+    return kBuckets[7];
+  }
   struct DecodeGraph {
     DeviceStep step;
     // [ids | positions | context_lens | prev_rows | block_tables] int32, one upload
@@ -671,13 +675,7 @@ class TorchExecutor : public ModelExecutor {
   // current stream, without waiting for it).
   DecodeGraph& replay_graph(const BatchMeta& meta) {
     const int32_t B = meta.num_seqs();
-    int32_t bucket = kBuckets[0];
-    for (int32_t b : kBuckets) {
-      if (b >= B) {
-        bucket = b;
-        break;
-      }
-    }
+    const int32_t bucket = bucket_for(B);  // graph_eligible: B is at most the largest bucket
     if (*std::max_element(meta.positions.begin(), meta.positions.end()) >= handle_->max_positions()) {
       fail(ErrorCode::kInvalidArgument, "position beyond the RoPE table (max_seq_len)");
     }

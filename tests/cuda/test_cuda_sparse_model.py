@@ -14,7 +14,7 @@ from k25 import K25Config, K25Model
 
 from oracles import write_random_checkpoint
 from test_cuda_model import default_model_path, prompt_for
-from test_sparsity import next_token_nll, pydoc_ids
+from test_sparsity import agreement_and_perplexity_ratio, pydoc_ids
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +57,7 @@ def test_sparse_decode_on_gpu_tracks_dense(model_path):
         assert 0.1 - 1e-9 <= l["ratio"] <= 0.6 + 1e-9
         assert l["mean_entropy_bits"] > 0
     assert 0.1 < ratio <= 0.6
-    agree = np.mean(np.concatenate([s[-decoded - 1:-1].argmax(1) == d[-decoded - 1:-1].argmax(1)
-                                    for s, d in zip(sparse, dense)]))
-    d_nll = np.concatenate([next_token_nll(d, ids, decoded) for d, ids in zip(dense, docs)])
-    s_nll = np.concatenate([next_token_nll(s, ids, decoded) for s, ids in zip(sparse, docs)])
-    ppl_ratio = float(np.exp(s_nll.mean() - d_nll.mean()))
+    agree, ppl_ratio = agreement_and_perplexity_ratio(sparse, dense, docs, decoded)
     print(f"GPU sparse vs dense: top-1 agreement {agree:.3f}, perplexity ratio {ppl_ratio:.4f}, sparsity {ratio:.3f}")
     assert agree >= 0.9, f"top-1 agreement {agree:.3f}"
     assert ppl_ratio <= 1.10, f"perplexity ratio {ppl_ratio:.4f}"

@@ -428,6 +428,16 @@ def next_token_nll(logits, ids, n):
     return lse - lg[np.arange(n), np.asarray(ids[-n:])]
 
 
+def agreement_and_perplexity_ratio(sparse, dense, docs, decoded):
+    """Over the last `decoded` positions of each doc: top-1 agreement of the sparse logits
+    with the dense ones, and the sparse perplexity over the dense one."""
+    agree = np.mean(np.concatenate([s[-decoded - 1:-1].argmax(1) == d[-decoded - 1:-1].argmax(1)
+                                    for s, d in zip(sparse, dense)]))
+    d_nll = np.concatenate([next_token_nll(d, ids, decoded) for d, ids in zip(dense, docs)])
+    s_nll = np.concatenate([next_token_nll(s, ids, decoded) for s, ids in zip(sparse, docs)])
+    return agree, float(np.exp(s_nll.mean() - d_nll.mean()))
+
+
 def test_sparse_decode_on_the_default_model_tracks_dense(default_model):
     """Teacher-forced decode steps over real text: sparse against dense on the same model.
 
@@ -457,11 +467,7 @@ def test_sparse_decode_on_the_default_model_tracks_dense(default_model):
         assert l["selections"] == decoded * len(docs) * default_model.model_config["num_kv_heads"]
         assert 0.1 - 1e-9 <= l["ratio"] <= 0.6 + 1e-9
         assert l["mean_entropy_bits"] > 0 and 1 <= len(l["top_blocks"]) <= 8
-    agree = np.mean(np.concatenate([s[-decoded - 1:-1].argmax(1) == d[-decoded - 1:-1].argmax(1)
-                                    for s, d in zip(sparse, dense)]))
-    d_nll = np.concatenate([next_token_nll(d, ids, decoded) for d, ids in zip(dense, docs)])
-    s_nll = np.concatenate([next_token_nll(s, ids, decoded) for s, ids in zip(sparse, docs)])
-    ppl_ratio = float(np.exp(s_nll.mean() - d_nll.mean()))
+    agree, ppl_ratio = agreement_and_perplexity_ratio(sparse, dense, docs, decoded)
     assert agree >= 0.94, f"top-1 agreement {agree:.3f}"
     assert ppl_ratio <= 1.03, f"perplexity ratio {ppl_ratio:.4f}"
 
