@@ -1,9 +1,10 @@
 // Dynamic block sparsity on the device (issue #5; docs/sparsity.md "CUDA").
 //
 // Per layer and decode step, four launches that need no host decision (CUDA graphs):
-//   1. score_kernel (CTAs over (sequence, 8 blocks)): per block and query head the Quest
-//      bound sum_d max(q_d mn_d, q_d mx_d) and the centre estimate q·(mn + mx) / 2, scaled,
-//      from the block's summary; the per-(sequence, query head) maxima by atomicMax.
+//   1. score_kernel (a warp per (sequence, KV head, 16 blocks)): per block and query head
+//      the Quest bound sum_d max(q_d mn_d, q_d mx_d) and the centre estimate
+//      q·(mn + mx) / 2, scaled, from the block's summary; the per-(sequence, query head)
+//      maxima by atomicMax.
 //   2. bin_kernel (CTAs over (sequence, KV head, 256 blocks)): relative to each query
 //      head's best and maxed over the group, a block's rank score and estimate; its mass
 //      n exp(estimate) in fixed point (2^-40: sums are exact, so order-free); histograms of
@@ -69,23 +70,6 @@ __device__ __forceinline__ void others_range(const SparseSelect& a, int nb, int*
   *oe = max(*ob, nb - max(a.recent_blocks, 0));
 }
 
-template <typename T, int C>
-__device__ __forceinline__ void load_floats(const T* p, float (&out)[C]) {
-  if constexpr ((C * sizeof(T)) % 16 == 0) {
-    constexpr int kPer = 16 / sizeof(T);
-#pragma unroll
-    for (int i = 0; i < C / kPer; ++i) {
-      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
-      const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) out[i * kPer + k] = to_f(e[k]);
-    }
-  } else {
-#pragma unroll
-    for (int c = 0; c < C; ++c) out[c] = to_f(p[c]);
-  }
-}
-
 __device__ __forceinline__ int64_t summary_offset(const SparseSelect& a, int block, int h, int D) {
   return ((static_cast<int64_t>(block) * a.num_layers + a.layer) * a.num_kv_heads + h) * 2 * D;
 }
@@ -122,77 +106,139 @@ __global__ void summary_kernel(KVCache kv, int layer, T* __restrict__ summ, cons
 
 // ---- 1. scores --------------------------------------------------------------------------
 
-constexpr int kScoreBlocks = 8;     // blocks per CTA (many CTAs: at batch 1 the work is one sequence)
-constexpr int kScoreThreads = 256;  // 16 half-warps, one (block, KV head) each at a time
+// A warp per (KV head, run of kScoreRun blocks). Lane l holds channels [l C, l C + C) of a
+// pass of up to four query heads of the group, as q+ = max(q, 0) and q- = min(q, 0), in
+// registers; per block it loads its channels of the summary (the warp reads min and max as
+// two contiguous runs; the next two blocks' loads are issued before this one's math) and computes
+// the bound u = q+·mx + q-·mn and u + l, l = q+·mn + q-·mx the lower bound (the centre is
+// (u + l) / 2): four FMAs per channel and head, no shared memory. Then one reduce-scatter
+// of the 8 values over the 32 lanes (9 shuffles), after which lane l holds value l / 4.
+// (Earlier forms, under ncu at B1 @ 32K / B8 @ 128K: a half-warp per item with the query
+// in shared memory, 20 / ~270 us; a quad of lanes per item, 13 / 264 us, bound by
+// shared-memory wavefronts since a warp's quads re-read the same query words. This one:
+// 14 / 190 us.)
+constexpr int kScoreThreads = 256;  // 8 warps
+constexpr int kScoreRun = 16;       // blocks per warp (<= 32: a lane holds each's table entry)
+constexpr int kScorePass = 4;       // query heads per pass: 8 values, the reduce-scatter's 3 halvings
+static_assert(kScoreRun <= 32 && 2 * kScorePass == 8, "score_kernel's lane mapping");
 
-// One (block j, KV head h) of sequence s for every query head of the group: the bound
-// and the centre estimate from the block's summary (this lane's C channels), reduced over
-// the half-warp; lane 0 writes them and folds them into the CTA's maxima.
-template <int C>
-__device__ __forceinline__ void score_item(const SparseSelect& a, int s, int j, int h, int group, const float* qs,
-                                           int hl, uint32_t mask, const float (&mn)[C], const float (&mx)[C],
-                                           uint32_t* smax) {
-  constexpr int D = 16 * C;
-  const int Hq = a.num_heads, MB = a.max_blocks;
-  for (int g = 0; g < group; ++g) {
-    const int hq = h * group + g;
-    const float* qv = qs + hq * D + hl * C;
-    float u = 0.0f, c = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-      u += fmaxf(qv[k] * mn[k], qv[k] * mx[k]);
-      c = fmaf(qv[k], mn[k] + mx[k], c);
-    }
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) {
-      u += __shfl_xor_sync(mask, u, o);
-      c += __shfl_xor_sync(mask, c, o);
-    }
-    if (hl == 0) {
-      u *= a.scale;
-      c *= 0.5f * a.scale;
-      float* raw = a.raw + (static_cast<int64_t>(s) * Hq + hq) * 2 * MB;
-      raw[j] = u;
-      raw[MB + j] = c;
-      atomicMax(&smax[2 * hq], order_bits(u));
-      atomicMax(&smax[2 * hq + 1], order_bits(c));
-    }
-  }
-}
+template <int B>
+struct Bytes;
+template <>
+struct Bytes<4> {
+  using type = uint32_t;
+};
+template <>
+struct Bytes<8> {
+  using type = uint2;
+};
+template <>
+struct Bytes<16> {
+  using type = uint4;
+};
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads)
     score_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ summ, SparseSelect a) {
-  constexpr int C = D / 16;  // channels per lane of a half-warp
+  static_assert(D % 32 == 0, "a lane's channels");
+  constexpr int C = D / 32;  // channels per lane
+  using V = typename Bytes<C * sizeof(T)>::type;
+  constexpr int kWarps = kScoreThreads / 32;
   const int s = blockIdx.y;
   const int nb = eligible_blocks(a, s);
-  const int j0 = blockIdx.x * kScoreBlocks;
-  if (j0 >= nb) return;
   const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks;
+  if ((static_cast<int>(blockIdx.x) * kWarps / Hkv) * kScoreRun >= nb) return;  // uniform
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int task = blockIdx.x * kWarps + warp;
+  const int h = task % Hkv, j0 = (task / Hkv) * kScoreRun;
   __shared__ uint32_t smax[2 * kMaxSparseHeads];
-  extern __shared__ __align__(16) float qs[];  // [Hq][D]: the sequence's query, as float
-  __shared__ int blocks[kScoreBlocks];           // the CTA's block-table entries
   for (int i = threadIdx.x; i < 2 * Hq; i += blockDim.x) smax[i] = 0;
-  if (threadIdx.x < min(kScoreBlocks, nb - j0)) {
-    blocks[threadIdx.x] = a.block_tables[static_cast<int64_t>(s) * MB + j0 + threadIdx.x];
-  }
-  {
-    const T* qr = q + static_cast<int64_t>(a.query_start[s]) * q_stride;
-    for (int i = threadIdx.x; i < Hq * D; i += blockDim.x) qs[i] = to_f(qr[i]);
-  }
   __syncthreads();
-  const int cnt = min(kScoreBlocks, nb - j0);
-  const int half = threadIdx.x / 16, hl = threadIdx.x % 16;
-  const uint32_t mask = 0xFFFFu << (16 * ((threadIdx.x % 32) / 16));
-  // One item at a time: loading several items' summaries ahead (tried: 112 registers, 2
-  // CTAs per SM instead of 5) was slower.
-  for (int item = half; item < cnt * Hkv; item += kScoreThreads / 16) {
-    const int h = item / cnt, j = j0 + item % cnt;
-    float mn[C], mx[C];
-    const T* sp = summ + summary_offset(a, blocks[item % cnt], h, D) + hl * C;
-    load_floats<T, C>(sp, mn);
-    load_floats<T, C>(sp + D, mx);
-    score_item<C>(a, s, j, h, group, qs, hl, mask, mn, mx, smax);
+  if (j0 < nb) {  // warp-uniform
+    const int j1 = min(nb, j0 + kScoreRun);
+    const int my_block = lane < j1 - j0 ? a.block_tables[static_cast<int64_t>(s) * MB + j0 + lane] : 0;
+    const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
+    auto summary_at = [&](int j) {
+      return summ + summary_offset(a, __shfl_sync(0xffffffffu, my_block, j - j0), h, D) + lane * C;
+    };
+    const int vi = lane / 4, vg = vi % kScorePass, centre = vi / kScorePass;  // this lane's value
+    for (int g0 = 0; g0 < group; g0 += kScorePass) {
+      float qp[kScorePass][C], qn[kScorePass][C];
+#pragma unroll
+      for (int g = 0; g < kScorePass; ++g) {
+        V v{};
+        if (g0 + g < group) v = *reinterpret_cast<const V*>(qrow + (g0 + g) * D + lane * C);
+        const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int k = 0; k < C; ++k) {
+          const float x = g0 + g < group ? to_f(e[k]) : 0.0f;
+          qp[g][k] = fmaxf(x, 0.0f);
+          qn[g][k] = fminf(x, 0.0f);
+        }
+      }
+      const bool live = g0 + vg < group;
+      float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + vg) * 2 * MB + centre * MB;
+      uint32_t run_max = 0;
+      // Two blocks' loads in flight ahead of the math.
+      V mn[2], mx[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (j0 + i < j1) {
+          const T* p = summary_at(j0 + i);
+          mn[i] = *reinterpret_cast<const V*>(p);
+          mx[i] = *reinterpret_cast<const V*>(p + D);
+        }
+      }
+      for (int j = j0; j < j1; ++j) {
+        const V cmn = mn[0], cmx = mx[0];
+        mn[0] = mn[1];
+        mx[0] = mx[1];
+        if (j + 2 < j1) {
+          const T* p = summary_at(j + 2);
+          mn[1] = *reinterpret_cast<const V*>(p);
+          mx[1] = *reinterpret_cast<const V*>(p + D);
+        }
+        float lo[C], hi[C];
+#pragma unroll
+        for (int k = 0; k < C; ++k) {
+          lo[k] = to_f(reinterpret_cast<const T*>(&cmn)[k]);
+          hi[k] = to_f(reinterpret_cast<const T*>(&cmx)[k]);
+        }
+        float x[2 * kScorePass];
+#pragma unroll
+        for (int g = 0; g < kScorePass; ++g) {
+          float u = 0.0f, w = 0.0f;
+#pragma unroll
+          for (int k = 0; k < C; ++k) {
+            u = fmaf(qp[g][k], hi[k], fmaf(qn[g][k], lo[k], u));
+            w = fmaf(qp[g][k], lo[k], fmaf(qn[g][k], hi[k], w));
+          }
+          x[g] = u;
+          x[kScorePass + g] = u + w;
+        }
+        // Reduce-scatter: each step a lane keeps the half its lane bit names and adds its
+        // partner's copy of that half.
+        float y[4], z[2];
+        const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          y[k] = (b4 ? x[k + 4] : x[k]) + __shfl_xor_sync(0xffffffffu, b4 ? x[k] : x[k + 4], 16);
+        }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          z[k] = (b3 ? y[k + 2] : y[k]) + __shfl_xor_sync(0xffffffffu, b3 ? y[k] : y[k + 2], 8);
+        }
+        float r = (b2 ? z[1] : z[0]) + __shfl_xor_sync(0xffffffffu, b2 ? z[0] : z[1], 4);
+        r += __shfl_xor_sync(0xffffffffu, r, 2);
+        r += __shfl_xor_sync(0xffffffffu, r, 1);
+        const float val = (centre ? 0.5f * r : r) * a.scale;
+        if (live) {
+          run_max = max(run_max, order_bits(val));
+          if (lane % 4 == 0) raw[j] = val;
+        }
+      }
+      if (lane % 4 == 0 && live) atomicMax(&smax[2 * (h * group + g0 + vg) + centre], run_max);
+    }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < 2 * Hq; i += blockDim.x) {
@@ -282,27 +328,68 @@ struct Crossing {
   int count_above = 0, count = 0;
 };
 
-// Lane l's 32 count bins (c[i] = bin top - i), loaded as 16-byte vectors, with the exclusive
-// prefix over the lanes of their sums: split from count_crossing so that the loads can be
-// issued before a barrier and the walk made after it.
+// The second level of a crossing: lane `src` holds the crossing bin. Each lane reloads one
+// of src's bins (just read: cached) and one scan over the lanes finds it, instead of src
+// walking its 32 bins alone. base: the running value above src's bins (val may be the
+// counts themselves); the crossing's `above` comes back relative to base.
+template <typename V>
+__device__ __forceinline__ Crossing second_level(const V* val, const int* cnt, int src, V base, int cbase, V want) {
+  const int lane = threadIdx.x % 32;
+  const int bin = kBins - 1 - 32 * src - lane;
+  const V vb = val[bin];
+  const int cb = cnt[bin];
+  V iv = vb;
+  int ic = cb;
+  for (int o = 1; o < 32; o <<= 1) {
+    const V x = __shfl_up_sync(0xffffffffu, iv, o);
+    const int y = __shfl_up_sync(0xffffffffu, ic, o);
+    if (lane >= o) {
+      iv += x;
+      ic += y;
+    }
+  }
+  const int f = __ffs(__ballot_sync(0xffffffffu, base + iv >= want)) - 1;  // found: src's total reaches want
+  Crossing r;
+  r.bin = kBins - 1 - 32 * src - f;
+  r.above = static_cast<unsigned long long>(__shfl_sync(0xffffffffu, iv - vb, f));
+  r.val = static_cast<unsigned long long>(__shfl_sync(0xffffffffu, vb, f));
+  r.count_above = cbase + __shfl_sync(0xffffffffu, ic - cb, f);
+  r.count = __shfl_sync(0xffffffffu, cb, f);
+  return r;
+}
+
+// Sums of a lane's 32 bins [kBins - 32 (l + 1), kBins - 32 l) from 16-byte loads, in four
+// independent chains (the walk to the crossing bin is second_level's).
+__device__ __forceinline__ int lane_count_sum(const int* cnt) {
+  const uint4* p = reinterpret_cast<const uint4*>(cnt + kBins - 32 * (threadIdx.x % 32 + 1));
+  int t[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint4 x = p[k];
+    t[k % 4] += static_cast<int>(x.x + x.y + x.z + x.w);
+  }
+  return (t[0] + t[1]) + (t[2] + t[3]);
+}
+__device__ __forceinline__ unsigned long long lane_mass_sum(const unsigned long long* val) {
+  const uint4* p = reinterpret_cast<const uint4*>(val + kBins - 32 * (threadIdx.x % 32 + 1));
+  unsigned long long t[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    const uint4 x = p[k];
+    t[k % 4] += (x.x | (static_cast<unsigned long long>(x.y) << 32)) + (x.z | (static_cast<unsigned long long>(x.w) << 32));
+  }
+  return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+// A count histogram's lane sums and their exclusive prefix over the lanes: split from
+// count_crossing so that the loads can be issued before a barrier and the rest after it.
 struct CountBins {
-  int c[32];
   int above = 0, total = 0;
 };
 __device__ __forceinline__ CountBins load_count_bins(const int* cnt) {
   const int lane = threadIdx.x % 32;
   CountBins b;
-  const uint4* p = reinterpret_cast<const uint4*>(cnt + kBins - 32 * (lane + 1));
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const uint4 x = p[k];
-    b.c[31 - 4 * k] = static_cast<int>(x.x);
-    b.c[30 - 4 * k] = static_cast<int>(x.y);
-    b.c[29 - 4 * k] = static_cast<int>(x.z);
-    b.c[28 - 4 * k] = static_cast<int>(x.w);
-  }
-#pragma unroll
-  for (int i = 0; i < 32; ++i) b.total += b.c[i];
+  b.total = lane_count_sum(cnt);
   int pc = b.total;
   for (int o = 1; o < 32; o <<= 1) {
     const int y = __shfl_up_sync(0xffffffffu, pc, o);
@@ -312,67 +399,20 @@ __device__ __forceinline__ CountBins load_count_bins(const int* cnt) {
   return b;
 }
 
-// The crossing of a count histogram (val = count) at `want` blocks.
-__device__ Crossing count_crossing(const CountBins& b, int want) {
-  const int lane = threadIdx.x % 32;
+// The crossing of a count histogram `cnt` (loaded as b) at `want` blocks.
+__device__ __forceinline__ Crossing count_crossing(const int* cnt, const CountBins& b, int want) {
   const unsigned hit = __ballot_sync(0xffffffffu, b.above + b.total >= want);
-  Crossing r;
-  if (hit == 0) return r;
+  if (hit == 0) return Crossing{};
   const int src = __ffs(hit) - 1;
-  if (lane == src) {
-    int n = b.above;
-    bool found = false;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      if (!found && n + b.c[i] >= want) {
-        found = true;
-        r.bin = kBins - 1 - 32 * lane - i;
-        r.count_above = n;
-        r.count = b.c[i];
-      }
-      n += b.c[i];
-    }
-  }
-  r.bin = __shfl_sync(0xffffffffu, r.bin, src);
-  r.count_above = __shfl_sync(0xffffffffu, r.count_above, src);
-  r.count = __shfl_sync(0xffffffffu, r.count, src);
-  return r;
+  const int base = __shfl_sync(0xffffffffu, b.above, src);
+  return second_level<int>(cnt, cnt, src, base, base, want);
 }
 
-// The crossing of the mass histogram `val` (fixed point) with its counts `cnt`.
-__device__ Crossing find_crossing(const unsigned long long* val, const int* cnt, unsigned long long have,
-                                  unsigned long long want) {
+// The crossing of the mass histogram `val` (fixed point) with its counts `cnt`, from the
+// lane sums lv = lane_mass_sum(val), lc = lane_count_sum(cnt).
+__device__ __forceinline__ Crossing find_crossing(const unsigned long long* val, const int* cnt, unsigned long long lv,
+                                                  int lc, unsigned long long have, unsigned long long want) {
   const int lane = threadIdx.x % 32;
-  const int top = kBins - 1 - 32 * lane;
-  // The lane's 32 bins into registers first, in 16-byte loads (the walk below stops early,
-  // and loads inside it would be issued one round trip at a time): v[i], c[i] is bin top - i.
-  unsigned long long v[32];
-  int c[32];
-  {
-    const uint4* pv = reinterpret_cast<const uint4*>(val + top - 31);
-    const uint4* pc = reinterpret_cast<const uint4*>(cnt + top - 31);
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      const uint4 x = pv[k];
-      v[31 - 2 * k] = x.x | (static_cast<unsigned long long>(x.y) << 32);
-      v[30 - 2 * k] = x.z | (static_cast<unsigned long long>(x.w) << 32);
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint4 x = pc[k];
-      c[31 - 4 * k] = static_cast<int>(x.x);
-      c[30 - 4 * k] = static_cast<int>(x.y);
-      c[29 - 4 * k] = static_cast<int>(x.z);
-      c[28 - 4 * k] = static_cast<int>(x.w);
-    }
-  }
-  unsigned long long lv = 0;
-  int lc = 0;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    lv += v[i];
-    lc += c[i];
-  }
   // Exclusive prefix over the lanes (lane 0 first).
   unsigned long long pv = lv;
   int pc = lc;
@@ -387,32 +427,11 @@ __device__ Crossing find_crossing(const unsigned long long* val, const int* cnt,
   pv -= lv;
   pc -= lc;
   const unsigned hit = __ballot_sync(0xffffffffu, have + pv + lv >= want);
-  Crossing r;
-  if (hit == 0) return r;
+  if (hit == 0) return Crossing{};
   const int src = __ffs(hit) - 1;
-  if (lane == src) {
-    unsigned long long acc = have + pv;
-    int n = pc;
-    bool found = false;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      if (!found && acc + v[i] >= want) {
-        found = true;
-        r.bin = top - i;
-        r.above = acc - have;
-        r.val = v[i];
-        r.count_above = n;
-        r.count = c[i];
-      }
-      acc += v[i];
-      n += c[i];
-    }
-  }
-  r.bin = __shfl_sync(0xffffffffu, r.bin, src);
-  r.above = __shfl_sync(0xffffffffu, r.above, src);
-  r.val = __shfl_sync(0xffffffffu, r.val, src);
-  r.count_above = __shfl_sync(0xffffffffu, r.count_above, src);
-  r.count = __shfl_sync(0xffffffffu, r.count, src);
+  const unsigned long long base = __shfl_sync(0xffffffffu, pv, src);
+  Crossing r = second_level<unsigned long long>(val, cnt, src, have + base, __shfl_sync(0xffffffffu, pc, src), want);
+  r.above += base;  // above: relative to `have`
   return r;
 }
 
@@ -428,12 +447,16 @@ __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSel
   const unsigned long long* mass = a.mass_hist + sh * kBins;
   const int* est = a.est_hist + sh * kBins;
   const int* scr = a.score_hist + sh * kBins;
+  // Every histogram load first (they need nothing computed), so their round trips overlap.
+  const unsigned long long lv = lane_mass_sum(mass);
+  const int lc = lane_count_sum(est);
+  const CountBins score_bins = load_count_bins(scr);
   const unsigned long long total = a.head_mass[2 * sh], covered = a.head_mass[2 * sh + 1];
   const unsigned long long want =
       static_cast<unsigned long long>(ceil(static_cast<double>(a.mass_target) * static_cast<double>(total)));
   int need = n_mand;
   if (covered < want) {
-    const Crossing c = find_crossing(mass, est, covered, want);
+    const Crossing c = find_crossing(mass, est, lv, lc, covered, want);
     if (c.bin < 0) {
       need = nb;  // rounding: everything
     } else {
@@ -444,8 +467,6 @@ __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSel
       need = n_mand + c.count_above + k;
     }
   }
-  // The score histogram's loads and lane prefix before the barrier (they need no count).
-  const CountBins score_bins = load_count_bins(scr);
   __shared__ int needs[kMaxSparseKvHeads];
   if (lane == 0) needs[h] = need;
   __syncthreads();
@@ -464,7 +485,7 @@ __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSel
     const int take = keep - n_mand;
     int bin = kBins, in_bin = 0;  // take == 0: no other block
     if (take > 0) {
-      const Crossing c = count_crossing(score_bins, take);
+      const Crossing c = count_crossing(scr, score_bins, take);
       bin = c.bin;  // always found: take <= the others' count
       in_bin = take - c.count_above;
     }
@@ -557,14 +578,8 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
                    cudaStream_t stream) {
   const int S = a.num_seqs, MB = a.max_blocks, Hkv = a.num_kv_heads;
   if (S == 0) return;
-  const size_t q_bytes = static_cast<size_t>(a.num_heads) * D * sizeof(float);  // <= 64 KB (kMaxSparseHeads)
-  static bool configured = false;  // per instantiation; raising the limit is idempotent
-  if (!configured) {
-    cudaFuncSetAttribute(score_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(kMaxSparseHeads * D * sizeof(float)));
-    configured = true;
-  }
-  score_kernel<T, D><<<dim3((MB + kScoreBlocks - 1) / kScoreBlocks, S), kScoreThreads, q_bytes, stream>>>(
+  const int tasks = Hkv * ((MB + kScoreRun - 1) / kScoreRun);
+  score_kernel<T, D><<<dim3((tasks + kScoreThreads / 32 - 1) / (kScoreThreads / 32), S), kScoreThreads, 0, stream>>>(
       static_cast<const T*>(q), q_stride, static_cast<const T*>(summaries), a);
   bin_kernel<<<dim3((MB + kBinThreads - 1) / kBinThreads, Hkv, S), kBinThreads, 0, stream>>>(a);
   count_kernel<<<S, 32 * Hkv, 0, stream>>>(a);
