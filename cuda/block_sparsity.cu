@@ -106,7 +106,7 @@ __global__ void summary_kernel(KVCache kv, int layer, T* __restrict__ summ, cons
 
 // ---- 1. scores --------------------------------------------------------------------------
 
-// A warp per (KV head, run of kScoreRun blocks). Lane l holds channels [l C, l C + C) of a
+// A warp per (KV head, run of `run` blocks). Lane l holds channels [l C, l C + C) of a
 // pass of up to four query heads of the group, as q+ = max(q, 0) and q- = min(q, 0), in
 // registers; per block it loads its channels of the summary (the warp reads min and max as
 // two contiguous runs; the next two blocks' loads are issued before this one's math) and computes
@@ -116,11 +116,14 @@ __global__ void summary_kernel(KVCache kv, int layer, T* __restrict__ summ, cons
 // (Earlier forms, under ncu at B1 @ 32K / B8 @ 128K: a half-warp per item with the query
 // in shared memory, 20 / ~270 us; a quad of lanes per item, 13 / 264 us, bound by
 // shared-memory wavefronts since a warp's quads re-read the same query words. This one:
-// 14 / 190 us.)
+// 11 / 191 us.)
 constexpr int kScoreThreads = 256;  // 8 warps
-constexpr int kScoreRun = 16;       // blocks per warp (<= 32: a lane holds each's table entry)
+// Blocks per warp (<= 32: a lane holds each's table entry): 16 when the step has work for
+// many waves of warps (B8 @ 128K: 194 us under ncu, 204 with 8), else 8 for more warps in
+// flight (B1 @ 32K: 11.5 us, 13.6 with 16).
+constexpr int kScoreRunShort = 8, kScoreRunLong = 16;
 constexpr int kScorePass = 4;       // query heads per pass: 8 values, the reduce-scatter's 3 halvings
-static_assert(kScoreRun <= 32 && 2 * kScorePass == 8, "score_kernel's lane mapping");
+static_assert(kScoreRunLong <= 32 && 2 * kScorePass == 8, "score_kernel's lane mapping");
 
 template <int B>
 struct Bytes;
@@ -139,7 +142,7 @@ struct Bytes<16> {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads)
-    score_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ summ, SparseSelect a) {
+    score_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ summ, SparseSelect a, int run) {
   static_assert(D % 32 == 0, "a lane's channels");
   constexpr int C = D / 32;  // channels per lane
   using V = typename Bytes<C * sizeof(T)>::type;
@@ -147,15 +150,15 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int s = blockIdx.y;
   const int nb = eligible_blocks(a, s);
   const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks;
-  if ((static_cast<int>(blockIdx.x) * kWarps / Hkv) * kScoreRun >= nb) return;  // uniform
+  if ((static_cast<int>(blockIdx.x) * kWarps / Hkv) * run >= nb) return;  // uniform
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int task = blockIdx.x * kWarps + warp;
-  const int h = task % Hkv, j0 = (task / Hkv) * kScoreRun;
+  const int h = task % Hkv, j0 = (task / Hkv) * run;
   __shared__ uint32_t smax[2 * kMaxSparseHeads];
   for (int i = threadIdx.x; i < 2 * Hq; i += blockDim.x) smax[i] = 0;
   __syncthreads();
   if (j0 < nb) {  // warp-uniform
-    const int j1 = min(nb, j0 + kScoreRun);
+    const int j1 = min(nb, j0 + run);
     const int my_block = lane < j1 - j0 ? a.block_tables[static_cast<int64_t>(s) * MB + j0 + lane] : 0;
     const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
     auto summary_at = [&](int j) {
@@ -578,9 +581,19 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
                    cudaStream_t stream) {
   const int S = a.num_seqs, MB = a.max_blocks, Hkv = a.num_kv_heads;
   if (S == 0) return;
-  const int tasks = Hkv * ((MB + kScoreRun - 1) / kScoreRun);
+  // Fewer long runs than the device holds warps (SMs x 32 at this kernel's registers):
+  // shorter runs. The SM count of the first device used stands for all (a heuristic only).
+  static const int sms = [] {
+    int n = 0, dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n > 0 ? n : 132;
+  }();
+  const int64_t long_warps = static_cast<int64_t>(S) * Hkv * ((MB + kScoreRunLong - 1) / kScoreRunLong);
+  const int run = long_warps >= static_cast<int64_t>(sms) * 32 ? kScoreRunLong : kScoreRunShort;
+  const int tasks = Hkv * ((MB + run - 1) / run);
   score_kernel<T, D><<<dim3((tasks + kScoreThreads / 32 - 1) / (kScoreThreads / 32), S), kScoreThreads, 0, stream>>>(
-      static_cast<const T*>(q), q_stride, static_cast<const T*>(summaries), a);
+      static_cast<const T*>(q), q_stride, static_cast<const T*>(summaries), a, run);
   bin_kernel<<<dim3((MB + kBinThreads - 1) / kBinThreads, Hkv, S), kBinThreads, 0, stream>>>(a);
   count_kernel<<<S, 32 * Hkv, 0, stream>>>(a);
   table_kernel<<<dim3(Hkv, S), kTableThreads, 0, stream>>>(a);
