@@ -108,6 +108,39 @@ def pool_view(kv, layout):
     return kv.view(-1, L, 2, Hkv, bs, D)
 
 
+def paged_pool(g, seqs, layout, dtype):
+    """A NaN-filled pool with room for `seqs` ((context, q_len) pairs) and 3 spare blocks,
+    each sequence's blocks drawn from a random permutation: (pool, pool view, block tables
+    [sequences, max blocks] padded with -1, per-sequence block lists)."""
+    bs = layout[3]
+    nb = sum(-(-c // bs) for c, _ in seqs) + 3
+    kv = pool(nb, layout, dtype)
+    free = torch.randperm(nb, generator=g).tolist()
+    tables = torch.full((len(seqs), max(-(-c // bs) for c, _ in seqs)), -1, dtype=torch.int32)
+    lists = []
+    for i, (ctx, _) in enumerate(seqs):
+        table = [free.pop() for _ in range(-(-ctx // bs))]
+        tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        lists.append(table)
+    return kv, pool_view(kv, layout), tables, lists
+
+
+def write_kv(pv, layer, bs, table, k, v):
+    """Keys and values [context, Hkv, D] of one sequence into its blocks."""
+    p = torch.arange(k.shape[0])
+    blocks = torch.tensor(table)[p // bs].cuda()
+    pv[blocks, layer, 0, :, (p % bs).cuda()] = k
+    pv[blocks, layer, 1, :, (p % bs).cuda()] = v
+
+
+def query_buffer(qrows, Hkv, D, dtype):
+    """Rows of q followed by random k and v columns, as the fused QKV projection leaves them."""
+    qcat = torch.cat(qrows)
+    buf = torch.randn(qcat.shape[0], qcat.shape[1] + 2 * Hkv * D, device="cuda").to(dtype)
+    buf[:, :qcat.shape[1]] = qcat
+    return buf
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Hq,Hkv,D,bs", [(8, 2, 64, 16), (4, 4, 128, 32)])
 def test_rope_write_kv(dtype, Hq, Hkv, D, bs):
@@ -165,31 +198,18 @@ def build_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decod
     g = torch.Generator().manual_seed(seed)
     L, layer = 2, 1
     layout = (L, Hkv, D, bs)
-    nb = sum(-(-c // bs) for c, _ in seqs) + 3
-    kv = pool(nb, layout, dtype)
-    pv = pool_view(kv, layout)
-    free = torch.randperm(nb, generator=g).tolist()
-    maxb = max(-(-c // bs) for c, _ in seqs)
-    tables = torch.full((len(seqs), maxb), -1, dtype=torch.int32)
+    kv, pv, tables, lists = paged_pool(g, seqs, layout, dtype)
     qs, cl, qrows, refs = [0], [], [], []
-    for i, (ctx, qlen) in enumerate(seqs):
-        n = -(-ctx // bs)
-        table = [free.pop() for _ in range(n)]
-        tables[i, :n] = torch.tensor(table, dtype=torch.int32)
+    for (ctx, qlen), table in zip(seqs, lists):
         k = torch.randn(ctx, Hkv, D, generator=g).to(dtype).cuda()
         v = torch.randn(ctx, Hkv, D, generator=g).to(dtype).cuda()
-        p = torch.arange(ctx)
-        blocks = torch.tensor(table)[p // bs].cuda()
-        pv[blocks, layer, 0, :, (p % bs).cuda()] = k
-        pv[blocks, layer, 1, :, (p % bs).cuda()] = v
+        write_kv(pv, layer, bs, table, k, v)
         q = torch.randn(qlen, Hq, D, generator=g).to(dtype).cuda()
         refs.append(ref_attention(q, k, v, torch.arange(ctx - qlen, ctx, device="cuda"), window))
         qrows.append(q.reshape(qlen, Hq * D))
         qs.append(qs[-1] + qlen)
         cl.append(ctx)
-    qcat = torch.cat(qrows)
-    buf = torch.randn(qcat.shape[0], qcat.shape[1] + 2 * Hkv * D, device="cuda").to(dtype)
-    buf[:, :Hq * D] = qcat
+    buf = query_buffer(qrows, Hkv, D, dtype)
     call = cu.AttentionCall(kv, layout, layer, torch.tensor(qs, dtype=torch.int32), torch.tensor(cl, dtype=torch.int32),
                             tables, Hq, 1.0 / math.sqrt(D), window, parallelism, decode_splits)
     return call, buf, torch.cat(refs).reshape(buf.shape[0], Hq * D)

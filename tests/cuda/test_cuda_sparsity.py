@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from test_cuda_kernels import TOL, pool, pool_view, rel_err
+from test_cuda_kernels import TOL, paged_pool, query_buffer, rel_err, write_kv
 
 from k25 import _C
 
@@ -95,18 +95,11 @@ def build(seed, dtype, Hq, Hkv, D, bs, seqs, hot_frac=0.05, decode_splits=0):
     g = torch.Generator().manual_seed(seed)
     L, layer = 2, 1
     layout = (L, Hkv, D, bs)
-    nb_total = sum(-(-c // bs) for c, _ in seqs) + 3
-    kv = pool(nb_total, layout, dtype)
-    pv = pool_view(kv, layout)
-    free = torch.randperm(nb_total, generator=g).tolist()
-    maxb = max(-(-c // bs) for c, _ in seqs)
-    tables = torch.full((len(seqs), maxb), -1, dtype=torch.int32)
+    kv, pv, tables, lists = paged_pool(g, seqs, layout, dtype)
     qs, cl, qrows, info = [0], [], [], []
     group = Hq // Hkv
-    for i, (ctx, qlen) in enumerate(seqs):
-        n = -(-ctx // bs)
-        table = [free.pop() for _ in range(n)]
-        tables[i, :n] = torch.tensor(table, dtype=torch.int32)
+    for (ctx, qlen), table in zip(seqs, lists):
+        n = len(table)
         q = torch.randn(qlen, Hq, D, generator=g)
         k = torch.randn(ctx, Hkv, D, generator=g) * 0.5
         hot = sorted(torch.randperm(n, generator=g)[:max(1, int(hot_frac * n))].tolist())
@@ -118,17 +111,12 @@ def build(seed, dtype, Hq, Hkv, D, bs, seqs, hot_frac=0.05, decode_splits=0):
             for h in range(Hkv):
                 k[sl, h] += 0.6 * math.sqrt(D) * qn[h * group:(h + 1) * group].sum(0)
         k, v, q = k.to(dtype).cuda(), torch.randn(ctx, Hkv, D, generator=g).to(dtype).cuda(), q.to(dtype).cuda()
-        p = torch.arange(ctx)
-        blocks = torch.tensor(table)[p // bs].cuda()
-        pv[blocks, layer, 0, :, (p % bs).cuda()] = k
-        pv[blocks, layer, 1, :, (p % bs).cuda()] = v
+        write_kv(pv, layer, bs, table, k, v)
         qrows.append(q.reshape(qlen, Hq * D))
         qs.append(qs[-1] + qlen)
         cl.append(ctx)
         info.append(dict(k=k, v=v, table=table, hot=hot, ctx=ctx, qlen=qlen))
-    qcat = torch.cat(qrows)
-    buf = torch.randn(qcat.shape[0], qcat.shape[1] + 2 * Hkv * D, device="cuda").to(dtype)
-    buf[:, :Hq * D] = qcat
+    buf = query_buffer(qrows, Hkv, D, dtype)
     call = cu.AttentionCall(kv, layout, layer, torch.tensor(qs, dtype=torch.int32), torch.tensor(cl, dtype=torch.int32),
                             tables, Hq, 1.0 / math.sqrt(D), 0, 264, decode_splits)
     return call, buf, info, layout, kv
