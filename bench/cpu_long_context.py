@@ -8,9 +8,12 @@ token's arrival time), their ratio, the blocks that went cold, and checks that t
 runs give the same greedy tokens.
 
     python bench/cpu_long_context.py [--tokens 8000] [--l1-fraction 0.25] [--new 64] [--threads 2] [--sparse]
+                                     [--max-moves 2 [0 ...]]
 
 --sparse turns dynamic sparsity on in both runs (defaults: cap 0.6, mass target 0.95): the
-cold run then reads only the selected cold blocks in L2.
+cold run then reads only the selected cold blocks in L2. --max-moves runs the tiered case once
+per value of predictor_max_moves (the predictor's promotions per step; 0: it only orders
+demotions) and prints each run's L1 hit rate (decode block reads served by L1).
 """
 import argparse
 import asyncio
@@ -51,7 +54,7 @@ def run(cfg, ids, new):
     return {"tokens": tokens, "decode_tok_s": len(steps) / steps.sum(), "p50_ms": 1e3 * np.percentile(steps, 50),
             "p99_ms": 1e3 * np.percentile(steps, 99), "cold_demotes": s.get("cold_demotes", 0),
             "preemptions": s["preemptions"], "l2_bytes_in": tiers["bytes_to_l2"] if tiers else 0,
-            "sparsity_ratio": m_ratio}
+            "sparsity_ratio": m_ratio, "predictor": s["predictor"]}
 
 
 def main():
@@ -61,6 +64,8 @@ def main():
     ap.add_argument("--l1-fraction", type=float, default=0.25, help="of the blocks the sequence needs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sparse", action="store_true", help="dynamic sparsity on in both runs")
+    ap.add_argument("--max-moves", type=int, nargs="*", default=[2],
+                    help="predictor_max_moves of the tiered run(s): one tiered run per value (0: demotion order only)")
     ap.add_argument("--json")
     args = ap.parse_args()
     from k25 import K25Config, K25Model, _C
@@ -77,22 +82,30 @@ def main():
     l1 = max(40, int(need * args.l1_fraction))
     page = _C.kv_page_bytes(per_block)
     resident = run(K25Config(**base, kv_cache_bytes=(need + 4) * per_block), ids, args.new)
-    cold = run(K25Config(**base, kv_cache_bytes=l1 * per_block, cache_mode="hierarchical",
-                         enable_async_offload=True, l2_bytes=(need + 4) * page), ids, args.new)
-    same = resident["tokens"] == cold["tokens"]
+    colds = [run(K25Config(**base, kv_cache_bytes=l1 * per_block, cache_mode="hierarchical",
+                           enable_async_offload=True, l2_bytes=(need + 4) * page, predictor_max_moves=mm),
+                 ids, args.new) for mm in args.max_moves]
+    cold = colds[0]
+    same = all(resident["tokens"] == c["tokens"] for c in colds)
     res = {"date": time.strftime("%Y-%m-%d"), "context": args.tokens, "new": args.new, "blocks_needed": need,
            "sparse": args.sparse,
            "l1_blocks": l1, "threads": args.threads, "same_tokens": same,
            "resident": {k: v for k, v in resident.items() if k != "tokens"},
            "cold": {k: v for k, v in cold.items() if k != "tokens"},
+           "cold_runs": [dict({k: v for k, v in c.items() if k != "tokens"}, max_moves=mm)
+                         for c, mm in zip(colds, args.max_moves)],
            "decode_ratio": cold["decode_tok_s"] / resident["decode_tok_s"],
            "p99_ratio": cold["p99_ms"] / resident["p99_ms"]}
     print(f"context {args.tokens} + {args.new} new tokens = {need} blocks of {per_block} bytes; "
           f"L1 of {l1} blocks ({l1 / need:.0%}) in the tiered run, {args.threads} threads")
-    for name, r in (("all resident", resident), ("L1 + cold L2", cold)):
-        print(f"{name:>13}: decode {r['decode_tok_s']:6.2f} tok/s, step P50 {r['p50_ms']:7.1f} ms, "
+    runs = [("all resident", resident)] + [(f"cold, moves {mm}", c) for c, mm in zip(colds, args.max_moves)]
+    for name, r in runs:
+        p = r["predictor"]
+        tiers = (f"; L1 hit rate {p['hit_rate']:.3f}, promotions {p['promotions']} ({p['exchanges']} exchanges)"
+                 if r is not resident else "")
+        print(f"{name:>14}: decode {r['decode_tok_s']:6.2f} tok/s, step P50 {r['p50_ms']:7.1f} ms, "
               f"P99 {r['p99_ms']:7.1f} ms; cold demotes {r['cold_demotes']}, preemptions {r['preemptions']}, "
-              f"skipped blocks {r['sparsity_ratio']:.2f}")
+              f"skipped blocks {r['sparsity_ratio']:.2f}{tiers}")
     print(f"cold / resident: decode tok/s {res['decode_ratio']:.3f}, P99 {res['p99_ratio']:.3f}; "
           f"same greedy tokens: {same}")
     if args.json:

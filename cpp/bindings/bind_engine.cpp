@@ -69,6 +69,18 @@ py::dict stats_dict(const EngineStats& s) {
   d["prefix_tier_blocks"] = s.prefix_tier_blocks;
   d["cold_blocks"] = s.cold_blocks;
   d["cold_demotes"] = s.cold_demotes;
+  d["cold_promotions"] = s.cold_promotions;
+  {
+    py::dict p;
+    p["reads_l1"] = s.predictor_reads_l1;
+    p["reads_lower"] = s.predictor_reads_lower;
+    const int64_t reads = s.predictor_reads_l1 + s.predictor_reads_lower;
+    p["hit_rate"] = reads > 0 ? static_cast<double>(s.predictor_reads_l1) / static_cast<double>(reads) : 0.0;
+    p["promotions"] = s.cold_promotions;
+    p["exchanges"] = s.predictor_exchanges;
+    p["promotions_read"] = s.predictor_promotions_read;
+    d["predictor"] = p;
+  }
   d["block_size"] = s.block_size;
   d["busy_time_s"] = s.busy_time_s;
   d["last_step_s"] = s.last_step_s;
@@ -164,7 +176,12 @@ void bind_engine(py::module_& m) {
       .def_readwrite("swap_preempted", &EngineConfig::swap_preempted)
       .def_readwrite("l2_bytes", &EngineConfig::l2_bytes)
       .def_readwrite("l3_path", &EngineConfig::l3_path)
-      .def_readwrite("l3_bytes", &EngineConfig::l3_bytes);
+      .def_readwrite("l3_bytes", &EngineConfig::l3_bytes)
+      .def_readwrite("predictor_decay", &EngineConfig::predictor_decay)
+      .def_readwrite("predictor_promote_heat", &EngineConfig::predictor_promote_heat)
+      .def_readwrite("predictor_margin", &EngineConfig::predictor_margin)
+      .def_readwrite("predictor_max_moves", &EngineConfig::predictor_max_moves)
+      .def_readwrite("predictor_free_watermark", &EngineConfig::predictor_free_watermark);
 
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init<>())

@@ -12,6 +12,7 @@
 #include "k25/status.h"
 #include "kv/tiers/crc32c.h"
 #include "kv/tiers/page_format.h"
+#include "kv/tiers/predictor.h"
 #include "kv/tiers/tier_manager.h"
 
 namespace py = pybind11;
@@ -161,6 +162,62 @@ void bind_tiers(py::module_& m) {
           std::string s = b;
           return crc32c_portable(s.data(), s.size(), crc);
         }, py::arg("data"), py::arg("crc") = 0u);
+  py::class_<BlockPredictor>(m, "BlockPredictor", "The tier predictor of cold blocks (tests; predictor.h).")
+      .def(py::init([](double decay, double promote_heat, double margin, int32_t max_moves, double free_watermark) {
+             PredictorConfig c;
+             c.decay = decay;
+             c.promote_heat = promote_heat;
+             c.margin = margin;
+             c.max_moves = max_moves;
+             c.free_watermark = free_watermark;
+             return BlockPredictor(c);
+           }),
+           py::arg("decay") = 0.75, py::arg("promote_heat") = 0.5, py::arg("margin") = 0.25, py::arg("max_moves") = 2,
+           py::arg("free_watermark") = 0.1)
+      .def("observe",
+           [](BlockPredictor& p, int64_t seq, const std::vector<int32_t>& reads, const std::vector<bool>& cold,
+              int32_t passes, bool sparse) {
+             if (reads.size() != cold.size()) throw Error(ErrorCode::kInvalidArgument, "reads and cold differ in length");
+             for (int32_t r : reads) {
+               if (r < 0 || r > passes) throw Error(ErrorCode::kInvalidArgument, "reads must be in [0, passes]");
+             }
+             std::vector<uint8_t> c(cold.begin(), cold.end());
+             p.observe(seq, reads.data(), c.data(), static_cast<int32_t>(reads.size()), passes, sparse);
+           },
+           py::arg("seq"), py::arg("reads"), py::arg("cold"), py::arg("passes"), py::arg("sparse") = true)
+      .def("order_for_demotion",
+           [](const BlockPredictor& p, int64_t seq, std::vector<int32_t> positions) {
+             p.order_for_demotion(seq, &positions);
+             return positions;
+           })
+      .def("decide",
+           [](const BlockPredictor& p, int64_t seq, const std::vector<int32_t>& cold,
+              const std::vector<int32_t>& resident, int32_t free_blocks) {
+             py::list out;
+             for (const BlockPredictor::Move& m : p.decide(seq, cold, resident, free_blocks)) {
+               out.append(py::make_tuple(m.promote, m.demote));
+             }
+             return out;
+           },
+           py::arg("seq"), py::arg("cold"), py::arg("resident"), py::arg("free_blocks"))
+      .def("moved", [](BlockPredictor& p, int64_t seq, int32_t promote,
+                       int32_t demote) { p.moved(seq, BlockPredictor::Move{promote, demote}); })
+      .def("forget", &BlockPredictor::forget)
+      .def("heat", &BlockPredictor::heat)
+      .def("free_blocks_above_watermark", &BlockPredictor::free_blocks_above_watermark)
+      .def_property_readonly("counters", [](const BlockPredictor& p) {
+        const PredictorCounters& c = p.counters();
+        py::dict d;
+        d["steps"] = c.steps;
+        d["reads_l1"] = c.reads_l1;
+        d["reads_lower"] = c.reads_lower;
+        d["hit_rate"] = c.hit_rate();
+        d["promotions"] = c.promotions;
+        d["exchanges"] = c.exchanges;
+        d["promotions_read"] = c.promotions_read;
+        return d;
+      });
+
   m.def("kv_page_bytes", &page_bytes_for, py::arg("block_bytes"), "Bytes of one L2 slot / L3 page.");
 
   py::class_<TierHarness>(m, "TierHarness", "The KV tier mover over a private L1 pool (tests).")

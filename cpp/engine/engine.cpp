@@ -11,6 +11,7 @@
 #include "engine/sequence.h"
 #include "k25/status.h"
 #include "kv/block_pool.h"
+#include "kv/tiers/predictor.h"
 #include "ops/kv_layout.h"
 
 namespace k25 {
@@ -82,6 +83,14 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
       KVSwap* swap = swap_.get();
       scheduler_->set_cold_room([swap](int32_t want) { return swap->cold_room(want); });
       max_seq_blocks_ = swap_->max_sequence_blocks();
+      PredictorConfig pc;
+      pc.decay = config_.predictor_decay;
+      pc.promote_heat = config_.predictor_promote_heat;
+      pc.margin = config_.predictor_margin;
+      pc.max_moves = config_.predictor_max_moves;
+      pc.free_watermark = config_.predictor_free_watermark;
+      predictor_ = std::make_unique<BlockPredictor>(pc);
+      scheduler_->set_predictor(predictor_.get());
     }
     if (config_.enable_prefix_caching) {
       // Cached blocks evicted from L1 go down to L2/L3 and are found there (docs/offload.md).
@@ -278,6 +287,7 @@ void Engine::finish(Sequence* seq, int reason, const std::string& error,
   // A token still being sampled by a step in flight is not part of the output.
   while (!seq->tokens.empty() && seq->tokens.back() == kPendingToken) seq->tokens.pop_back();
   if (swap_) swap_->on_finish(seq);
+  if (predictor_) predictor_->forget(seq->id);
   scheduler_->finish(seq, r);
   RequestOutput o;
   o.id = seq->id;
@@ -387,6 +397,22 @@ void Engine::loop() {
       }
       refresh_gauges();
     }
+  }
+}
+
+void Engine::observe_reads(const BatchMeta& meta, const std::vector<Sequence*>& seqs) {
+  BlockReads reads;
+  if (!executor_->block_reads(meta, &reads)) return;
+  std::vector<uint8_t> cold;
+  for (size_t i = 0; i < seqs.size() && i < reads.reads.size(); ++i) {
+    // Decode rows only: a prompt chunk reads every block and predicts nothing.
+    if (meta.query_start[i + 1] - meta.query_start[i] != 1) continue;
+    const std::vector<int32_t>& r = reads.reads[i];
+    const int32_t* row = meta.block_tables.data() + static_cast<std::ptrdiff_t>(i) * meta.max_blocks_per_seq;
+    cold.assign(r.size(), 0);
+    for (size_t b = 0; b < r.size(); ++b) cold[b] = row[b] <= cold_block_id(0);
+    predictor_->observe(seqs[i]->id, r.data(), cold.data(), static_cast<int32_t>(r.size()), reads.passes,
+                        reads.sparse[i] != 0);
   }
 }
 
@@ -557,7 +583,10 @@ void Engine::step() {
     if (d.seq->cold_summaries.size() < d.seq->block_table.size()) d.seq->cold_summaries.resize(d.seq->block_table.size());
     d.seq->cold_summaries[static_cast<size_t>(d.index)] = std::move(sums);
   }
-  if (swap_) swap_->start(plan);  // records preempt_swap (or preempt_recompute) itself
+  if (swap_) {
+    swap_->start(plan);  // records preempt_swap (or preempt_recompute) itself
+    if (!plan.promotions.empty()) refresh_fetched_kv();  // promoted blocks are in L1 now
+  }
   for (const ScheduledSeq& s : plan.seqs) {
     if (s.seq->first_scheduled_time < 0) s.seq->first_scheduled_time = t0;
   }
@@ -704,6 +733,7 @@ void Engine::step() {
       return fail_step(seqs, std::string("model step failed: ") + e.what());
     }
     const double t_done = now_s();
+    if (predictor_) observe_reads(meta, seqs);
     // What recomputing costs, for the swap-or-recompute choice (prompt steps).
     if (swap_ && prefill_tokens > 0) swap_->observe_compute(prefill_tokens + decode_tokens, t_done - t_exec);
     for (const ScheduledSeq& s : plan.seqs) {
@@ -739,6 +769,14 @@ void Engine::step() {
       stats_.prefix_spilled_blocks = c.prefix_spills;
       stats_.prefix_tier_blocks = swap_->num_prefix_blocks();
       stats_.cold_demotes = c.cold_demotes;
+      stats_.cold_promotions = c.cold_promotions;
+      if (predictor_) {
+        const PredictorCounters& p = predictor_->counters();
+        stats_.predictor_reads_l1 = p.reads_l1;
+        stats_.predictor_reads_lower = p.reads_lower;
+        stats_.predictor_exchanges = p.exchanges;
+        stats_.predictor_promotions_read = p.promotions_read;
+      }
       int32_t cold = 0;
       for (const Sequence* r : scheduler_->running()) cold += r->num_cold;
       stats_.cold_blocks = cold;

@@ -46,6 +46,14 @@ struct BatchMeta {
   bool is_decode_only() const { return max_query_len == 1; }
 };
 
+// Which blocks the last step's attention read, per sequence: the tiered-KV predictor's
+// input (kv/tiers/predictor.h). A pass is one layer and KV head of one sequence.
+struct BlockReads {
+  int32_t passes = 0;                       // passes per sequence: layers x KV heads
+  std::vector<std::vector<int32_t>> reads;  // [S][block position]: passes that read the block
+  std::vector<uint8_t> sparse;              // [S]: some layer selected blocks (else all were read)
+};
+
 struct SampleRequest {
   int32_t logits_row;  // index into BatchMeta::logits_rows
   SampleInput input;
@@ -104,6 +112,13 @@ class ModelExecutor {
   // Whether steps may name cold blocks (BatchMeta::cold_blocks): the attention reads them in
   // host memory.
   virtual bool supports_cold_blocks() const { return false; }
+  // After execute(meta, ...): which blocks that step's attention read (BlockReads); false
+  // when this executor does not report it.
+  virtual bool block_reads(const BatchMeta& meta, BlockReads* out) const {
+    (void)meta;
+    (void)out;
+    return false;
+  }
   // A copy of what the executor derives from one L1 block's keys (dynamic-sparsity
   // summaries), for a block that goes cold; empty when it derives nothing.
   virtual std::vector<float> block_summaries(int32_t block) const {

@@ -88,33 +88,68 @@ const void* KVSwap::cold_data(uint64_t key) const {
   return p;
 }
 
+// Transfers a step waits for before it runs (cold demotes, promotions): step_copy() makes
+// each one's callback before it starts; the callback counts it done.
+struct KVSwap::StepCopies {
+  std::atomic<int32_t> pending{0};
+  std::atomic<bool> failed{false};
+};
+
+TierCallback KVSwap::step_copy(const std::shared_ptr<StepCopies>& c) {
+  ++c->pending;
+  return [this, c](const TierResult& r) {
+    if (!r.ok) c->failed.store(true);
+    std::lock_guard<std::mutex> lk(mu_);
+    --c->pending;
+    copied_cv_.notify_all();
+  };
+}
+
+bool KVSwap::wait_step_copies(const StepCopies& c) {
+  std::unique_lock<std::mutex> lk(mu_);
+  copied_cv_.wait(lk, [&] { return c.pending.load() == 0; });
+  return !c.failed.load();
+}
+
 void KVSwap::demote_cold(const StepPlan& plan) {
   for (uint64_t key : plan.cold_freed) tiers_->free(key);
   if (plan.cold_demotes.empty()) return;
   // Before anything else of this plan takes an L2 slot: the scheduler counted the room.
-  auto pending = std::make_shared<std::atomic<int32_t>>(0);
-  auto failed = std::make_shared<std::atomic<bool>>(false);
-  auto done = [this, pending, failed](const TierResult& r) {
-    if (!r.ok) failed->store(true);
-    std::lock_guard<std::mutex> lk(mu_);
-    --*pending;
-    copied_cv_.notify_all();
-  };
+  auto copies = std::make_shared<StepCopies>();
   for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      ++*pending;
-    }
-    const uint64_t key = tiers_->demote(d.block, done, {}, /*allow_l3=*/false);
+    const uint64_t key = tiers_->demote(d.block, step_copy(copies), {}, /*allow_l3=*/false);
     if (key == 0) fail(ErrorCode::kInternal, "no L2 slot for a cold block although the plan counted one");
     d.seq->cold_keys.at(static_cast<size_t>(d.index)) = key;
     ++counters_.cold_demotes;
   }
   // The step reads them in L2 and may reuse their L1 blocks: wait until they are there.
-  std::unique_lock<std::mutex> lk(mu_);
-  copied_cv_.wait(lk, [&] { return pending->load() == 0; });
   // An L1 -> L2 copy is a memcpy (or a copy-stream transfer) that has no failure of its own.
-  if (failed->load()) fail(ErrorCode::kInternal, "copying a cold block to L2 failed");
+  if (!wait_step_copies(*copies)) fail(ErrorCode::kInternal, "copying a cold block to L2 failed");
+}
+
+void KVSwap::promote(const StepPlan& plan) {
+  if (plan.promotions.empty()) return;
+  auto copies = std::make_shared<StepCopies>();
+  for (const StepPlan::Promotion& p : plan.promotions) {
+    tiers_->fetch(p.seq->cold_keys.at(p.index), p.block, step_copy(copies));
+  }
+  if (!wait_step_copies(*copies)) {
+    // An L2 -> L1 copy has no failure of its own (a memcpy, or a copy-stream transfer).
+    for (const StepPlan::Promotion& p : plan.promotions) pool_->decref(p.block);
+    fail(ErrorCode::kInternal, "copying a cold block back to L1 failed");
+  }
+  const int32_t bs = config_.block_size;
+  for (const StepPlan::Promotion& p : plan.promotions) {
+    Sequence* s = p.seq;
+    const size_t i = static_cast<size_t>(p.index);
+    tiers_->free(s->cold_keys[i]);
+    s->cold_keys[i] = 0;
+    if (i < s->cold_summaries.size()) s->cold_summaries[i].clear();
+    s->block_table[i] = p.block;
+    --s->num_cold;
+    landed_.push_back({s, p.index * bs, (p.index + 1) * bs});
+    ++counters_.cold_promotions;
+  }
 }
 
 void KVSwap::start(const StepPlan& plan) {
@@ -177,6 +212,8 @@ void KVSwap::start(const StepPlan& plan) {
   if (swapped_blocks > 0 && plan.prefix_spills.empty()) {
     ewma(&copy_s_per_block_, (now_seconds() - t_copy) / static_cast<double>(swapped_blocks));
   }
+  // After every copy out: a promotion's block may be one this plan freed.
+  promote(plan);
   // Fetches after the copies: a block freed by a swap-out may be a fetch's target now.
   for (Sequence* s : plan.swap_ins) {
     if (s->swap != SwapState::kIn) continue;  // its prefix copies were all taken (above)

@@ -15,6 +15,11 @@
 //     sequence are copied to L2 (never L3) before the step reuses them; the sequence keeps
 //     their keys and the attention reads them in L2 (cold_data) until the sequence ends or
 //     is preempted.
+//   - promotions (the predictor's, StepPlan::promotions): cold blocks fetched back into the
+//     L1 blocks the plan gave them, after the plan's copies out (an exchange's colder block
+//     leaves first); start() waits for them (an L2 -> L1 copy, bounded by
+//     predictor_max_moves a sequence) and puts them in the block tables, so the step reads
+//     them in L1. Their summaries are rebuilt like a swap-in's (take_landed).
 //   - prefix spill (with enable_prefix_caching): a cached block that the plan evicted from
 //     L1 is demoted too (start() waits for its copy as for a swap-out) and indexed by its
 //     chain hash; the scheduler finds such blocks past a prompt's L1 hits through
@@ -51,6 +56,7 @@ struct SwapCounters {
   int64_t prefix_fetches = 0;  // of those, blocks fetched back for a later request
   int64_t prefix_dropped = 0;  // indexed copies freed to make room (or lost to a fault)
   int64_t cold_demotes = 0;    // blocks of running sequences moved to L2 (a sequence longer than L1)
+  int64_t cold_promotions = 0; // cold blocks fetched back to L1 (the predictor's)
 };
 
 class KVSwap {
@@ -134,7 +140,11 @@ class KVSwap {
   void drop_key(uint64_t key);
   uint64_t demote_counted(int32_t block, const TierCallback& on_done);
   void spill_prefixes(const StepPlan& plan, const TierCallback& on_done);
+  struct StepCopies;
+  TierCallback step_copy(const std::shared_ptr<StepCopies>& c);
+  bool wait_step_copies(const StepCopies& c);  // false when one failed
   void demote_cold(const StepPlan& plan);
+  void promote(const StepPlan& plan);
   void take_prefixes(Sequence* s);
   bool evict_oldest_prefix();
   void erase_prefix(uint64_t hash);

@@ -91,16 +91,28 @@ void Scheduler::release_blocks(Sequence* seq, bool cache) {
 }
 
 std::vector<int32_t> Scheduler::cold_candidates(const Sequence& seq, int32_t limit) const {
-  // Oldest first, keeping the first block (attention sinks; what sparsity always reads).
-  // The block this step writes into is never full and computed, so never a candidate.
+  // Never the first block (attention sinks; what sparsity always reads). The block this
+  // step writes into is never full and computed, so never a candidate.
   std::vector<int32_t> out;
   const int32_t full = std::min<int32_t>(seq.num_computed / config_.block_size,
                                          static_cast<int32_t>(seq.block_table.size()));
-  for (int32_t i = 1; i < full && static_cast<int32_t>(out.size()) < limit; ++i) {
+  for (int32_t i = 1; i < full && (predictor_ || static_cast<int32_t>(out.size()) < limit); ++i) {
     const int32_t b = seq.block_table[i];
     if (b >= 0 && pool_->refcount(b) == 1) out.push_back(i);
   }
+  if (predictor_) {
+    predictor_->order_for_demotion(seq.id, &out);
+    if (static_cast<int32_t>(out.size()) > limit) out.resize(limit);
+  }
   return out;
+}
+
+void Scheduler::demote_position(Sequence* seq, int32_t i, StepPlan* plan) {
+  if (seq->cold_keys.size() < seq->block_table.size()) seq->cold_keys.resize(seq->block_table.size(), 0);
+  plan->cold_demotes.push_back({seq, i, seq->block_table[i]});
+  pool_->decref(seq->block_table[i]);  // free now; its bytes are copied out before the step
+  seq->block_table[i] = kColdBlock;
+  ++seq->num_cold;
 }
 
 bool Scheduler::make_cold(Sequence* seq, int32_t need, StepPlan* plan) {
@@ -109,14 +121,39 @@ bool Scheduler::make_cold(Sequence* seq, int32_t need, StepPlan* plan) {
   if (static_cast<int32_t>(picks.size()) < need) return false;
   const int32_t want = static_cast<int32_t>(plan->cold_demotes.size()) + need;
   if (cold_room_(want) < want) return false;
-  if (seq->cold_keys.size() < seq->block_table.size()) seq->cold_keys.resize(seq->block_table.size(), 0);
-  for (int32_t i : picks) {
-    plan->cold_demotes.push_back({seq, i, seq->block_table[i]});
-    pool_->decref(seq->block_table[i]);  // free now; its bytes are copied out before the step
-    seq->block_table[i] = kColdBlock;
-    ++seq->num_cold;
-  }
+  for (int32_t i : picks) demote_position(seq, i, plan);
   return true;
+}
+
+void Scheduler::plan_promotions(StepPlan* plan) {
+  if (!predictor_ || !cold_room_) return;
+  for (const ScheduledSeq& ss : plan->seqs) {
+    Sequence* s = ss.seq;
+    if (s->num_cold == 0) continue;
+    std::vector<int32_t> cold;
+    for (int32_t i = 0; i < static_cast<int32_t>(s->block_table.size()); ++i) {
+      if (s->block_table[i] != kColdBlock) continue;
+      // Not a block this plan demoted: its copy is not even out yet.
+      const bool just_demoted = std::any_of(plan->cold_demotes.begin(), plan->cold_demotes.end(),
+                                            [&](const StepPlan::ColdDemote& d) { return d.seq == s && d.index == i; });
+      if (!just_demoted) cold.push_back(i);
+    }
+    // Memory pressure: free blocks go to promotions only above the watermark, and only
+    // while nobody waits for them.
+    const int32_t free_blocks =
+        waiting_.empty() ? predictor_->free_blocks_above_watermark(pool_->num_free(), pool_->num_total()) : 0;
+    const std::vector<int32_t> resident = cold_candidates(*s, INT32_MAX);
+    for (const BlockPredictor::Move& m : predictor_->decide(s->id, cold, resident, free_blocks)) {
+      if (m.demote >= 0) {
+        const int32_t want = static_cast<int32_t>(plan->cold_demotes.size()) + 1;
+        if (cold_room_(want) < want) break;  // no L2 slot for the colder block
+        demote_position(s, m.demote, plan);
+      }
+      if (pool_->num_free() == 0) break;  // unreachable: an exchange just freed one
+      plan->promotions.push_back({s, m.promote, pool_->allocate(1).front()});
+      predictor_->moved(s->id, m);
+    }
+  }
 }
 
 bool Scheduler::prefix_eligible(const Sequence& seq) const {
@@ -350,6 +387,7 @@ StepPlan Scheduler::schedule() {
     }
     waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(admitted));
   }
+  plan_promotions(&plan);
   plan.prefix_spills = pool_->take_evictions();
   return plan;
 }

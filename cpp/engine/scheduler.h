@@ -21,6 +21,7 @@
 #include "k25/config.h"
 #include "engine/sequence.h"
 #include "kv/block_pool.h"
+#include "kv/tiers/predictor.h"
 
 namespace k25 {
 
@@ -57,6 +58,15 @@ struct StepPlan {
   };
   std::vector<ColdDemote> cold_demotes;
   std::vector<uint64_t> cold_freed;
+  // Cold blocks the predictor brings back (Scheduler::set_predictor): each gets `block`,
+  // allocated here; the engine fetches it there after this plan's copies out and puts it in
+  // the block table before the step runs. An exchange's colder block is in cold_demotes.
+  struct Promotion {
+    Sequence* seq;
+    int32_t index;  // in the sequence's block table (a cold entry)
+    int32_t block;  // the L1 block it comes back to
+  };
+  std::vector<Promotion> promotions;
   std::vector<int64_t> preempted;  // ids preempted while planning this step
   std::vector<std::vector<int32_t>> preempted_blocks;  // the blocks each one gave back
   int32_t num_tokens = 0;
@@ -105,6 +115,9 @@ class Scheduler {
   using ColdRoom = std::function<int32_t(int32_t want)>;
   void set_cold_room(ColdRoom f) { cold_room_ = std::move(f); }
   bool cold_blocks_enabled() const { return static_cast<bool>(cold_room_); }
+  // With cold blocks: the predictor that orders demotions and decides promotions (owned by
+  // the engine; null: oldest first, no promotions).
+  void set_predictor(BlockPredictor* p) { predictor_ = p; }
 
   Sequence* find(int64_t id);
   bool has_unfinished() const { return !running_.empty() || !waiting_.empty(); }
@@ -121,10 +134,14 @@ class Scheduler {
  private:
   void preempt(Sequence* seq, StepPlan* plan);
   // Cold blocks: the sequence's computed full blocks it could move to L2 (resident, not its
-  // first block, not shared), oldest first, at most `limit`.
+  // first block, not shared), in the predictor's demotion order (else oldest first), at
+  // most `limit`.
   std::vector<int32_t> cold_candidates(const Sequence& seq, int32_t limit) const;
   // Moves `need` of them to L2 in this plan; false (nothing changed) when it cannot.
   bool make_cold(Sequence* seq, int32_t need, StepPlan* plan);
+  void demote_position(Sequence* seq, int32_t index, StepPlan* plan);
+  // The predictor's promotions for the sequences of this plan (after everything else).
+  void plan_promotions(StepPlan* plan);
   // The lowest-ranked running sequence that may be preempted (not swapping in).
   Sequence* pick_victim() const;
   int32_t blocks_missing(const Sequence& seq, int32_t num_new_tokens) const;
@@ -146,6 +163,7 @@ class Scheduler {
   int64_t prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0, prefix_tier_hit_tokens_ = 0;
   TierPrefixLookup tier_lookup_;
   ColdRoom cold_room_;
+  BlockPredictor* predictor_ = nullptr;
 };
 
 // True when a ranks before b (higher priority class, then earlier arrival).

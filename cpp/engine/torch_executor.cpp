@@ -347,6 +347,43 @@ class TorchExecutor : public ModelExecutor {
   // The CPU fused kernels (dense and sparse) read cold blocks in host memory; the CUDA
   // kernels and the unfused path (index_select on the pool) do not.
   bool supports_cold_blocks() const override { return kv_.is_cpu() && fused_; }
+  bool block_reads(const BatchMeta& meta, BlockReads* out) const override {
+    if (!kv_.is_cpu()) return false;  // the device selection keeps its tables on the device
+    const int32_t S = meta.num_seqs(), H = layout_.num_kv_heads, L = layout_.num_layers, bs = layout_.block_size;
+    const int32_t MB = meta.max_blocks_per_seq;
+    out->passes = L * H;
+    out->reads.assign(S, {});
+    out->sparse.assign(S, 0);
+    for (int32_t s = 0; s < S; ++s) {
+      const int32_t nb = (meta.context_lens[s] + bs - 1) / bs;
+      std::vector<int32_t>& r = out->reads[s];
+      r.assign(nb, 0);
+      const int32_t* row = meta.block_tables.data() + static_cast<int64_t>(s) * MB;
+      for (int32_t l = 0; l < L; ++l) {
+        const LayerSelection* sel = sparse_ ? &sparse_->layers[l] : nullptr;
+        // A layer that ran no selection this step (sliding window, prefill) read every block.
+        const bool selected = sel && sel->selections > 0 && static_cast<int32_t>(sel->sparse.size()) == S &&
+                              sel->sparse[s] && sel->max_blocks == MB;
+        if (!selected) {
+          for (int32_t b = 0; b < nb; ++b) r[b] += H;
+          continue;
+        }
+        out->sparse[s] = 1;
+        for (int32_t h = 0; h < H; ++h) {
+          // Kept blocks in position order, then -1 (cold ids are <= -2).
+          const int32_t* kept = sel->head_tables.data() + (static_cast<int64_t>(s) * H + h) * MB;
+          int32_t k = 0;
+          for (int32_t b = 0; b < nb && k < MB && kept[k] != -1; ++b) {
+            if (row[b] == kept[k]) {
+              ++r[b];
+              ++k;
+            }
+          }
+        }
+      }
+    }
+    return true;
+  }
   std::vector<float> block_summaries(int32_t block) const override {
     if (!sparse_) return {};
     const int64_t n = sparse_->layout.block_elems();

@@ -49,6 +49,12 @@ class K25Config:
     l2_bytes: Optional[int] = None      # L2 host pool; None: as large as the primary KV pool
     l3_path: Optional[str] = None       # L3 file or block device on an SSD (O_DIRECT); None: no L3
     l3_bytes: Optional[int] = None      # L3 size, reserved when the model starts
+    # The predictor of a sequence longer than L1 (cold blocks; docs/offload.md "The predictor")
+    predictor_decay: float = 0.75         # weight of a block's history in its heat, [0, 1)
+    predictor_promote_heat: float = 0.5   # a cold block at least this hot comes back to L1, (0, 1]
+    predictor_margin: float = 0.25        # an exchange needs the resident block this much colder, [0, 1]
+    predictor_max_moves: int = 2          # promotions per sequence per step, >= 0
+    predictor_free_watermark: float = 0.1 # share of L1 that promotions leave free, [0, 1]
     enable_kernel_fusion: bool = True
     batching_window_ms: float = 0.0  # an idle engine waits this long to gather a burst
     num_threads: Optional[int] = None  # None: every core this process may run on
@@ -158,7 +164,25 @@ class K25Config:
                 need(isinstance(self.l3_path, (str, os.PathLike)) and str(self.l3_path) != "",
                      f"l3_path must be a file path, got {self.l3_path!r}")
                 positive_int("l3_bytes")
-        else:
+        def in_range(name, lo, hi, lo_open=False, hi_open=False):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if lo_open else v >= lo) \
+                and (v < hi if hi_open else v <= hi)
+            need(ok, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, got {v!r}")
+        in_range("predictor_decay", 0, 1, hi_open=True)
+        in_range("predictor_promote_heat", 0, 1, lo_open=True)
+        in_range("predictor_margin", 0, 1)
+        in_range("predictor_free_watermark", 0, 1)
+        need(isinstance(self.predictor_max_moves, int) and not isinstance(self.predictor_max_moves, bool)
+             and 0 <= self.predictor_max_moves <= 1024,
+             f"predictor_max_moves must be an int in [0, 1024], got {self.predictor_max_moves!r}")
+        tuned = [f.name for f in dataclasses.fields(self)
+                 if f.name.startswith("predictor_") and getattr(self, f.name) != f.default]
+        cold_blocks = self.cache_mode == "hierarchical" and not device.startswith("cuda") and self.enable_kernel_fusion
+        if tuned and not cold_blocks:
+            raise ConfigError(f"{', '.join(tuned)} tune(s) the predictor of cold blocks, which only the CPU backend "
+                              f"with cache_mode='hierarchical' (and kernel fusion) has")
+        if self.cache_mode != "hierarchical":
             for name in ("l2_bytes", "l3_path", "l3_bytes"):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"{name} applies to cache_mode='hierarchical' (tiered KV), not "

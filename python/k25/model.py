@@ -246,6 +246,11 @@ class K25Model:
             if config.l3_path is not None:
                 ec.l3_path = os.fspath(config.l3_path)
                 ec.l3_bytes = config.l3_bytes
+            ec.predictor_decay = float(config.predictor_decay)
+            ec.predictor_promote_heat = float(config.predictor_promote_heat)
+            ec.predictor_margin = float(config.predictor_margin)
+            ec.predictor_max_moves = int(config.predictor_max_moves)
+            ec.predictor_free_watermark = float(config.predictor_free_watermark)
         token_bytes = self.tokenizer.token_bytes() if self.tokenizer is not None else []
         self._engine = _C.Engine(self._handle, ec, config.enable_kernel_fusion, token_bytes,
                                  self.eos_token_ids)

@@ -39,15 +39,18 @@ def small_l1(default_model, l1_blocks, l2_slots, **kw):
                               l2_bytes=l2_slots * _C.kv_page_bytes(per_block), **kw))
 
 
-def test_a_sequence_three_times_longer_than_l1_gives_the_all_resident_tokens(default_model, prompts, reference):
-    need = -(-(len(prompts[0]) + NEW_TOKENS) // BLOCK)  # 39 blocks
-    model = small_l1(default_model, l1_blocks=12, l2_slots=need)
+def run_closed(model, prompt):
+    """Greedy tokens of one prompt, then the model's stats and tier stats; closes the model."""
     try:
-        out = model.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
-        s = model.stats()
-        tiers = model.tier_stats()
+        out = model.generate([prompt], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+        return out, model.stats(), model.tier_stats()
     finally:
         model.close()
+
+
+def test_a_sequence_three_times_longer_than_l1_gives_the_all_resident_tokens(default_model, prompts, reference):
+    need = -(-(len(prompts[0]) + NEW_TOKENS) // BLOCK)  # 39 blocks
+    out, s, tiers = run_closed(small_l1(default_model, l1_blocks=12, l2_slots=need), prompts[0])
     assert out.token_ids == reference[0]
     # Every block past what L1 holds went to L2 (first block and the newest stay in L1).
     assert s["cold_demotes"] >= need - 12
@@ -131,20 +134,28 @@ def test_without_tiers_a_request_longer_than_the_pool_is_still_refused(default_m
         model.close()
 
 
+SPARSE = dict(enable_dynamic_sparsity=True, sparsity_min_context=128, sparsity_recent_blocks=2,
+              max_sparsity_ratio=0.8, sparsity_mass_target=0.5, sparsity_score_channels=8)
+
+
+def all_resident_sparse_tokens(default_model, prompt, **sparse):
+    roomy = K25Model(K25Config(num_threads=2, kv_cache_bytes=48 * default_model.kv_block_bytes, block_size=BLOCK,
+                               prefill_chunk_size=64, max_num_batched_tokens=96, **sparse))
+    try:
+        want = roomy.generate([prompt], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+        assert roomy.get_current_sparsity_ratio() > 0
+    finally:
+        roomy.close()
+    return want.token_ids
+
+
 @pytest.mark.parametrize("channels", [8, 0])
 def test_cold_blocks_with_dynamic_sparsity_select_like_an_all_resident_run(default_model, prompts, channels):
     # The selection ranks cold blocks by the key summaries saved when they left L1 (the
     # Quest bound, channels=0, ranks by them alone) or reads their keys in L2 (the channel
     # estimate), and attends over the kept ones in L2.
-    sparse = dict(enable_dynamic_sparsity=True, sparsity_min_context=128, sparsity_recent_blocks=2,
-                  max_sparsity_ratio=0.8, sparsity_mass_target=0.5, sparsity_score_channels=channels)
-    roomy = K25Model(K25Config(num_threads=2, kv_cache_bytes=48 * default_model.kv_block_bytes, block_size=BLOCK,
-                               prefill_chunk_size=64, max_num_batched_tokens=96, **sparse))
-    try:
-        want = roomy.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
-        assert roomy.get_current_sparsity_ratio() > 0
-    finally:
-        roomy.close()
+    sparse = dict(SPARSE, sparsity_score_channels=channels)
+    want = all_resident_sparse_tokens(default_model, prompts[0], **sparse)
     model = small_l1(default_model, l1_blocks=12, l2_slots=40, **sparse)
     try:
         out = model.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
@@ -153,4 +164,58 @@ def test_cold_blocks_with_dynamic_sparsity_select_like_an_all_resident_run(defau
     finally:
         model.close()
     assert s["cold_demotes"] >= 27 and s["preemptions"] == 0 and ratio > 0
-    assert out.token_ids == want.token_ids
+    assert out.token_ids == want
+
+
+def test_the_predictor_brings_hot_cold_blocks_back_without_changing_tokens(default_model, prompts):
+    # Thresholds low enough that the heat of this prompt's blocks triggers promotions:
+    # into free L1 blocks and in exchange for colder resident ones.
+    want = all_resident_sparse_tokens(default_model, prompts[0], **SPARSE)
+    model = small_l1(default_model, l1_blocks=12, l2_slots=40, predictor_promote_heat=0.2, predictor_margin=0.05,
+                     predictor_max_moves=4, **SPARSE)
+    out, s, tiers = run_closed(model, prompts[0])
+    assert out.token_ids == want
+    p = s["predictor"]
+    assert p["exchanges"] > 0 and p["promotions"] >= p["exchanges"] and s["cold_promotions"] == p["promotions"]
+    assert 0 < p["promotions_read"] <= p["promotions"]
+    assert p["reads_l1"] > 0 and p["reads_lower"] > 0 and 0 < p["hit_rate"] < 1
+    # A promotion's fetch is a tier fetch from L2; every copy is freed at the end.
+    assert tiers["fetches_from_l2"] == p["promotions"]
+    assert s["preemptions"] == 0 and s["cold_blocks"] == 0 and s["blocks_used"] == 0 and tiers["l2_blocks"] == 0
+
+
+def test_without_promotions_the_predictor_only_orders_demotions(default_model, prompts):
+    _, s, _ = run_closed(small_l1(default_model, l1_blocks=12, l2_slots=40, predictor_max_moves=0, **SPARSE),
+                         prompts[0])
+    assert s["cold_promotions"] == 0 and s["predictor"]["exchanges"] == 0 and s["cold_demotes"] >= 27
+
+
+def test_hits_and_misses_count_every_block_read_of_every_decode_step(default_model, prompts, reference):
+    # Dense attention reads every block in every pass (a layer and KV head): the counts
+    # must add up to passes x the blocks of each decode step's context, and the hits to
+    # the resident share.
+    out, s, _ = run_closed(small_l1(default_model, l1_blocks=12, l2_slots=40), prompts[0])
+    p = s["predictor"]
+    assert out.token_ids == reference[0]
+    c = default_model.model_config
+    passes = c["num_layers"] * c["num_kv_heads"]
+    n = len(prompts[0])
+    # The first token comes from the prompt step; decode step i computes token n + i - 1
+    # and reads a context of n + i tokens.
+    blocks = sum(-(-(n + i) // BLOCK) for i in range(1, NEW_TOKENS))
+    assert p["reads_l1"] + p["reads_lower"] == passes * blocks
+    # L1 holds 12 blocks, one of them the block being written: at most 12 of each step's
+    # blocks are hits, at least the first and the newest.
+    assert passes * 2 * (NEW_TOKENS - 1) <= p["reads_l1"] <= passes * 12 * (NEW_TOKENS - 1)
+
+
+def test_predictor_thresholds_are_checked_and_need_cold_blocks():
+    with pytest.raises(errors.ConfigError, match="predictor_decay"):
+        K25Config(cache_mode="hierarchical", enable_async_offload=True, predictor_decay=1.0)
+    with pytest.raises(errors.ConfigError, match="predictor_max_moves"):
+        K25Config(cache_mode="hierarchical", enable_async_offload=True, predictor_max_moves=-1)
+    with pytest.raises(errors.ConfigError, match="predictor_margin"):
+        K25Config(predictor_margin=0.5)  # no tiers, so no cold blocks to predict for
+    with pytest.raises(errors.ConfigError, match="predictor_promote_heat"):
+        K25Config(cache_mode="hierarchical", enable_async_offload=True, enable_kernel_fusion=False,
+                  predictor_promote_heat=0.3)

@@ -1065,6 +1065,10 @@ def test_tiered_kv_server_swaps_and_exports_offload_metrics(tmp_path):
         assert m.get("k25_offload_latency_seconds_bucket", op="offload", le="+Inf") == offloads
         assert m.get("k25_kv_tier_bytes_total", tier="l2", direction="out") > 0
         assert m.get("k25_offload_total") == offloads
+        # Every sequence fits L1 alone: no cold blocks, so every decode block read is a hit.
+        assert m.get("k25_kv_predictor_reads_total", tier="l1") > 0
+        assert m.get("k25_kv_predictor_reads_total", tier="l2") == 0
+        assert m.get("k25_kv_predictor_promotions_total") == 0
         assert "preempt_swap" in s.log()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

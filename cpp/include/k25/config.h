@@ -36,6 +36,13 @@ struct EngineConfig {
   int64_t l2_bytes = 0;                  // L2 host pool
   std::string l3_path;                   // L3 file or block device ("": no L3)
   int64_t l3_bytes = 0;
+  // The predictor of a sequence longer than L1 (kv/tiers/predictor.h, docs/offload.md):
+  // which resident blocks go cold first and which cold blocks come back.
+  double predictor_decay = 0.75;          // weight of a block's history in its heat
+  double predictor_promote_heat = 0.5;    // a cold block at least this hot comes back to L1
+  double predictor_margin = 0.25;         // an exchange needs the resident block this much colder
+  int32_t predictor_max_moves = 2;        // promotions per sequence per step
+  double predictor_free_watermark = 0.1;  // share of L1 that promotions leave free
 };
 
 }  // namespace k25

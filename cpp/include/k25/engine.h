@@ -23,6 +23,8 @@ class ModelExecutor;
 class Scheduler;
 class BlockPool;
 class KVSwap;
+class BlockPredictor;
+struct BatchMeta;
 struct Sequence;
 struct StepPlan;
 struct SampleResult;
@@ -113,6 +115,15 @@ struct EngineStats {
   // that live in L2 now, and blocks moved there so far.
   int32_t cold_blocks = 0;
   int64_t cold_demotes = 0;
+  // Its predictor (docs/offload.md "The predictor"): block reads of the attention passes
+  // (a layer and KV head each) served by L1 (hits) and by L2 (cold blocks, misses), cold
+  // blocks fetched back to L1, of those exchanged for a colder resident block, and
+  // promoted blocks that the next step read.
+  int64_t predictor_reads_l1 = 0;
+  int64_t predictor_reads_lower = 0;
+  int64_t cold_promotions = 0;
+  int64_t predictor_exchanges = 0;
+  int64_t predictor_promotions_read = 0;
 };
 
 struct RequestSpec {
@@ -190,6 +201,9 @@ class Engine {
 
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<BlockPredictor> predictor_;  // with cold blocks; engine thread only
+  // After a step ran: what its attention read, for the predictor.
+  void observe_reads(const BatchMeta& meta, const std::vector<Sequence*>& seqs);
 
   mutable std::mutex mu_;  // guards inbox_, aborts_, stop_, stats_ snapshot
   std::condition_variable cv_;

@@ -92,6 +92,11 @@ def tier_metrics(engine_stats: Dict[str, Dict]):
                                  labels=["model", "reason"])
     held = GaugeMetricFamily("k25_kv_tier_blocks", "KV block copies a tier holds now (parked, cached prefix, cold)",
                              labels=["model", "tier"])
+    reads = CounterMetricFamily("k25_kv_predictor_reads", "Decode attention block reads (one per layer and KV head) "
+                                "by where the block was: l1 (a hit) or l2 (a cold block read in place, a miss)",
+                                labels=["model", "tier"])
+    promotions = CounterMetricFamily("k25_kv_predictor_promotions",
+                                     "Cold blocks the tier predictor fetched back to L1", labels=["model"])
     for model, s in engine_stats.items():
         t = s.get("tiers")
         if not t:
@@ -111,4 +116,8 @@ def tier_metrics(engine_stats: Dict[str, Dict]):
             held.add_metric([model, tier], t[f"{tier}_blocks"])
         for reason, n in t["faults"].items():
             faults.add_metric([model, reason], n)
-    yield from (latency, moved, fetches, faults, held)
+        p = s.get("predictor", {})
+        reads.add_metric([model, "l1"], p.get("reads_l1", 0))
+        reads.add_metric([model, "l2"], p.get("reads_lower", 0))
+        promotions.add_metric([model], p.get("promotions", 0))
+    yield from (latency, moved, fetches, faults, held, reads, promotions)

@@ -1,0 +1,118 @@
+#include "kv/tiers/predictor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "k25/status.h"
+
+namespace k25 {
+
+namespace {
+
+void check_range(bool ok, const char* name, double v, const char* range) {
+  if (!ok) fail(ErrorCode::kInvalidArgument, std::string(name) + "=" + std::to_string(v) + " must be in " + range);
+}
+
+}  // namespace
+
+BlockPredictor::BlockPredictor(const PredictorConfig& c) : config_(c) {
+  check_range(c.decay >= 0 && c.decay < 1, "predictor_decay", c.decay, "[0, 1)");
+  check_range(c.promote_heat > 0 && c.promote_heat <= 1, "predictor_promote_heat", c.promote_heat, "(0, 1]");
+  check_range(c.margin >= 0 && c.margin <= 1, "predictor_margin", c.margin, "[0, 1]");
+  check_range(c.max_moves >= 0, "predictor_max_moves", c.max_moves, "[0, inf)");
+  check_range(c.free_watermark >= 0 && c.free_watermark <= 1, "predictor_free_watermark", c.free_watermark,
+              "[0, 1]");
+}
+
+void BlockPredictor::observe(int64_t seq, const int32_t* reads, const uint8_t* cold, int32_t num_blocks,
+                             int32_t passes, bool sparse) {
+  if (num_blocks <= 0 || passes <= 0) return;
+  for (int32_t b = 0; b < num_blocks; ++b) {
+    (cold[b] ? counters_.reads_lower : counters_.reads_l1) += reads[b];
+  }
+  SeqState& s = seqs_[seq];
+  if (static_cast<int32_t>(s.heat.size()) < num_blocks) {
+    s.heat.resize(num_blocks, 1.0f);  // unknown: as hot as can be (a new block is read by every pass)
+    s.last_read.resize(num_blocks, -1);
+  }
+  for (int32_t p : s.watched) {
+    if (p < num_blocks && reads[p] > 0) ++counters_.promotions_read;
+  }
+  s.watched.clear();
+  if (!sparse) return;
+  ++counters_.steps;
+  ++s.observations;
+  const float keep = static_cast<float>(config_.decay), take = 1.0f - keep;
+  for (int32_t b = 0; b < num_blocks; ++b) {
+    s.heat[b] = keep * s.heat[b] + take * static_cast<float>(reads[b]) / static_cast<float>(passes);
+    if (reads[b] > 0) s.last_read[b] = s.observations;
+  }
+}
+
+// Strict weak order: a before b when a is the better block to demote.
+bool BlockPredictor::colder(const SeqState* s, int32_t a, int32_t b) const {
+  if (s) {
+    const float ha = a < static_cast<int32_t>(s->heat.size()) ? s->heat[a] : 1.0f;
+    const float hb = b < static_cast<int32_t>(s->heat.size()) ? s->heat[b] : 1.0f;
+    if (ha != hb) return ha < hb;
+    const int64_t ra = a < static_cast<int32_t>(s->last_read.size()) ? s->last_read[a] : -1;
+    const int64_t rb = b < static_cast<int32_t>(s->last_read.size()) ? s->last_read[b] : -1;
+    if (ra != rb) return ra < rb;
+  }
+  return a < b;
+}
+
+void BlockPredictor::order_for_demotion(int64_t seq, std::vector<int32_t>* positions) const {
+  auto it = seqs_.find(seq);
+  const SeqState* s = it == seqs_.end() ? nullptr : &it->second;
+  std::sort(positions->begin(), positions->end(), [&](int32_t a, int32_t b) { return colder(s, a, b); });
+}
+
+std::vector<BlockPredictor::Move> BlockPredictor::decide(int64_t seq, const std::vector<int32_t>& cold,
+                                                         const std::vector<int32_t>& resident,
+                                                         int32_t free_blocks) const {
+  std::vector<Move> moves;
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end() || config_.max_moves == 0 || cold.empty()) return moves;
+  const SeqState* s = &it->second;
+  std::vector<int32_t> hot = cold;
+  std::sort(hot.begin(), hot.end(), [&](int32_t a, int32_t b) { return colder(s, b, a); });  // hottest first
+  std::vector<int32_t> out = resident;
+  std::sort(out.begin(), out.end(), [&](int32_t a, int32_t b) { return colder(s, a, b); });
+  size_t next_out = 0;
+  for (int32_t c : hot) {
+    if (static_cast<int32_t>(moves.size()) >= config_.max_moves) break;
+    const double hc = heat(seq, c);
+    if (hc < config_.promote_heat) break;  // the rest are colder still
+    if (free_blocks > 0) {
+      moves.push_back({c, -1});
+      --free_blocks;
+      continue;
+    }
+    if (next_out >= out.size() || heat(seq, out[next_out]) + config_.margin > hc) break;
+    moves.push_back({c, out[next_out++]});
+  }
+  return moves;
+}
+
+void BlockPredictor::moved(int64_t seq, const Move& m) {
+  ++counters_.promotions;
+  if (m.demote >= 0) ++counters_.exchanges;
+  seqs_[seq].watched.push_back(m.promote);
+}
+
+void BlockPredictor::forget(int64_t seq) { seqs_.erase(seq); }
+
+double BlockPredictor::heat(int64_t seq, int32_t pos) const {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end() || pos < 0 || pos >= static_cast<int32_t>(it->second.heat.size())) return 1.0;
+  return it->second.heat[pos];
+}
+
+int32_t BlockPredictor::free_blocks_above_watermark(int32_t free_blocks, int32_t total_blocks) const {
+  const int32_t keep = static_cast<int32_t>(std::ceil(config_.free_watermark * total_blocks));
+  return std::max(0, free_blocks - keep);
+}
+
+}  // namespace k25

@@ -1,0 +1,99 @@
+// BlockPredictor: which cold blocks of a long sequence come back to L1, and which of its
+// resident blocks leave first (issue #6, docs/offload.md "The predictor").
+//
+// Inputs, per step and sequence: how many of the step's attention passes (one per layer
+// and KV head) read each block position (dynamic sparsity's selections, exported by the
+// executor), recency (the step a block was last read) and memory pressure (the free L1
+// blocks above a watermark). Each block position has a heat, an exponentially weighted
+// mean of the fraction of passes that read it:
+//
+//   heat <- decay * heat + (1 - decay) * reads / passes      (new blocks start at 1)
+//
+// Decisions:
+//   - demotion order (L1 is short): coldest first, then least recently read, then oldest
+//     position. Without sparsity every pass reads every block, so heat and recency tie
+//     and the order is the oldest position first.
+//   - promotions: a cold block with heat >= promote_heat comes back, hottest first, at
+//     most max_moves per sequence and step: into a free L1 block while more than the
+//     watermark's share of L1 is free, else in exchange for the coldest resident
+//     candidate, only when that one is at least `margin` colder (so two blocks of similar
+//     heat never swap back and forth).
+// Counted: reads served by L1 (hits) and by a lower tier (misses), promotions, exchanges,
+// and promoted blocks that the next observed step read.
+//
+// Plain C++, no locks: the engine thread owns it.
+#pragma once
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+namespace k25 {
+
+struct PredictorConfig {
+  double decay = 0.75;          // weight of a block's history in its heat, [0, 1)
+  double promote_heat = 0.5;    // a cold block at least this hot is worth fetching back, (0, 1]
+  double margin = 0.25;         // an exchange needs the resident block this much colder, [0, 1]
+  int32_t max_moves = 2;        // promotions per sequence per step (bounds the copies a step waits for)
+  double free_watermark = 0.1;  // share of L1 kept free: promotions take free blocks only above it
+};
+
+struct PredictorCounters {
+  int64_t steps = 0;             // (sequence, decode step) observations with sparse reads
+  int64_t reads_l1 = 0;          // decode steps' block reads by attention passes served from L1 (hits)
+  int64_t reads_lower = 0;       // ... served from L2 (cold blocks read in place: misses)
+  int64_t promotions = 0;        // cold blocks fetched back to L1
+  int64_t exchanges = 0;         // of those, with a colder resident block demoted for it
+  int64_t promotions_read = 0;   // promoted blocks read by the next observed step
+  double hit_rate() const {
+    const int64_t n = reads_l1 + reads_lower;
+    return n > 0 ? static_cast<double>(reads_l1) / static_cast<double>(n) : 0.0;
+  }
+};
+
+class BlockPredictor {
+ public:
+  // Throws kInvalidArgument for a value out of its range.
+  explicit BlockPredictor(const PredictorConfig& config);
+
+  // One decode step of one sequence: reads[b] of `passes` attention passes read block
+  // position b (b < num_blocks); cold[b] != 0 when that block was read outside L1. Heat
+  // changes only when sparse is true (a dense pass reads everything and says nothing about
+  // the next step); hits and misses are counted either way.
+  void observe(int64_t seq, const int32_t* reads, const uint8_t* cold, int32_t num_blocks, int32_t passes,
+               bool sparse);
+  // Sorts candidate positions into demotion order (coldest first).
+  void order_for_demotion(int64_t seq, std::vector<int32_t>* positions) const;
+
+  struct Move {
+    int32_t promote;  // the cold position to fetch back
+    int32_t demote;   // the resident position that leaves for it, or -1: a free block
+  };
+  // cold: positions the sequence holds outside L1; resident: positions it may demote;
+  // free_blocks: L1 blocks free beyond the watermark (Scheduler computes it).
+  std::vector<Move> decide(int64_t seq, const std::vector<int32_t>& cold, const std::vector<int32_t>& resident,
+                           int32_t free_blocks) const;
+  // A decided move was carried out (counted; the promoted block is watched for a read).
+  void moved(int64_t seq, const Move& m);
+  void forget(int64_t seq);
+
+  double heat(int64_t seq, int32_t pos) const;
+  int32_t free_blocks_above_watermark(int32_t free_blocks, int32_t total_blocks) const;
+  const PredictorConfig& config() const { return config_; }
+  const PredictorCounters& counters() const { return counters_; }
+
+ private:
+  struct SeqState {
+    std::vector<float> heat;
+    std::vector<int64_t> last_read;  // observation count at the last read, -1: never
+    std::vector<int32_t> watched;    // promoted positions not yet observed
+    int64_t observations = 0;
+  };
+  bool colder(const SeqState* s, int32_t a, int32_t b) const;
+
+  PredictorConfig config_;
+  PredictorCounters counters_;
+  std::unordered_map<int64_t, SeqState> seqs_;
+};
+
+}  // namespace k25
