@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const T* q, int64_t
     if (r >= rows) break;
     const int token = q0 + w.q_begin + r / group, head = w.kv_head * group + r % group;
     if (w.partial >= 0) {
-      float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r % group) * (D + 2);
+      float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r % group) * (D + kPartialPad);
 #pragma unroll
       for (int x = 0; x < kSlice; ++x) pr[lane + 32 * x] = acc[i][x];
       if (lane == 0) {
@@ -179,14 +179,14 @@ __global__ void merge_kernel(T* out, AttnBatch batch, int num_heads, int group, 
   }
   float m = -FLT_MAX;
   for (int k = 0; k < count; ++k) {
-    const float* pr = batch.partials + (static_cast<int64_t>(first + k) * group + r) * (D + 2);
+    const float* pr = batch.partials + (static_cast<int64_t>(first + k) * group + r) * (D + kPartialPad);
     if (pr[D + 1] > 0.0f) m = fmaxf(m, pr[D]);
   }
   // Explicit fmaf (what contraction made of `l += pr * f` anyway): merge_in_cta (common.cuh),
   // the decode kernels' own merge, repeats this arithmetic in this order, bit for bit.
   float l = 0.0f, acc[kSlice] = {};
   for (int k = 0; k < count; ++k) {
-    const float* pr = batch.partials + (static_cast<int64_t>(first + k) * group + r) * (D + 2);
+    const float* pr = batch.partials + (static_cast<int64_t>(first + k) * group + r) * (D + kPartialPad);
     if (!(pr[D + 1] > 0.0f)) continue;
     const float f = __expf(pr[D] - m);
     l = fmaf(pr[D + 1], f, l);

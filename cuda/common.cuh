@@ -113,19 +113,40 @@ __device__ __forceinline__ SplitMerge split_merge(const AttnBatch& batch, const 
   return s;
 }
 
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1; pred false zero-fills the destination (src is
+// not read but must still be a valid address).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // Floats of shared memory that merge_in_cta needs.
 constexpr int kFusedMergeFloats = 2 * kDecodeMaxGroup * kMaxFusedSplits + kDecodeMaxGroup;
 
 // Called by every thread of a decode CTA (uniformly: it has barriers) after the CTA wrote
-// its partial of merge `s` (rows [0, rows) of group, at stride D + 2): counts the CTA on
-// the merge's counter and, in the CTA that counts last, merges the merge's partials into
-// out_heads (the output row of the sequence's token at its KV head's first query head)
+// its partial of merge `s` (rows [0, rows) of group, at stride D + kPartialPad): counts the
+// CTA on the merge's counter and, in the CTA that counts last, merges the merge's partials
+// into out_heads (the output row of the sequence's token at its KV head's first query head)
 // and sets the counter back to 0. The arithmetic and its order are merge_kernel's (per
 // row: max over the partials with a positive sum, weights __expf(m_k - m), the sum and
 // each output element accumulated by fmaf in slot order, skipping empty partials, times
-// 1 / sum), so the output is bit-identical to the two-kernel path. scratch: kFusedMergeFloats
-// floats of shared memory that the CTA no longer uses; s.count <= kMaxFusedSplits.
-template <typename T, int D, int kThreads>
+// 1 / sum), so the output is bit-identical to the two-kernel path. scratch: kScratchBytes
+// of shared memory that the CTA no longer uses (at least the kFusedMergeFloats weights and
+// sums and one partial); s.count <= kMaxFusedSplits.
+//
+// The merging CTA is the kernel's tail: every other CTA has finished. So the partials come
+// into shared memory in as few round trips as possible: whole partials, as many as fit
+// after the weights, with 16-byte cp.async (L2 only: other SMs wrote them), the first batch
+// issued together with the loads of every partial's max and sum.
+template <typename T, int D, int kThreads, int kScratchBytes>
 __device__ __forceinline__ void merge_in_cta(const AttnBatch& batch, const SplitMerge& s, int group, int rows,
                                              T* out_heads, float* scratch) {
   __shared__ int last;
@@ -141,20 +162,45 @@ __device__ __forceinline__ void merge_in_cta(const AttnBatch& batch, const Split
   if (!last) return;
   __threadfence();  // the other CTAs' partials (fenced before their counts) are read after ours
 
-  constexpr int kW = kThreads / 32, kStride = D + 2;
+  constexpr int kW = kThreads / 32, kStride = D + kPartialPad;
+  static_assert(kStride % 4 == 0, "partial rows of whole 16-byte pieces");
+  constexpr int kHead = (kFusedMergeFloats + 3) / 4 * 4;  // weights and sums; then the partials, 16-byte aligned
+  static_assert(kScratchBytes / 4 >= kHead + kDecodeMaxGroup * kStride, "one partial fits the scratch");
   const int count = s.count, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* lsum = scratch;                                    // [kDecodeMaxGroup][kMaxFusedSplits]
   float* wt = scratch + kDecodeMaxGroup * kMaxFusedSplits;  // maxima, then weights
   float* inv = wt + kDecodeMaxGroup * kMaxFusedSplits;      // [kDecodeMaxGroup]
+  float* staged = scratch + kHead;                          // [per_batch][group][kStride]
+  const int per_batch = (kScratchBytes / 4 - kHead) / (group * kStride);
   const float* base = batch.partials + static_cast<int64_t>(s.first) * group * kStride;
-  // Every partial's max and sum (L2 reads, __ldcg: other SMs wrote them). Rows start at
-  // even float offsets, so (max, sum) and pairs of accumulators load as float2.
-  for (int i = threadIdx.x; i < rows * count; i += kThreads) {
-    const int r = i / count, k = i % count;
-    const float* pr = base + (static_cast<int64_t>(k) * group + r) * kStride;
-    const float2 ml = __ldcg(reinterpret_cast<const float2*>(pr + D));
-    wt[r * kMaxFusedSplits + k] = ml.x;
-    lsum[r * kMaxFusedSplits + k] = ml.y;
+  auto stage = [&](int k0) {
+    const int pieces = min(per_batch, count - k0) * group * kStride / 4;
+    const float* src = base + static_cast<int64_t>(k0) * group * kStride;
+    const uint32_t dst = smem_u32(staged);
+    for (int c = threadIdx.x; c < pieces; c += kThreads) cp_async16(dst + 16 * c, src + 4 * c, true);
+    cp_async_commit();
+  };
+  stage(0);
+  // Every partial's max and sum (L2 reads, __ldcg); rows start at 16-byte offsets, so
+  // (max, sum) loads as a float2. Four per thread in flight before any is stored.
+  for (int i0 = threadIdx.x; i0 < rows * count; i0 += 4 * kThreads) {
+    float2 ml[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + u * kThreads;
+      ml[u] = i < rows * count
+                  ? __ldcg(reinterpret_cast<const float2*>(
+                        base + (static_cast<int64_t>(i % count) * group + i / count) * kStride + D))
+                  : make_float2(0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + u * kThreads;
+      if (i < rows * count) {
+        wt[(i / count) * kMaxFusedSplits + i % count] = ml[u].x;
+        lsum[(i / count) * kMaxFusedSplits + i % count] = ml[u].y;
+      }
+    }
   }
   __syncthreads();
   // A warp per row: the max (order-free), the weights, then the sum in slot order.
@@ -176,37 +222,31 @@ __device__ __forceinline__ void merge_in_cta(const AttnBatch& batch, const Split
       inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
     }
   }
-  __syncthreads();
-  // Each output element: its partials in slot order. A thread holds kPer pairs of elements
-  // and loads kBatch partials of each before it adds any, so many loads are in flight.
+  // Each output element: its partials in slot order, batch after batch from shared memory.
+  // A thread holds kPer pairs of elements.
   static_assert(D % 2 == 0 && kStride % 2 == 0, "float2 pairs");
-  constexpr int kPer = (kDecodeMaxGroup * D / 2 + kThreads - 1) / kThreads, kBatch = 8;
+  constexpr int kPer = (kDecodeMaxGroup * D / 2 + kThreads - 1) / kThreads;
   const int n = rows * D / 2;  // pairs
   float2 acc[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) acc[j] = make_float2(0.0f, 0.0f);
-  for (int k0 = 0; k0 < count; k0 += kBatch) {
-    float2 v[kBatch][kPer];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const float* pk = base + static_cast<int64_t>(k0 + b) * group * kStride;
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        const int e = 2 * (threadIdx.x + j * kThreads);
-        v[b][j] = k0 + b < count && e < 2 * n ? __ldcg(reinterpret_cast<const float2*>(pk + (e / D) * kStride + e % D))
-                                              : make_float2(0.0f, 0.0f);
-      }
+  for (int k0 = 0; k0 < count; k0 += per_batch) {
+    if (k0 > 0) {
+      __syncthreads();  // the previous batch is consumed
+      stage(k0);
     }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int k = k0 + b;
+    cp_async_wait<0>();
+    __syncthreads();  // every thread's pieces (and, the first time, the weights above)
+    const int nk = min(per_batch, count - k0);
+    for (int k = 0; k < nk; ++k) {
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
         const int e = 2 * (threadIdx.x + j * kThreads), r = e / D;
-        if (k < count && e < 2 * n && lsum[r * kMaxFusedSplits + k] > 0.0f) {
-          const float f = wt[r * kMaxFusedSplits + k];
-          acc[j].x = fmaf(v[b][j].x, f, acc[j].x);
-          acc[j].y = fmaf(v[b][j].y, f, acc[j].y);
+        if (e < 2 * n && lsum[r * kMaxFusedSplits + k0 + k] > 0.0f) {
+          const float2 v = *reinterpret_cast<const float2*>(staged + (k * group + r) * kStride + e % D);
+          const float f = wt[r * kMaxFusedSplits + k0 + k];
+          acc[j].x = fmaf(v.x, f, acc[j].x);
+          acc[j].y = fmaf(v.y, f, acc[j].y);
         }
       }
     }

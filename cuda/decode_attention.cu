@@ -48,7 +48,7 @@ template <typename T, int D>
 __device__ __forceinline__ void store_result(const AttnBatch& batch, const AttnWork& w, T* out, int token,
                                              int num_heads, int group, int r, int d, float a, float lsum, float mx) {
   if (w.partial >= 0) {
-    float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r) * (D + 2);
+    float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r) * (D + kPartialPad);
     pr[d] = a;
     if (d == 0) {
       pr[D] = lsum > 0.0f ? mx * kLn2 : -FLT_MAX;
@@ -320,8 +320,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
   }
   // Split-KV: the merge's last CTA merges it here (the ring is free: every copy has landed).
   if (split.counter >= 0) {
-    static_assert(kFusedMergeFloats * sizeof(float) <= kRingBytes, "the merge's scratch fits the ring");
-    merge_in_cta<T, D, kThreads>(batch, split, group, group,
+    merge_in_cta<T, D, kThreads, static_cast<int>(kRingBytes)>(batch, split, group, group,
                                  out + static_cast<int64_t>(token) * num_heads * D +
                                      static_cast<int64_t>(w.kv_head * group) * D,
                                  reinterpret_cast<float*>(ring_raw));
@@ -645,9 +644,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Split-KV: the merge's last CTA merges it here (its first barrier ends the reads above
   // of the rings, which become the merge's scratch).
   if (split.counter >= 0) {
-    static_assert(kFusedMergeFloats * sizeof(float) <= static_cast<size_t>(kSmemBytes),
-                  "the merge's scratch fits the rings");
-    merge_in_cta<T, D, kThreads>(batch, split, group, rows,
+    merge_in_cta<T, D, kThreads, kSmemBytes>(batch, split, group, rows,
                                  out + static_cast<int64_t>(token) * num_heads * D +
                                      static_cast<int64_t>(w.kv_head * group) * D,
                                  reinterpret_cast<float*>(smem));

@@ -40,7 +40,7 @@ struct AttnBatch {
   // The first num_decode_work items are single-token decodes (a sequence whose query is
   // one token): they run in the decode kernel, the rest in the tiled kernel.
   int32_t num_decode_work = 0;
-  float* partials;              // [num_partials][group][head_dim + 2] or null
+  float* partials;              // [num_partials][group][head_dim + kPartialPad] or null
   const int32_t* merge;         // [num_merges * 4]: seq, kv_head, first slot, slot count
   int32_t num_merges;
   // > 0: a decode-only batch of num_seqs sequences (one token each) whose work is derived
@@ -66,6 +66,10 @@ struct AttnBatch {
   // selection copies it). Null: every head reads its sequence's block_tables row.
   const int32_t* head_tables = nullptr;
 };
+
+// A split-KV partial row: head_dim accumulators, the row's max and sum, then padding, so
+// that every row starts 16 bytes aligned (the fused merge copies them with cp.async).
+constexpr int32_t kPartialPad = 4;
 
 // At most this many partials per merge are merged inside the decode kernel (its shared
 // memory holds a weight and a sum per partial and GQA row); longer merges, and

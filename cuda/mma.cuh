@@ -40,20 +40,7 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
   return static_cast<uint32_t>((r * kChunks + (c ^ (r & 7))) * 16);
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, bypassing L1; pred false zero-fills the destination (src is
-// not read but must still be a valid address).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(pred ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+// smem_u32, cp_async16, cp_async_commit, cp_async_wait: common.cuh.
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -133,7 +120,7 @@ __device__ __forceinline__ void mma_qk(float (&s)[NK / 8][4], const uint32_t (&q
 template <int D, typename Pair>
 __device__ __forceinline__ void store_partial_row(const AttnBatch& batch, const AttnWork& w, int group, int r, int t,
                                                   Pair pair, float m, float l, float scale) {
-  float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r % group) * (D + 2);
+  float* pr = batch.partials + (static_cast<int64_t>(w.partial) * group + r % group) * (D + kPartialPad);
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) *reinterpret_cast<float2*>(pr + 8 * j + 2 * t) = pair(j);
   if (t == 0) {

@@ -134,7 +134,7 @@ void bind_cuda_ops(py::module_& m) {
                db.decode_splits = decode_splits;
                db.num_seqs = num_seqs;
                db.partials = at::empty({static_cast<int64_t>(num_seqs) * c.layout.num_kv_heads * decode_splits *
-                                        group * (c.layout.head_dim + 2)},
+                                        group * cuda_glue::partial_row_floats(c.layout.head_dim)},
                                        at::TensorOptions().dtype(at::kFloat).device(dev));
                if (decode_splits > 1) {
                  db.split_counters = cuda_glue::derived_split_counters(num_seqs, c.layout.num_kv_heads, dev);

@@ -658,7 +658,7 @@ class TorchExecutor : public ModelExecutor {
     if (const char* mk = std::getenv("K25_MIN_SPLIT_KEYS")) b.min_split_keys = std::max(16, std::atoi(mk));
     if (b.decode_splits > 1) {
       b.partials = at::empty({static_cast<int64_t>(bucket) * c.num_kv_heads * b.decode_splits *
-                              (c.num_heads / c.num_kv_heads) * (c.head_dim + 2)},
+                              (c.num_heads / c.num_kv_heads) * cuda_glue::partial_row_floats(c.head_dim)},
                              at::TensorOptions().dtype(at::kFloat).device(dev));
       // Zero at rest: the decode kernel's merging CTAs set them back, so replays need no memset.
       b.split_counters = cuda_glue::derived_split_counters(bucket, c.num_kv_heads, dev);

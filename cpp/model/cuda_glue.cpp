@@ -199,7 +199,7 @@ DeviceBatch make_batch(const at::Tensor& query_start, const at::Tensor& context_
   for (AttnWorkItem& w : work) w.merge = w.partial >= 0 && w.merge >= 0 && w.merge < M ? renumber[w.merge] : -1;
   b.work = at::from_blob(work.data(), {b.num_work, 8}, i32).to(device, /*non_blocking=*/false, /*copy=*/true);
   b.merges = at::from_blob(merges.data(), {M, 4}, i32).to(device, false, true);
-  b.partials = at::empty({static_cast<int64_t>(plan.num_partials) * group * (head_dim + 2)},
+  b.partials = at::empty({static_cast<int64_t>(plan.num_partials) * group * partial_row_floats(head_dim)},
                          at::TensorOptions().dtype(at::kFloat).device(device));
   if (b.num_decode_merges > 0) b.split_counters = at::zeros({b.num_decode_merges}, i32.device(device));
   return b;
@@ -457,6 +457,8 @@ int32_t decode_wave(at::ScalarType dtype, int32_t head_dim, int32_t group) {
 int32_t attention_max_rows(at::ScalarType dtype) {
   return dtype_of(dtype) == cuda::DType::kF32 ? cuda::kAttnMaxRows : cuda::kPrefillRows;
 }
+
+int32_t partial_row_floats(int32_t head_dim) { return head_dim + cuda::kPartialPad; }
 
 int32_t decode_splits_for(at::ScalarType dtype, int32_t head_dim, int32_t group, int32_t num_seqs,
                           int32_t num_kv_heads) {

@@ -109,6 +109,9 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
                      int32_t layer, const DeviceBatch& batch, int32_t num_heads, double scale, int32_t window);
 // Split count per (sequence, KV head) for a decode-only batch of num_seqs sequences, so
 // its CTAs fill one wave of the decode kernel (at most 64, at least 1); and that wave.
+// Floats of one split-KV partial row (accumulators, max, sum, padding to 16 bytes): what
+// AttnBatch::partials holds per (partial, GQA row).
+int32_t partial_row_floats(int32_t head_dim);
 int32_t decode_splits_for(at::ScalarType dtype, int32_t head_dim, int32_t group, int32_t num_seqs,
                           int32_t num_kv_heads);
 int32_t decode_wave(at::ScalarType dtype, int32_t head_dim, int32_t group);
