@@ -286,6 +286,7 @@ void bind_engine(py::module_& m) {
       .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })
       .def("corrupt_next_l3_writes_for_test", &Engine::corrupt_next_l3_writes_for_test, py::arg("n"))
       .def("set_swap_cost_for_test", &Engine::set_swap_cost_for_test, py::arg("s_per_block"))
+      .def("fail_next_kv_release_for_test", &Engine::fail_next_kv_release_for_test)
       .def("tier_stats", [](const Engine& e) -> py::object {
         TierStats t;
         if (!e.tier_stats(&t)) return py::none();

@@ -245,6 +245,12 @@ void bind_tiers(py::module_& m) {
       }, "Demotes whose L1 source has been copied out.")
       .def("spill", [](TierHarness& h, uint64_t k) { return h.mgr().spill(k, h.record()); })
       .def("fetch", [](TierHarness& h, uint64_t k, int32_t b) { return h.mgr().fetch(k, b, h.record()); })
+      .def("copy_up", [](TierHarness& h, uint64_t k, int32_t b) { return h.mgr().copy_up(k, b, h.record()); })
+      .def("l2_data", [](TierHarness& h, uint64_t k) {
+        const uint8_t* p = h.mgr().l2_data(k);
+        if (!p) return py::object(py::none());
+        return py::object(py::bytes(reinterpret_cast<const char*>(p), static_cast<size_t>(h.mgr().block_bytes())));
+      })
       .def("free", [](TierHarness& h, uint64_t k) { h.mgr().free(k); })
       .def("num_pending", [](TierHarness& h) { return h.mgr().num_pending(); })
       .def("run_pending", [](TierHarness& h, size_t i) { return h.mgr().run_pending(i); },
@@ -265,6 +271,7 @@ void bind_tiers(py::module_& m) {
         d["spilling"] = c.spilling;
         d["in_l3"] = c.in_l3;
         d["fetching"] = c.fetching;
+        d["copying_up"] = c.copying_up;
         d["in_flight"] = c.in_flight();
         d["l2_slots_used"] = c.l2_slots_used;
         d["l2_residents"] = c.l2_residents;

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <random>
 
 #include "engine/executor.h"
@@ -264,6 +266,12 @@ void Engine::corrupt_next_l3_writes_for_test(int32_t n) {
   swap_->tiers().corrupt_next_l3_writes_for_test(n);
 }
 
+void Engine::fail_next_kv_release_for_test() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!swap_) fail(ErrorCode::kInvalidArgument, "this engine has no tiers");
+  swap_->fail_next_finish_for_test();
+}
+
 void Engine::record_kv_event(int64_t id, const std::vector<int32_t>& blocks, const char* reason, bool always) {
   if (blocks.empty() && !always) return;
   std::lock_guard<std::mutex> lk(mu_);
@@ -286,9 +294,24 @@ void Engine::finish(Sequence* seq, int reason, const std::string& error,
   }
   // A token still being sampled by a step in flight is not part of the output.
   while (!seq->tokens.empty() && seq->tokens.back() == kPendingToken) seq->tokens.pop_back();
-  if (swap_) swap_->on_finish(seq);
+  // Letting go of the request's KV (tier copies, blocks) must cost neither the request its
+  // output nor the engine its thread: a failure there is an engine bug, logged as
+  // "[KV_CACHE] ... evict_reason=release_error" and recorded as a KV event, and the request
+  // ends as it would have.
+  auto release = [&](const char* what, const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[KV_CACHE] request=%lld op=release_%s evict_reason=release_error error=\"%s\"\n",
+                   static_cast<long long>(seq->id), what, e.what());
+      record_kv_event(seq->id, {}, "release_error", true);
+    }
+  };
+  release("tiers", [&] {
+    if (swap_) swap_->on_finish(seq);
+  });
   if (predictor_) predictor_->forget(seq->id);
-  scheduler_->finish(seq, r);
+  release("blocks", [&] { scheduler_->finish(seq, r); });
   RequestOutput o;
   o.id = seq->id;
   o.finished = true;
@@ -350,7 +373,10 @@ void Engine::loop() {
       cv_.wait(lk, [&] {
         // A step that could run nothing until a tier transfer lands sleeps until one does.
         const bool blocked = waiting_for_tiers_ && !swap_->has_completions();
-        return stop_ || !inbox_.empty() || !aborts_.empty() || (scheduler_->has_unfinished() && !blocked);
+        // Idle with completions to apply (a finished request's promotions): they give
+        // blocks back.
+        const bool tidy = swap_ && !scheduler_->has_unfinished() && swap_->has_completions();
+        return stop_ || !inbox_.empty() || !aborts_.empty() || (scheduler_->has_unfinished() && !blocked) || tidy;
       });
       // Batching window: an idle engine that just got work waits a moment for more
       // arrivals, so that a burst starts in one step instead of one request at a time.
@@ -387,6 +413,14 @@ void Engine::loop() {
     refresh_gauges();
     for (RequestOutput& o : outs) emit(std::move(o));
     if (stopping) break;
+    if (swap_ && !scheduler_->has_unfinished()) {
+      try {
+        swap_->apply_completions();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "[KV_CACHE] applying tier completions failed: %s\n", e.what());
+      }
+      refresh_gauges();
+    }
     if (scheduler_->has_unfinished()) {
       try {
         step();
@@ -583,10 +617,7 @@ void Engine::step() {
     if (d.seq->cold_summaries.size() < d.seq->block_table.size()) d.seq->cold_summaries.resize(d.seq->block_table.size());
     d.seq->cold_summaries[static_cast<size_t>(d.index)] = std::move(sums);
   }
-  if (swap_) {
-    swap_->start(plan);  // records preempt_swap (or preempt_recompute) itself
-    if (!plan.promotions.empty()) refresh_fetched_kv();  // promoted blocks are in L1 now
-  }
+  if (swap_) swap_->start(plan);  // records preempt_swap (or preempt_recompute) itself
   for (const ScheduledSeq& s : plan.seqs) {
     if (s.seq->first_scheduled_time < 0) s.seq->first_scheduled_time = t0;
   }

@@ -88,7 +88,7 @@ const void* KVSwap::cold_data(uint64_t key) const {
   return p;
 }
 
-// Transfers a step waits for before it runs (cold demotes, promotions): step_copy() makes
+// Transfers a step waits for before it runs (cold demotes): step_copy() makes
 // each one's callback before it starts; the callback counts it done.
 struct KVSwap::StepCopies {
   std::atomic<int32_t> pending{0};
@@ -127,29 +127,37 @@ void KVSwap::demote_cold(const StepPlan& plan) {
   if (!wait_step_copies(*copies)) fail(ErrorCode::kInternal, "copying a cold block to L2 failed");
 }
 
-void KVSwap::promote(const StepPlan& plan) {
-  if (plan.promotions.empty()) return;
-  auto copies = std::make_shared<StepCopies>();
+void KVSwap::promote(const StepPlan& plan, const TierCallback& on_done) {
   for (const StepPlan::Promotion& p : plan.promotions) {
-    tiers_->fetch(p.seq->cold_keys.at(p.index), p.block, step_copy(copies));
+    const uint64_t key = p.seq->cold_keys.at(p.index);
+    promotions_[key] = Promotion{p.seq->id, p.index, p.block};
+    if (p.seq->promoting.size() < p.seq->block_table.size()) p.seq->promoting.resize(p.seq->block_table.size(), 0);
+    p.seq->promoting[p.index] = 1;
+    tiers_->copy_up(key, p.block, on_done);
   }
-  if (!wait_step_copies(*copies)) {
-    // An L2 -> L1 copy has no failure of its own (a memcpy, or a copy-stream transfer).
-    for (const StepPlan::Promotion& p : plan.promotions) pool_->decref(p.block);
-    fail(ErrorCode::kInternal, "copying a cold block back to L1 failed");
+}
+
+// A promotion's copy ended. The block goes into the block table only if the sequence still
+// has that cold block (it may have finished or been preempted since: the key was freed and
+// the copy reports itself cancelled); otherwise, or when the copy failed (the L2 copy is
+// intact: the block simply stays cold), its L1 block goes back to the pool.
+void KVSwap::finish_promotion(const TierResult& r, const Promotion& p) {
+  Sequence* s = scheduler_->find(p.seq);
+  const size_t i = static_cast<size_t>(p.index);
+  const bool still_cold = s && s->status == SeqStatus::kRunning && i < s->cold_keys.size() &&
+                          s->cold_keys[i] == r.key && s->block_table[i] == kColdBlock;
+  if (still_cold && i < s->promoting.size()) s->promoting[i] = 0;
+  if (!still_cold || !r.ok) {
+    pool_->decref(p.block);
+    return;
   }
-  const int32_t bs = config_.block_size;
-  for (const StepPlan::Promotion& p : plan.promotions) {
-    Sequence* s = p.seq;
-    const size_t i = static_cast<size_t>(p.index);
-    tiers_->free(s->cold_keys[i]);
-    s->cold_keys[i] = 0;
-    if (i < s->cold_summaries.size()) s->cold_summaries[i].clear();
-    s->block_table[i] = p.block;
-    --s->num_cold;
-    landed_.push_back({s, p.index * bs, (p.index + 1) * bs});
-    ++counters_.cold_promotions;
-  }
+  tiers_->free(r.key);
+  s->cold_keys[i] = 0;
+  if (i < s->cold_summaries.size()) s->cold_summaries[i].clear();
+  s->block_table[i] = p.block;
+  --s->num_cold;
+  landed_.push_back({s, p.index * config_.block_size, (p.index + 1) * config_.block_size});
+  ++counters_.cold_promotions;
 }
 
 void KVSwap::start(const StepPlan& plan) {
@@ -213,7 +221,7 @@ void KVSwap::start(const StepPlan& plan) {
     ewma(&copy_s_per_block_, (now_seconds() - t_copy) / static_cast<double>(swapped_blocks));
   }
   // After every copy out: a promotion's block may be one this plan freed.
-  promote(plan);
+  promote(plan, on_done);
   // Fetches after the copies: a block freed by a swap-out may be a fetch's target now.
   for (Sequence* s : plan.swap_ins) {
     if (s->swap != SwapState::kIn) continue;  // its prefix copies were all taken (above)
@@ -370,6 +378,13 @@ void KVSwap::apply_completions() {
     done.swap(done_);
   }
   for (const TierResult& r : done) {
+    auto pr = promotions_.find(r.key);
+    if (pr != promotions_.end()) {
+      const Promotion p = pr->second;
+      promotions_.erase(pr);
+      finish_promotion(r, p);
+      continue;
+    }
     auto pk = prefix_key_.find(r.key);
     if (pk != prefix_key_.end()) {  // a cached prefix block's copy (only demotes: fetches take the key first)
       const uint64_t h = pk->second;
@@ -418,6 +433,7 @@ void KVSwap::apply_completions() {
 }
 
 void KVSwap::on_finish(Sequence* s) {
+  if (fail_next_finish_.exchange(false)) fail(ErrorCode::kInternal, "injected failure releasing a request's tier copies");
   fetch_started_.erase(s->id);
   for (uint64_t& key : s->cold_keys) {
     if (key != 0) tiers_->free(key);

@@ -15,11 +15,12 @@
 //     sequence are copied to L2 (never L3) before the step reuses them; the sequence keeps
 //     their keys and the attention reads them in L2 (cold_data) until the sequence ends or
 //     is preempted.
-//   - promotions (the predictor's, StepPlan::promotions): cold blocks fetched back into the
-//     L1 blocks the plan gave them, after the plan's copies out (an exchange's colder block
-//     leaves first); start() waits for them (an L2 -> L1 copy, bounded by
-//     predictor_max_moves a sequence) and puts them in the block tables, so the step reads
-//     them in L1. Their summaries are rebuilt like a swap-in's (take_landed).
+//   - promotions (the predictor's, StepPlan::promotions): cold blocks copied back into the
+//     L1 blocks the plan gave them (TierManager::copy_up, after the plan's copies out: an
+//     exchange's colder block leaves first). Nothing waits: until the copy lands the
+//     sequence goes on reading the block in L2, which the copy keeps; apply_completions()
+//     then puts the L1 block in the block table and frees the L2 copy, between steps.
+//     Their summaries are rebuilt like a swap-in's (take_landed).
 //   - prefix spill (with enable_prefix_caching): a cached block that the plan evicted from
 //     L1 is demoted too (start() waits for its copy as for a swap-out) and indexed by its
 //     chain hash; the scheduler finds such blocks past a prompt's L1 hits through
@@ -89,6 +90,7 @@ class KVSwap {
   double recompute_s_per_token() const { return recompute_s_per_token_; }  // 0: not measured
   double swap_s_per_block() const;                                         // < 0: not measured
   void set_swap_cost_for_test(double s_per_block) { swap_cost_override_.store(s_per_block); }
+  void fail_next_finish_for_test() { fail_next_finish_.store(true); }
 
   // Scheduler::TierPrefixLookup: consecutive cached blocks the tiers hold, settled.
   int32_t lookup_prefix(const int32_t* tokens, int32_t first, int32_t max_blocks, int32_t block_size,
@@ -144,7 +146,13 @@ class KVSwap {
   TierCallback step_copy(const std::shared_ptr<StepCopies>& c);
   bool wait_step_copies(const StepCopies& c);  // false when one failed
   void demote_cold(const StepPlan& plan);
-  void promote(const StepPlan& plan);
+  struct Promotion {
+    int64_t seq;
+    int32_t index;  // in the sequence's block table
+    int32_t block;  // the L1 block it is copied into
+  };
+  void promote(const StepPlan& plan, const TierCallback& on_done);
+  void finish_promotion(const TierResult& r, const Promotion& p);
   void take_prefixes(Sequence* s);
   bool evict_oldest_prefix();
   void erase_prefix(uint64_t hash);
@@ -160,6 +168,7 @@ class KVSwap {
   std::vector<Landed> landed_;
   std::unordered_map<uint64_t, KeyInfo> keys_;  // engine thread only
   std::unordered_map<int64_t, Orphan> orphans_;
+  std::unordered_map<uint64_t, Promotion> promotions_;  // by tier key, while its copy runs
   std::unordered_map<uint64_t, TierPrefix> prefix_;  // by chain hash
   std::unordered_map<uint64_t, uint64_t> prefix_key_;  // tier key -> chain hash, while indexed
   std::list<uint64_t> prefix_lru_;                      // settled hashes, oldest first
@@ -167,6 +176,7 @@ class KVSwap {
   double copy_s_per_block_ = 0, fetch_s_per_block_ = 0;  // likewise (0: not measured)
   std::unordered_map<int64_t, std::pair<double, int32_t>> fetch_started_;  // seq -> (time, blocks)
   std::atomic<double> swap_cost_override_{-1.0};  // set from another thread (tests)
+  std::atomic<bool> fail_next_finish_{false};     // tests
 
   mutable std::mutex mu_;  // done_, copies_pending_
   std::condition_variable copied_cv_;

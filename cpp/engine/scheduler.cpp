@@ -87,6 +87,7 @@ void Scheduler::release_blocks(Sequence* seq, bool cache) {
   seq->num_cache_checked = 0;
   seq->cold_keys.clear();
   seq->cold_summaries.clear();
+  seq->promoting.clear();  // their copies end as cancelled (the keys are freed); KVSwap returns the blocks
   seq->num_cold = 0;
 }
 
@@ -133,6 +134,7 @@ void Scheduler::plan_promotions(StepPlan* plan) {
     std::vector<int32_t> cold;
     for (int32_t i = 0; i < static_cast<int32_t>(s->block_table.size()); ++i) {
       if (s->block_table[i] != kColdBlock) continue;
+      if (i < static_cast<int32_t>(s->promoting.size()) && s->promoting[i]) continue;  // on its way already
       // Not a block this plan demoted: its copy is not even out yet.
       const bool just_demoted = std::any_of(plan->cold_demotes.begin(), plan->cold_demotes.end(),
                                             [&](const StepPlan::ColdDemote& d) { return d.seq == s && d.index == i; });
@@ -408,10 +410,12 @@ void Scheduler::finish(Sequence* seq, FinishReason reason) {
   };
   drop(running_);
   drop(waiting_);
-  // A failed step may have left its tokens' KV unwritten: nothing of it is cached.
-  release_blocks(seq, reason != FinishReason::kError);
+  // Finished before its blocks go: should releasing them throw (a corrupt pool, an engine
+  // bug), the sequence is still out of every queue and can be released.
   seq->status = SeqStatus::kFinished;
   seq->finish_reason = reason;
+  // A failed step may have left its tokens' KV unwritten: nothing of it is cached.
+  release_blocks(seq, reason != FinishReason::kError);
 }
 
 std::unique_ptr<Sequence> Scheduler::release(int64_t id) {

@@ -59,8 +59,9 @@ struct StepPlan {
   std::vector<ColdDemote> cold_demotes;
   std::vector<uint64_t> cold_freed;
   // Cold blocks the predictor brings back (Scheduler::set_predictor): each gets `block`,
-  // allocated here; the engine fetches it there after this plan's copies out and puts it in
-  // the block table before the step runs. An exchange's colder block is in cold_demotes.
+  // allocated here; the engine copies it there after this plan's copies out, without
+  // waiting, and puts it in the block table once the copy has landed (until then the
+  // sequence reads it in L2). An exchange's colder block is in cold_demotes.
   struct Promotion {
     Sequence* seq;
     int32_t index;  // in the sequence's block table (a cold entry)

@@ -75,6 +75,9 @@ struct Sequence {
   // With dynamic sparsity: each cold block's key summaries, saved when it left L1 (its L1
   // block's summaries are another block's from then on); empty entries otherwise.
   std::vector<std::vector<float>> cold_summaries;
+  // Cold entries whose copy back to L1 (a predictor promotion) is running: 1 until KVSwap
+  // puts the block in the table or gives up.
+  std::vector<uint8_t> promoting;
   bool want_prompt_logits = false;
   // Tokens from this index on are computed one per step, as decodes are (>= 0): scoring
   // a text the way generation would compute it (teacher-forced decoding).

@@ -6,7 +6,9 @@ running: the attention reads them where they lie in L2. The oracle is the same p
 a pool that holds everything: the tokens must be equal, nothing may be recomputed, and
 every tier copy must be freed at the end.
 """
+import asyncio
 import threading
+import time
 
 import pytest
 
@@ -169,18 +171,29 @@ def test_cold_blocks_with_dynamic_sparsity_select_like_an_all_resident_run(defau
 
 def test_the_predictor_brings_hot_cold_blocks_back_without_changing_tokens(default_model, prompts):
     # Thresholds low enough that the heat of this prompt's blocks triggers promotions:
-    # into free L1 blocks and in exchange for colder resident ones.
+    # into free L1 blocks and in exchange for colder resident ones. A promotion's copy runs
+    # while the sequence goes on reading the block in L2.
     want = all_resident_sparse_tokens(default_model, prompts[0], **SPARSE)
     model = small_l1(default_model, l1_blocks=12, l2_slots=40, predictor_promote_heat=0.2, predictor_margin=0.05,
                      predictor_max_moves=4, **SPARSE)
-    out, s, tiers = run_closed(model, prompts[0])
+    try:
+        out = model.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+        # The last steps' copies may end after the request: the idle engine applies them
+        # and gives their blocks back.
+        deadline = time.monotonic() + 10
+        while model.stats()["blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        s, tiers = model.stats(), model.tier_stats()
+    finally:
+        model.close()
     assert out.token_ids == want
     p = s["predictor"]
-    assert p["exchanges"] > 0 and p["promotions"] >= p["exchanges"] and s["cold_promotions"] == p["promotions"]
+    assert p["exchanges"] > 0 and p["promotions"] >= p["exchanges"]
     assert 0 < p["promotions_read"] <= p["promotions"]
     assert p["reads_l1"] > 0 and p["reads_lower"] > 0 and 0 < p["hit_rate"] < 1
-    # A promotion's fetch is a tier fetch from L2; every copy is freed at the end.
-    assert tiers["fetches_from_l2"] == p["promotions"]
+    # A promotion is a copy from L2 (counted as a fetch) that lands in the block table unless
+    # the request ended first.
+    assert 0 < s["cold_promotions"] <= tiers["fetches_from_l2"] <= p["promotions"]
     assert s["preemptions"] == 0 and s["cold_blocks"] == 0 and s["blocks_used"] == 0 and tiers["l2_blocks"] == 0
 
 
@@ -219,3 +232,37 @@ def test_predictor_thresholds_are_checked_and_need_cold_blocks():
     with pytest.raises(errors.ConfigError, match="predictor_promote_heat"):
         K25Config(cache_mode="hierarchical", enable_async_offload=True, enable_kernel_fusion=False,
                   predictor_promote_heat=0.3)
+
+
+def test_a_failure_releasing_kv_costs_neither_the_output_nor_the_engine(default_model, prompts):
+    # An engine bug while a request's KV is let go (here injected into the tiers' release)
+    # is logged and recorded as a KV event; the request still ends as it would have, on the
+    # step path and on the abort path (which runs outside a step), and the engine serves on.
+    short = prompts[1][:150]
+    want = default_model.generate([short], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+    model = small_l1(default_model, l1_blocks=12, l2_slots=40)
+    try:
+        model._engine.fail_next_kv_release_for_test()
+        out = model.generate([short], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+        assert out.token_ids == want.token_ids and out.finish_reason == "length"
+        assert [e[2] for e in model.drain_kv_events()].count("release_error") == 1
+
+        async def first_tokens():
+            async for ev in model.stream_events(short, max_new_tokens=400, ignore_eos=True, temperature=0.0):
+                if ev.token_ids:
+                    return ev.token_ids  # closing the stream aborts the request
+
+        model._engine.fail_next_kv_release_for_test()
+        assert asyncio.run(first_tokens())
+        deadline = time.monotonic() + 30
+        events = []
+        while "release_error" not in [e[2] for e in events] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            events += model.drain_kv_events()
+        assert "release_error" in [e[2] for e in events] and "abort" in [e[2] for e in events]
+        again = model.generate([short], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+        assert again.token_ids == want.token_ids
+        s = model.stats()
+        assert s["running"] == 0 and s["blocks_used"] == 0 and s["requests_aborted"] == 1
+    finally:
+        model.close()

@@ -21,7 +21,7 @@ from k25 import _C, errors
 BLOCK = 3000  # not a multiple of 4096: the page trailer and padding are exercised
 PAGE = _C.kv_page_bytes(BLOCK)
 SETTLED = {"in_l2", "in_l3", "resident", "lost"}
-IN_FLIGHT = {"demoting", "spilling", "fetching"}
+IN_FLIGHT = {"demoting", "spilling", "fetching", "copying_up"}
 
 
 def make(tmp_path, l1=6, l2_slots=3, l3_pages=4, manual=False, staging=1, backend="auto", name="l3.bin"):
@@ -131,13 +131,13 @@ class Model:
         self.pinned = {}     # L1 block -> key moving it
         self.begun = {}      # (key, op) -> transfers begun
         self.done = {}       # (key, op) -> completions seen
-        self.results = {"demote": 0, "spill": 0, "fetch": 0, "cancelled": 0}
+        self.results = {"demote": 0, "spill": 0, "fetch": 0, "copy_up": 0, "cancelled": 0}
         self.copied = 0
         self.maybe_copied = 0
 
     def residents(self):
         return sum(1 for k in self.keys.values()
-                   if k["state"] in ("in_l2", "spilling") or
+                   if k["state"] in ("in_l2", "spilling", "copying_up") or
                    (k["state"] in ("demoting", "fetching") and k["via"] == "L2"))
 
     def pages(self):
@@ -161,7 +161,7 @@ class Model:
             self.done[(key, op)] = self.done.get((key, op), 0) + 1
             k = self.keys[key]
             assert c["ok"] or c["cancelled"], c  # no faults in this test
-            if k["l1"] is not None and op in ("demote", "fetch"):
+            if k["l1"] is not None and op in ("demote", "fetch", "copy_up"):
                 assert self.pinned.pop(k["l1"]) == key
                 if op == "demote":  # copied and completed within one step of the test
                     if c["ok"]:
@@ -179,6 +179,12 @@ class Model:
                 k["state"] = "in_l2" if c["tier"] == "L2" else "in_l3"
             elif op == "spill":
                 k["state"] = "in_l3"
+            elif op == "copy_up":
+                # The bytes are in L1 now, and still in L2.
+                assert np.array_equal(self.h.l1()[k["l1"]], k["data"])
+                assert np.array_equal(np.frombuffer(self.h.l2_data(key), dtype=np.uint8), k["data"])
+                k["state"] = "in_l2"
+                event("a copy up landed")
             else:
                 assert np.array_equal(self.h.l1()[k["l1"]], k["data"])
                 k["state"] = "resident"
@@ -193,8 +199,12 @@ class Model:
             e = h.entry(key)
             assert e["state"] == k["state"], (key, e, k)
             assert e["free_requested"] == k["freed"]
-            if k["state"] == "fetching":
+            if k["state"] in ("fetching", "copying_up"):
                 assert h.l1_user(k["l1"]) == key
+            if k["state"] in ("in_l2", "copying_up"):
+                assert h.l2_data(key) is not None  # readable in L2 meanwhile
+            elif k["state"] in ("in_l3", "fetching", "spilling"):
+                assert h.l2_data(key) is None
             elif k["state"] == "demoting" and k["l1"] is not None:
                 assert h.l1_user(k["l1"]) == key and e["l1_block"] == k["l1"]
         c = h.counts()
@@ -204,7 +214,7 @@ class Model:
 
 
 op_strategy = st.lists(st.tuples(st.sampled_from(["demote"] * 3 + ["run"] * 5 + ["fetch"] * 2 +
-                                                 ["spill", "free", "illegal"]),
+                                                 ["spill", "free", "illegal", "copy_up"]),
                                  st.integers(0, 10_000), st.integers(0, 10_000)),
                        min_size=30, max_size=150)
 
@@ -278,6 +288,21 @@ def test_state_machine_every_block_in_one_state_and_no_transfer_lost(tmp_path_fa
                 k["state"], k["l1"] = "fetching", blk
                 m.pinned[blk] = key
                 begin(key, "fetch")
+        elif op == "copy_up" and live:
+            # A copy into L1 that keeps the L2 copy (a promoted cold block): only from L2.
+            ready = [k for k in live if m.keys[k]["state"] == "in_l2"]
+            key = ready[a % len(ready)] if ready and b % 4 else live[a % len(live)]
+            k = m.keys[key]
+            blk = b % L1
+            if k["state"] != "in_l2" or blk in m.pinned:
+                with pytest.raises(errors.EngineError):
+                    h.copy_up(key, blk)
+            else:
+                h.l1()[blk] = 0xEE
+                h.copy_up(key, blk)
+                k["state"], k["l1"] = "copying_up", blk
+                m.pinned[blk] = key
+                begin(key, "copy_up")
         elif op == "free" and live:
             key = live[a % len(live)]
             h.free(key)
@@ -315,7 +340,7 @@ def test_state_machine_every_block_in_one_state_and_no_transfer_lost(tmp_path_fa
     assert s["offloads"] == m.results["demote"]
     assert h.num_copied >= s["offloads"]  # every demote that landed was copied out first
     assert s["spills"] == m.results["spill"]
-    assert s["fetches"] == m.results["fetch"]
+    assert s["fetches"] == m.results["fetch"] + m.results["copy_up"]  # a copy up counts as a fetch from L2
     assert s["cancelled"] == m.results["cancelled"]
     assert s["failures"] == 0
     if s["cancelled"]:

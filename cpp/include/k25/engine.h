@@ -163,6 +163,8 @@ class Engine {
   // Tests: flips a byte on disk in each of the next n pages written to L3 (see
   // TierManager). Throws kInvalidArgument without an L3 tier.
   void corrupt_next_l3_writes_for_test(int32_t n);
+  // Tests: the tiers' release of the next request to finish throws (an engine bug's stand-in).
+  void fail_next_kv_release_for_test();
   // Tests: the swap-or-recompute choice sees this cost per block instead of the measured one.
   void set_swap_cost_for_test(double s_per_block);
   // Aborts what is left and stops the engine thread. Idempotent.

@@ -20,6 +20,7 @@ const char* block_state_name(BlockState s) {
     case BlockState::kSpilling: return "spilling";
     case BlockState::kInL3: return "in_l3";
     case BlockState::kFetching: return "fetching";
+    case BlockState::kCopyingUp: return "copying_up";
     case BlockState::kResident: return "resident";
     case BlockState::kLost: return "lost";
   }
@@ -44,7 +45,8 @@ CacheStateMap::CacheStateMap(int32_t num_l1_blocks, int32_t num_l2_slots, int32_
 bool CacheStateMap::holds_resident_slot(const TierEntry& e) {
   switch (e.state) {
     case BlockState::kInL2:
-    case BlockState::kSpilling: return true;
+    case BlockState::kSpilling:
+    case BlockState::kCopyingUp: return true;
     case BlockState::kDemoting:
     case BlockState::kFetching: return e.via == Tier::kL2;
     case BlockState::kInL3:
@@ -170,6 +172,21 @@ TierMove CacheStateMap::begin_fetch(uint64_t key, int32_t l1_block) {
   return TierMove{key, e.via, e.l1_block, e.l2_slot, e.l3_page};
 }
 
+TierMove CacheStateMap::begin_copy_up(uint64_t key, int32_t l1_block) {
+  std::lock_guard<std::mutex> lk(mu_);
+  TierEntry& e = get(key, "copy up");
+  if (l1_block < 0 || l1_block >= num_l1_blocks()) internal("copy up into L1 block out of range");
+  if (l1_user_[l1_block] != 0) {
+    internal("copy up into L1 block " + std::to_string(l1_block) + " while key " + std::to_string(l1_user_[l1_block]) +
+             " moves it");
+  }
+  if (e.state != BlockState::kInL2) internal(std::string("copy up of a block that is ") + block_state_name(e.state));
+  e.state = BlockState::kCopyingUp;
+  e.l1_block = l1_block;
+  l1_user_[l1_block] = key;
+  return TierMove{key, Tier::kL2, e.l1_block, e.l2_slot, e.l3_page};
+}
+
 void CacheStateMap::release_l1(uint64_t key) {
   std::lock_guard<std::mutex> lk(mu_);
   TierEntry& e = get(key, "L1 release");
@@ -235,6 +252,12 @@ TierFinish CacheStateMap::finish(uint64_t key, bool ok) {
       // Back in L1, or lost: either way nothing below L1 is held any more.
       settle(e, ok ? BlockState::kResident : BlockState::kLost);
       break;
+    case BlockState::kCopyingUp:
+      // The L2 copy is intact whether or not the copy into L1 worked.
+      l1_user_[e.l1_block] = 0;
+      e.l1_block = -1;
+      e.state = BlockState::kInL2;
+      break;
     case BlockState::kInL2:
     case BlockState::kInL3:
     case BlockState::kResident:
@@ -248,7 +271,8 @@ bool CacheStateMap::free(uint64_t key) {
   std::lock_guard<std::mutex> lk(mu_);
   TierEntry& e = get(key, "free");
   if (e.free_requested) internal("double free of key " + std::to_string(key));
-  if (e.state != BlockState::kDemoting && e.state != BlockState::kSpilling && e.state != BlockState::kFetching) {
+  if (e.state != BlockState::kDemoting && e.state != BlockState::kSpilling && e.state != BlockState::kFetching &&
+      e.state != BlockState::kCopyingUp) {
     release(e);
     entries_.erase(key);
     return true;
@@ -291,6 +315,7 @@ TierCounts CacheStateMap::counts() const {
       case BlockState::kFetching: ++c.fetching; break;
       case BlockState::kResident: ++c.resident; break;
       case BlockState::kLost: ++c.lost; break;
+      case BlockState::kCopyingUp: ++c.copying_up; break;
     }
   }
   c.l2_slots_used = num_l2_slots() - static_cast<int32_t>(free_slots_.size());
@@ -326,11 +351,13 @@ void CacheStateMap::check_invariants_locked() const {
   for (const auto& [key, e] : entries_) {
     if (key == 0 || key >= next_key_) internal("key out of range");
     // A demote holds its L1 source until the bytes are copied out (release_l1).
-    const bool l1_used = e.state == BlockState::kFetching || (e.state == BlockState::kDemoting && e.l1_block >= 0);
+    const bool l1_used = e.state == BlockState::kFetching || e.state == BlockState::kCopyingUp ||
+                         (e.state == BlockState::kDemoting && e.l1_block >= 0);
     // An L3 transfer may still wait for its staging slot; everything else in L2 has one.
     const bool slot_optional = (e.state == BlockState::kDemoting || e.state == BlockState::kFetching) &&
                                e.via == Tier::kL3;
     const bool slot_used = e.state == BlockState::kInL2 || e.state == BlockState::kSpilling ||
+                           e.state == BlockState::kCopyingUp ||
                            ((e.state == BlockState::kDemoting || e.state == BlockState::kFetching) &&
                             e.via == Tier::kL2);
     const bool page_used = e.state == BlockState::kInL3 || e.state == BlockState::kSpilling ||
@@ -341,7 +368,7 @@ void CacheStateMap::check_invariants_locked() const {
     }
     if (page_used != (e.l3_page >= 0)) internal(std::string("L3 page field wrong for a block ") + block_state_name(e.state));
     if (e.free_requested && e.state != BlockState::kDemoting && e.state != BlockState::kSpilling &&
-        e.state != BlockState::kFetching) {
+        e.state != BlockState::kFetching && e.state != BlockState::kCopyingUp) {
       internal("settled entry marked freed");
     }
     if (l1_used) claim(l1, e.l1_block, key, "L1 block");

@@ -12,12 +12,15 @@
 //   kSpilling  L2 -> L3 in flight; the L2 slot is the source
 //   kInL3      held in an L3 page only
 //   kFetching  L2 or L3 -> L1 in flight; the L1 block is the target and must not be read
+//   kCopyingUp L2 -> L1 copy in flight that keeps the L2 copy: the L1 block is the target,
+//              the slot stays the block's (it may be read meanwhile); ends back in kInL2
 //   kResident  fetched back: the bytes are in L1 again, nothing is held below
 //   kLost      a transfer failed and the copy is gone (the caller recomputes)
 //
 //   begin_demote ─► kDemoting ──ok──► kInL2 / kInL3      (failure: kLost)
 //   begin_spill:     kInL2 ─► kSpilling ──ok──► kInL3    (failure: back to kInL2)
 //   begin_fetch:     kInL2 / kInL3 ─► kFetching ──ok──► kResident  (failure: kLost)
+//   begin_copy_up:   kInL2 ─► kCopyingUp ──(ok or not)──► kInL2
 //   free:            settled states: gone now; in flight: gone when the transfer ends
 //
 // Keeping kResident and kLost until free() makes ownership race-free: a completion never
@@ -46,7 +49,7 @@
 
 namespace k25 {
 
-enum class BlockState : uint8_t { kDemoting, kInL2, kSpilling, kInL3, kFetching, kResident, kLost };
+enum class BlockState : uint8_t { kDemoting, kInL2, kSpilling, kInL3, kFetching, kResident, kLost, kCopyingUp };
 enum class Tier : uint8_t { kL1 = 1, kL2 = 2, kL3 = 3 };
 const char* block_state_name(BlockState s);
 
@@ -77,10 +80,10 @@ struct TierFinish {
 };
 
 struct TierCounts {
-  int32_t demoting = 0, in_l2 = 0, spilling = 0, in_l3 = 0, fetching = 0, resident = 0, lost = 0;
+  int32_t demoting = 0, in_l2 = 0, spilling = 0, in_l3 = 0, fetching = 0, resident = 0, lost = 0, copying_up = 0;
   int32_t l2_slots_used = 0, l2_residents = 0;
   int64_t l3_pages_used = 0;
-  int32_t in_flight() const { return demoting + spilling + fetching; }
+  int32_t in_flight() const { return demoting + spilling + fetching + copying_up; }
 };
 
 class CacheStateMap {
@@ -94,6 +97,8 @@ class CacheStateMap {
   std::optional<TierMove> begin_spill(uint64_t key);
   // kInL2 / kInL3 -> kFetching into l1_block (from L3: a staging slot, maybe still to come).
   TierMove begin_fetch(uint64_t key, int32_t l1_block);
+  // kInL2 -> kCopyingUp into l1_block; the L2 slot stays held (and readable).
+  TierMove begin_copy_up(uint64_t key, int32_t l1_block);
   // A demote's L1 source has been copied out: the block may be reused while the rest of
   // the transfer (an L3 write) goes on.
   void release_l1(uint64_t key);

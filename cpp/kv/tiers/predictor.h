@@ -34,7 +34,7 @@ struct PredictorConfig {
   double decay = 0.75;          // weight of a block's history in its heat, [0, 1)
   double promote_heat = 0.5;    // a cold block at least this hot is worth fetching back, (0, 1]
   double margin = 0.25;         // an exchange needs the resident block this much colder, [0, 1]
-  int32_t max_moves = 2;        // promotions per sequence per step (bounds the copies a step waits for)
+  int32_t max_moves = 2;        // promotions per sequence per step (bounds the copy traffic a step starts)
   double free_watermark = 0.1;  // share of L1 kept free: promotions take free blocks only above it
 };
 

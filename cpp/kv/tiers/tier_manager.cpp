@@ -80,6 +80,7 @@ const char* tier_op_name(TierOp op) {
     case TierOp::kDemote: return "demote";
     case TierOp::kSpill: return "spill";
     case TierOp::kFetch: return "fetch";
+    case TierOp::kCopyUp: return "copy_up";
   }
   return "unknown";
 }
@@ -225,9 +226,9 @@ void TierManager::start(const TierMove& mv, TierOp op, Clock::time_point t0, Tie
     });
     return;
   }
-  auto copy_in = [this, slot, t0](const TierMove& m, TierCallback cb) {
-    copier_->copy_in(slot, m.l1_block, [this, m, t0, cb = std::move(cb)](bool ok) {
-      complete(m, TierOp::kFetch, ok ? TierFault::kNone : TierFault::kCopyFailed, "", t0, cb);
+  auto copy_in = [this, slot, t0, op](const TierMove& m, TierCallback cb) {
+    copier_->copy_in(slot, m.l1_block, [this, m, t0, op, cb = std::move(cb)](bool ok) {
+      complete(m, op, ok ? TierFault::kNone : TierFault::kCopyFailed, "", t0, cb);
     });
   };
   if (mv.via == Tier::kL2) return copy_in(mv, std::move(done));
@@ -302,7 +303,7 @@ uint64_t TierManager::demote(int32_t l1_block, TierCallback done, std::function<
 
 const uint8_t* TierManager::l2_data(uint64_t key) const {
   const std::optional<TierEntry> e = map_.entry(key);
-  if (!e || e->state != BlockState::kInL2) return nullptr;
+  if (!e || (e->state != BlockState::kInL2 && e->state != BlockState::kCopyingUp)) return nullptr;
   return l2_->slot(e->l2_slot);
 }
 
@@ -333,6 +334,13 @@ void TierManager::fetch(uint64_t key, int32_t l1_block, TierCallback done) {
   } else {
     start(mv, TierOp::kFetch, t0, std::move(done));
   }
+}
+
+void TierManager::copy_up(uint64_t key, int32_t l1_block, TierCallback done) {
+  const auto t0 = Clock::now();
+  const TierMove mv = map_.begin_copy_up(key, l1_block);
+  begin_op();
+  start(mv, TierOp::kCopyUp, t0, std::move(done));
 }
 
 void TierManager::free(uint64_t key) { map_.free(key); }

@@ -4,6 +4,7 @@
 //   demote(l1_block)      L1 -> L2, or straight to L3 through a staging slot when L2 is full
 //   spill(key)            L2 -> L3
 //   fetch(key, l1_block)  L2 or L3 -> L1 (an L3 page is checked before it reaches L1)
+//   copy_up(key, l1_block) L2 -> L1, keeping the L2 copy (readable meanwhile; freed by free())
 //   free(key)             forget an offloaded copy (now, or when its transfer ends)
 //
 // Every call returns at once. A transfer to or from L3 needs an L2 slot as its I/O buffer;
@@ -63,7 +64,7 @@ struct TierConfig {
   std::function<std::unique_ptr<BlockCopier>(TaskRunner* completions)> make_copier;
 };
 
-enum class TierOp : uint8_t { kDemote, kSpill, kFetch };
+enum class TierOp : uint8_t { kDemote, kSpill, kFetch, kCopyUp };
 const char* tier_op_name(TierOp op);
 
 struct TierResult {
@@ -101,6 +102,10 @@ class TierManager {
   // Starts copying the block back into l1_block (allocated by the caller, not read until
   // `done` runs with ok).
   void fetch(uint64_t key, int32_t l1_block, TierCallback done);
+  // Starts copying a block in L2 into l1_block (allocated by the caller, not read until
+  // `done` runs with ok) while the L2 copy stays, readable through l2_data(); afterwards the
+  // block is in L2 as before (counted as a fetch from L2).
+  void copy_up(uint64_t key, int32_t l1_block, TierCallback done);
   // Forgets the copy: at once when settled, at the end of its transfer when in flight.
   void free(uint64_t key);
   // Waits until no transfer is in flight (manual mode: runs them all).
@@ -111,7 +116,8 @@ class TierManager {
   bool run_pending(size_t index);
 
   const CacheStateMap& map() const { return map_; }
-  // The bytes of a block settled in L2 (laid out as in L1), or nullptr when it is not.
+  // The bytes of a block settled in L2 or being copied up from it (laid out as in L1), or
+  // nullptr when it is neither.
   const uint8_t* l2_data(uint64_t key) const;
   int32_t l2_room() const { return map_.l2_room(); }
   TierStats stats() const;
