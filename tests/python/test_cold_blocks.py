@@ -266,3 +266,42 @@ def test_a_failure_releasing_kv_costs_neither_the_output_nor_the_engine(default_
         assert s["running"] == 0 and s["blocks_used"] == 0 and s["requests_aborted"] == 1
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("l1_blocks,prefix", [(24, False), (30, True)])
+def test_cold_blocks_promotions_and_swaps_together_give_the_all_resident_tokens(default_model, prompts, l1_blocks,
+                                                                               prefix):
+    # Three requests (two sharing a prefix) on an L1 that none of the long ones fits next to
+    # the others: preemption by swap, cold blocks, the predictor's promotions and (with
+    # prefix caching) spilled prefix blocks all happen in one run. Oracle: the same batch on
+    # a pool that holds everything.
+    tok = default_model.tokenizer
+    a = prompts[0]
+    b = a[:200] + prompts[1][:250]
+    c = tok.encode(long_text()[30000:36000])[:380]
+    roomy = K25Model(K25Config(num_threads=2, kv_cache_bytes=200 * default_model.kv_block_bytes, block_size=BLOCK,
+                               prefill_chunk_size=64, max_num_batched_tokens=96, **SPARSE))
+    try:
+        want = [o.token_ids for o in roomy.generate([a, b, c], max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                                   temperature=0.0)]
+    finally:
+        roomy.close()
+    model = small_l1(default_model, l1_blocks=l1_blocks, l2_slots=120, enable_prefix_caching=prefix,
+                     predictor_promote_heat=0.2, predictor_margin=0.05, predictor_max_moves=4, **SPARSE)
+    try:
+        got = [o.token_ids for o in model.generate([a, b, c], max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                                  temperature=0.0)]
+        deadline = time.monotonic() + 10
+        while model.stats()["blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        s, tiers = model.stats(), model.tier_stats()
+    finally:
+        model.close()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i} differs"
+    assert s["preemptions"] > 0 and s["swap_outs"] == s["swap_ins"] > 0
+    assert s["cold_demotes"] > 0 and s["cold_promotions"] > 0
+    assert s["blocks_used"] == 0 and s["cold_blocks"] == 0
+    # What the tiers still hold is cached prefix blocks only.
+    assert tiers["l2_blocks"] + tiers["l3_blocks"] == s["prefix_tier_blocks"]
+    assert prefix or s["prefix_tier_blocks"] == 0
