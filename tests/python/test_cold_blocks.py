@@ -41,18 +41,23 @@ def small_l1(default_model, l1_blocks, l2_slots, **kw):
                               l2_bytes=l2_slots * _C.kv_page_bytes(per_block), **kw))
 
 
-def run_closed(model, prompt):
-    """Greedy tokens of one prompt, then the model's stats and tier stats; closes the model."""
+def run_closed(model, batch):
+    """Greedy outputs of a batch of prompts, then the model's stats and tier stats once every
+    block is back in the pool (a promotion's copy may end after its request: the idle engine
+    applies it and gives its block back); closes the model."""
     try:
-        out = model.generate([prompt], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
-        return out, model.stats(), model.tier_stats()
+        outs = model.generate(batch, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+        deadline = time.monotonic() + 10
+        while model.stats()["blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return outs, model.stats(), model.tier_stats()
     finally:
         model.close()
 
 
 def test_a_sequence_three_times_longer_than_l1_gives_the_all_resident_tokens(default_model, prompts, reference):
     need = -(-(len(prompts[0]) + NEW_TOKENS) // BLOCK)  # 39 blocks
-    out, s, tiers = run_closed(small_l1(default_model, l1_blocks=12, l2_slots=need), prompts[0])
+    (out,), s, tiers = run_closed(small_l1(default_model, l1_blocks=12, l2_slots=need), [prompts[0]])
     assert out.token_ids == reference[0]
     # Every block past what L1 holds went to L2 (first block and the newest stay in L1).
     assert s["cold_demotes"] >= need - 12
@@ -138,6 +143,8 @@ def test_without_tiers_a_request_longer_than_the_pool_is_still_refused(default_m
 
 SPARSE = dict(enable_dynamic_sparsity=True, sparsity_min_context=128, sparsity_recent_blocks=2,
               max_sparsity_ratio=0.8, sparsity_mass_target=0.5, sparsity_score_channels=8)
+# Predictor thresholds low enough that this text's block heat triggers promotions.
+EAGER = dict(predictor_promote_heat=0.2, predictor_margin=0.05, predictor_max_moves=4)
 
 
 def all_resident_sparse_tokens(default_model, prompt, **sparse):
@@ -170,22 +177,10 @@ def test_cold_blocks_with_dynamic_sparsity_select_like_an_all_resident_run(defau
 
 
 def test_the_predictor_brings_hot_cold_blocks_back_without_changing_tokens(default_model, prompts):
-    # Thresholds low enough that the heat of this prompt's blocks triggers promotions:
-    # into free L1 blocks and in exchange for colder resident ones. A promotion's copy runs
-    # while the sequence goes on reading the block in L2.
+    # Promotions into free L1 blocks and in exchange for colder resident ones; a promotion's
+    # copy runs while the sequence goes on reading the block in L2.
     want = all_resident_sparse_tokens(default_model, prompts[0], **SPARSE)
-    model = small_l1(default_model, l1_blocks=12, l2_slots=40, predictor_promote_heat=0.2, predictor_margin=0.05,
-                     predictor_max_moves=4, **SPARSE)
-    try:
-        out = model.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
-        # The last steps' copies may end after the request: the idle engine applies them
-        # and gives their blocks back.
-        deadline = time.monotonic() + 10
-        while model.stats()["blocks_used"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        s, tiers = model.stats(), model.tier_stats()
-    finally:
-        model.close()
+    (out,), s, tiers = run_closed(small_l1(default_model, l1_blocks=12, l2_slots=40, **EAGER, **SPARSE), [prompts[0]])
     assert out.token_ids == want
     p = s["predictor"]
     assert p["exchanges"] > 0 and p["promotions"] >= p["exchanges"]
@@ -199,7 +194,7 @@ def test_the_predictor_brings_hot_cold_blocks_back_without_changing_tokens(defau
 
 def test_without_promotions_the_predictor_only_orders_demotions(default_model, prompts):
     _, s, _ = run_closed(small_l1(default_model, l1_blocks=12, l2_slots=40, predictor_max_moves=0, **SPARSE),
-                         prompts[0])
+                         [prompts[0]])
     assert s["cold_promotions"] == 0 and s["predictor"]["exchanges"] == 0 and s["cold_demotes"] >= 27
 
 
@@ -207,7 +202,7 @@ def test_hits_and_misses_count_every_block_read_of_every_decode_step(default_mod
     # Dense attention reads every block in every pass (a layer and KV head): the counts
     # must add up to passes x the blocks of each decode step's context, and the hits to
     # the resident share.
-    out, s, _ = run_closed(small_l1(default_model, l1_blocks=12, l2_slots=40), prompts[0])
+    (out,), s, _ = run_closed(small_l1(default_model, l1_blocks=12, l2_slots=40), [prompts[0]])
     p = s["predictor"]
     assert out.token_ids == reference[0]
     c = default_model.model_config
@@ -286,19 +281,10 @@ def test_cold_blocks_promotions_and_swaps_together_give_the_all_resident_tokens(
                                                    temperature=0.0)]
     finally:
         roomy.close()
-    model = small_l1(default_model, l1_blocks=l1_blocks, l2_slots=120, enable_prefix_caching=prefix,
-                     predictor_promote_heat=0.2, predictor_margin=0.05, predictor_max_moves=4, **SPARSE)
-    try:
-        got = [o.token_ids for o in model.generate([a, b, c], max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                                                  temperature=0.0)]
-        deadline = time.monotonic() + 10
-        while model.stats()["blocks_used"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        s, tiers = model.stats(), model.tier_stats()
-    finally:
-        model.close()
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g == w, f"request {i} differs"
+    outs, s, tiers = run_closed(small_l1(default_model, l1_blocks=l1_blocks, l2_slots=120,
+                                         enable_prefix_caching=prefix, **EAGER, **SPARSE), [a, b, c])
+    for i, (o, w) in enumerate(zip(outs, want)):
+        assert o.token_ids == w, f"request {i} differs"
     assert s["preemptions"] > 0 and s["swap_outs"] == s["swap_ins"] > 0
     assert s["cold_demotes"] > 0 and s["cold_promotions"] > 0
     assert s["blocks_used"] == 0 and s["cold_blocks"] == 0
