@@ -70,17 +70,7 @@ py::dict stats_dict(const EngineStats& s) {
   d["cold_blocks"] = s.cold_blocks;
   d["cold_demotes"] = s.cold_demotes;
   d["cold_promotions"] = s.cold_promotions;
-  {
-    py::dict p;
-    p["reads_l1"] = s.predictor_reads_l1;
-    p["reads_lower"] = s.predictor_reads_lower;
-    const int64_t reads = s.predictor_reads_l1 + s.predictor_reads_lower;
-    p["hit_rate"] = reads > 0 ? static_cast<double>(s.predictor_reads_l1) / static_cast<double>(reads) : 0.0;
-    p["promotions"] = s.cold_promotions;
-    p["exchanges"] = s.predictor_exchanges;
-    p["promotions_read"] = s.predictor_promotions_read;
-    d["predictor"] = p;
-  }
+  d["predictor"] = predictor_counters_dict(s.predictor);
   d["block_size"] = s.block_size;
   d["busy_time_s"] = s.busy_time_s;
   d["last_step_s"] = s.last_step_s;

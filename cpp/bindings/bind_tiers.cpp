@@ -34,6 +34,18 @@ py::dict histogram_dict(const LatencyHistogram& h) {
 
 }  // namespace
 
+py::dict predictor_counters_dict(const PredictorCounters& c) {
+  py::dict d;
+  d["steps"] = c.steps;
+  d["reads_l1"] = c.reads_l1;
+  d["reads_lower"] = c.reads_lower;
+  d["hit_rate"] = c.hit_rate();
+  d["promotions"] = c.promotions;
+  d["exchanges"] = c.exchanges;
+  d["promotions_read"] = c.promotions_read;
+  return d;
+}
+
 py::dict tier_stats_dict(const TierStats& s) {
   py::dict d;
   d["offloads"] = s.offloads;
@@ -205,18 +217,7 @@ void bind_tiers(py::module_& m) {
       .def("forget", &BlockPredictor::forget)
       .def("heat", &BlockPredictor::heat)
       .def("free_blocks_above_watermark", &BlockPredictor::free_blocks_above_watermark)
-      .def_property_readonly("counters", [](const BlockPredictor& p) {
-        const PredictorCounters& c = p.counters();
-        py::dict d;
-        d["steps"] = c.steps;
-        d["reads_l1"] = c.reads_l1;
-        d["reads_lower"] = c.reads_lower;
-        d["hit_rate"] = c.hit_rate();
-        d["promotions"] = c.promotions;
-        d["exchanges"] = c.exchanges;
-        d["promotions_read"] = c.promotions_read;
-        return d;
-      });
+      .def_property_readonly("counters", [](const BlockPredictor& p) { return predictor_counters_dict(p.counters()); });
 
   m.def("kv_page_bytes", &page_bytes_for, py::arg("block_bytes"), "Bytes of one L2 slot / L3 page.");
 

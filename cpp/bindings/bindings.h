@@ -5,11 +5,13 @@
 
 namespace k25 {
 struct TierStats;
+struct PredictorCounters;
 }
 
 namespace k25::bindings {
 
 pybind11::dict tier_stats_dict(const TierStats& s);  // bind_tiers.cpp
+pybind11::dict predictor_counters_dict(const PredictorCounters& c);  // bind_tiers.cpp
 
 void bind_model_files(pybind11::module_& m);  // bind_model_files.cpp: GGUF/safetensors readers
 void bind_engine(pybind11::module_& m);       // bind_engine.cpp: model loading, Engine

@@ -439,9 +439,8 @@ void Engine::observe_reads(const BatchMeta& meta, const std::vector<Sequence*>& 
   if (!executor_->block_reads(meta, &reads)) return;
   std::vector<uint8_t> cold;
   for (size_t i = 0; i < seqs.size() && i < reads.reads.size(); ++i) {
-    // Decode rows only: a prompt chunk reads every block and predicts nothing.
-    if (meta.query_start[i + 1] - meta.query_start[i] != 1) continue;
     const std::vector<int32_t>& r = reads.reads[i];
+    if (r.empty()) continue;  // a prompt chunk: it reads every block and predicts nothing
     const int32_t* row = meta.block_tables.data() + static_cast<std::ptrdiff_t>(i) * meta.max_blocks_per_seq;
     cold.assign(r.size(), 0);
     for (size_t b = 0; b < r.size(); ++b) cold[b] = row[b] <= cold_block_id(0);
@@ -801,13 +800,7 @@ void Engine::step() {
       stats_.prefix_tier_blocks = swap_->num_prefix_blocks();
       stats_.cold_demotes = c.cold_demotes;
       stats_.cold_promotions = c.cold_promotions;
-      if (predictor_) {
-        const PredictorCounters& p = predictor_->counters();
-        stats_.predictor_reads_l1 = p.reads_l1;
-        stats_.predictor_reads_lower = p.reads_lower;
-        stats_.predictor_exchanges = p.exchanges;
-        stats_.predictor_promotions_read = p.promotions_read;
-      }
+      if (predictor_) stats_.predictor = predictor_->counters();
       int32_t cold = 0;
       for (const Sequence* r : scheduler_->running()) cold += r->num_cold;
       stats_.cold_blocks = cold;

@@ -50,7 +50,7 @@ struct BatchMeta {
 // input (kv/tiers/predictor.h). A pass is one layer and KV head of one sequence.
 struct BlockReads {
   int32_t passes = 0;                       // passes per sequence: layers x KV heads
-  std::vector<std::vector<int32_t>> reads;  // [S][block position]: passes that read the block
+  std::vector<std::vector<int32_t>> reads;  // [S][block position]: passes that read the block (empty: not a decode row)
   std::vector<uint8_t> sparse;              // [S]: some layer selected blocks (else all were read)
 };
 
@@ -112,8 +112,9 @@ class ModelExecutor {
   // Whether steps may name cold blocks (BatchMeta::cold_blocks): the attention reads them in
   // host memory.
   virtual bool supports_cold_blocks() const { return false; }
-  // After execute(meta, ...): which blocks that step's attention read (BlockReads); false
-  // when this executor does not report it.
+  // After execute(meta, ...): which blocks that step's decode rows' attention read
+  // (BlockReads; prompt chunks read every block and are left empty); false when this
+  // executor does not report it.
   virtual bool block_reads(const BatchMeta& meta, BlockReads* out) const {
     (void)meta;
     (void)out;

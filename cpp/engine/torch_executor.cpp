@@ -355,6 +355,7 @@ class TorchExecutor : public ModelExecutor {
     out->reads.assign(S, {});
     out->sparse.assign(S, 0);
     for (int32_t s = 0; s < S; ++s) {
+      if (meta.query_start[s + 1] - meta.query_start[s] != 1) continue;  // decode rows only
       const int32_t nb = (meta.context_lens[s] + bs - 1) / bs;
       std::vector<int32_t>& r = out->reads[s];
       r.assign(nb, 0);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "k25/config.h"
+#include "k25/predictor_stats.h"
 #include "k25/sampling.h"
 
 namespace k25 {
@@ -115,15 +116,11 @@ struct EngineStats {
   // that live in L2 now, and blocks moved there so far.
   int32_t cold_blocks = 0;
   int64_t cold_demotes = 0;
-  // Its predictor (docs/offload.md "The predictor"): block reads of the attention passes
-  // (a layer and KV head each) served by L1 (hits) and by L2 (cold blocks, misses), cold
-  // blocks fetched back to L1, of those exchanged for a colder resident block, and
-  // promoted blocks that the next step read.
-  int64_t predictor_reads_l1 = 0;
-  int64_t predictor_reads_lower = 0;
+  // Cold blocks whose copy back to L1 landed in the block table (a request may end before
+  // one of its promotions lands: <= predictor.promotions).
   int64_t cold_promotions = 0;
-  int64_t predictor_exchanges = 0;
-  int64_t predictor_promotions_read = 0;
+  // Its predictor (docs/offload.md "The predictor"): hits and misses, promotions.
+  PredictorCounters predictor;
 };
 
 struct RequestSpec {

@@ -28,6 +28,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "k25/predictor_stats.h"
+
 namespace k25 {
 
 struct PredictorConfig {
@@ -36,19 +38,6 @@ struct PredictorConfig {
   double margin = 0.25;         // an exchange needs the resident block this much colder, [0, 1]
   int32_t max_moves = 2;        // promotions per sequence per step (bounds the copy traffic a step starts)
   double free_watermark = 0.1;  // share of L1 kept free: promotions take free blocks only above it
-};
-
-struct PredictorCounters {
-  int64_t steps = 0;             // (sequence, decode step) observations with sparse reads
-  int64_t reads_l1 = 0;          // decode steps' block reads by attention passes served from L1 (hits)
-  int64_t reads_lower = 0;       // ... served from L2 (cold blocks read in place: misses)
-  int64_t promotions = 0;        // cold blocks fetched back to L1
-  int64_t exchanges = 0;         // of those, with a colder resident block demoted for it
-  int64_t promotions_read = 0;   // promoted blocks read by the next observed step
-  double hit_rate() const {
-    const int64_t n = reads_l1 + reads_lower;
-    return n > 0 ? static_cast<double>(reads_l1) / static_cast<double>(n) : 0.0;
-  }
 };
 
 class BlockPredictor {

@@ -96,7 +96,7 @@ def tier_metrics(engine_stats: Dict[str, Dict]):
                                 "by where the block was: l1 (a hit) or l2 (a cold block read in place, a miss)",
                                 labels=["model", "tier"])
     promotions = CounterMetricFamily("k25_kv_predictor_promotions",
-                                     "Cold blocks the tier predictor fetched back to L1", labels=["model"])
+                                     "Cold blocks the tier predictor started copying back to L1", labels=["model"])
     for model, s in engine_stats.items():
         t = s.get("tiers")
         if not t:
