@@ -104,6 +104,7 @@ static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA on sm_90");
 constexpr int kProducerRegs = 56;   // setmaxnreg budgets: 128 * 56 + 256 * 224 = 64512,
 constexpr int kConsumerRegs = 224;  // the 168 x 384 the launch bounds give the CTA
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLazyRescaleLog2 = 8.0f;  // see softmax: P < 2^8 between rescales
 
 // Byte offset of 16-byte chunk c (0..15, 8 elements each) of row r in a swizzled tile.
 __device__ __forceinline__ constexpr uint32_t tile_off(int r, int c) {
@@ -249,7 +250,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int q_len = batch.query_start[w.seq + 1] - q0;
   const int first_pos = batch.context_lens[w.seq] - q_len + w.q_begin;  // position of row 0's token
   const int rows = (w.q_end - w.q_begin) * group;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // warp through a shuffle from lane 0: the compiler then knows it is warp-uniform (as
+  // CUTLASS's canonical_warp_idx_sync does), and so are the consumer's tile loop and stage
+  // indices derived from it below, which keeps the wgmma descriptors' arithmetic on the
+  // uniform datapath instead of vector registers copied over (R2UR) before every wgmma: the
+  // loop went from ~594 to ~449 instructions a warp and tile (SASS, ncu).
+  const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid % 32;
 
   // Keys row r may see: [lo, hi]. Both only grow with r (rows are in token order).
   auto limits = [&](int r, int& lo, int& hi) {
@@ -397,6 +403,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     j_first = (lo_first - key_lo) / kKeys;
     j_last = (hi_last - key_lo) / kKeys;
   }
+  // Warp-uniform by construction (one warpgroup's range); the shuffles tell the compiler.
+  j_first = __shfl_sync(0xffffffffu, j_first, 0);
+  j_last = __shfl_sync(0xffffffffu, j_last, 0);
 
   const uint64_t desc_q = make_desc(s_q + wg * 64 * 128, 16, 1024);
   auto desc_k = [&](int s) { return make_desc(s_k + s * kTileBytes, 16, 1024); };
@@ -478,13 +487,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 4; ++i) v[i] = fmaxf(v[i], v[i + 4]);
       v[0] = fmaxf(fmaxf(v[0], v[2]), fmaxf(v[1], v[3]));
-      float mx = fmaxf(m[h], v[0]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // A row with no key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
-      const float mb = mx == -INFINITY ? 0.0f : mx * sl2;
-      alpha[h] = fast_exp2(m[h] * sl2 - mb);
-      m[h] = mx;
+      float tmax = v[0];
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+      // Lazy rescaling (as in FlashAttention-4): the max that the exponentials are taken
+      // against moves only when the tile's max exceeds it by more than 2^kLazyRescaleLog2 in
+      // the exponent's units, so P stays below 2^kLazyRescaleLog2 (exact in fp32 and in the
+      // 16-bit P, whose relative precision does not depend on the magnitude) and, past the
+      // first tiles, no row moves and O is not rescaled at all. A row with no key yet keeps
+      // max -inf and moves at its first finite score (-inf + x is -inf).
+      const float mold = m[h];
+      const float mnew = tmax * sl2 > fmaf(mold, sl2, kLazyRescaleLog2) ? tmax : mold;
+      const float mb = mnew == -INFINITY ? 0.0f : mnew * sl2;  // exp2 then gives 0, not NaN
+      // Exactly 1 for a row that did not move, by selection: exp2 of mold * sl2 - mb would be
+      // exp2 of a rounding residue once the compiler contracts it into an FMA.
+      alpha[h] = mnew == mold ? 1.0f : fast_exp2(mold * sl2 - mb);
+      m[h] = mnew;
       float sum = 0.0f;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
@@ -541,9 +559,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (j_first <= j_last) {
     float alpha[2] = {1.0f, 1.0f};  // set by each softmax before rescale_o reads it
-    // alpha is exactly 1 for a row whose max did not grow (exp2 of exactly 0), which past
-    // the first few tiles is most rows: skip the 64 multiplies when that holds for the whole
-    // warp (multiplying by 1 changes nothing, so the result is bit-identical).
+    // alpha is exactly 1 for a row whose max did not move (softmax's lazy rescaling), which
+    // past the first tiles is every row: skip the 64 multiplies when that holds for the
+    // whole warp (multiplying by 1 changes nothing).
     auto rescale_o = [&]() {
       if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll

@@ -2,6 +2,8 @@
 # One call on the GPU machine: build k25 with CUDA once, run tests/cuda, then the GPU
 # benchmarks. Results and logs go to $OUT. Extra arguments go to pytest.
 #   bash bench/gpu/run_all.sh [-k expr]
+# K25_SKIP_TESTS=1 skips tests/cuda; K25_ATTN_BENCH=1, K25_SPARSE_BENCH=1, K25_BENCH=1 and
+# K25_PROBE=1 (carried probe/ binaries) run the benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/k25-out}
@@ -37,6 +39,11 @@ if [ "${K25_ATTN_BENCH:-0}" = "1" ]; then
   fi
   FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=$(nproc) python3 bench/gpu/attention_bench.py \
     --json "$OUT/attention_bench.json" ${K25_ATTN_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/attention_bench.log"
+fi
+if [ "${K25_PROBE:-0}" = "1" ] && ls probe/prefill_probe_* >/dev/null 2>&1; then
+  # The prefill kernel alone (binaries built on the CPU box by bench/gpu/build_probe.sh,
+  # probe/ carried), in the same call as attention_bench's figure for the same kernel.
+  bash bench/gpu/probe_run.sh ${K25_PROBE_LENS:-16384} 2>&1 | tee "$OUT/probe_run.log" | tail -12
 fi
 if [ "${K25_SPARSE_BENCH:-0}" = "1" ]; then
   python3 bench/gpu/sparse_attention_bench.py --json "$OUT/sparse_attention_bench.json" 2>&1 | grep -v Warning \

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On the GPU machine: times each carried probe binary (bench/gpu/build_probe.sh builds them
+# on the CPU box into probe/) at each length, in alternating rounds, then PyTorch SDPA on the
+# same shapes, and prints each variant's best median TFLOP/s with its ratio to SDPA measured
+# in the same call. K25_PROBE_NCU=<variant> also profiles that variant and cuDNN's SDPA kernel
+# under Nsight Compute: headline metrics printed, details and per-SASS-line stall pages (CSV)
+# under $OUT.
+#   bash bench/gpu/probe_run.sh [L ...]          (default 16384; carry probe/)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/k25-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+lens=("$@")
+[ ${#lens[@]} -eq 0 ] && lens=(16384)
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv,noheader
+for round in 1 2; do
+  for b in probe/prefill_probe_*; do
+    for L in "${lens[@]}"; do "$b" "$L" 10 2>&1 | tee -a "$OUT/probe.log"; done
+  done
+done
+python3 bench/gpu/sdpa_ref.py "${lens[@]}" 2>&1 | grep -v Warn | tee -a "$OUT/probe.log"
+python3 bench/gpu/sdpa_ref.py --summary "$OUT/probe.log"
+v=${K25_PROBE_NCU:-}
+if [ -n "$v" ]; then
+  NCU="ncu --clock-control none --set full --import-source yes"
+  $NCU -k regex:prefill_sm90 -c 1 -f -o "$OUT/k25" "probe/prefill_probe_$v" 16384 1 > /tmp/ncu_k25.log 2>&1
+  tail -2 /tmp/ncu_k25.log
+  $NCU -k regex:"fprop|fmha|flash|sdpa|attention" --launch-skip 1 -c 1 -f -o "$OUT/sdpa" \
+    python3 bench/gpu/sdpa_ref.py --once 16384 > /tmp/ncu_sdpa.log 2>&1
+  tail -2 /tmp/ncu_sdpa.log
+  for r in k25 sdpa; do
+    [ -f "$OUT/$r.ncu-rep" ] || continue
+    ncu -i "$OUT/$r.ncu-rep" --page details --csv > "$OUT/${r}_details.csv" 2>&1
+    python3 bench/gpu/ncu_summary.py "$OUT/${r}_details.csv"
+  done
+  ncu -i "$OUT/k25.ncu-rep" --page source --csv --print-source sass > "$OUT/k25_source.csv" 2> /tmp/k25_source.err
+  rm -f "$OUT"/*.ncu-rep  # the CSV pages hold what is read back; the reports may pass the size limit
+fi

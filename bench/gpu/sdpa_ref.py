@@ -1,0 +1,85 @@
+"""Causal prefill through PyTorch SDPA (GQA 32/8, head_dim 128, bf16), the reference that
+bench/gpu/prefill_probe.cu's figures are compared with in the same GPU call.
+
+    python3 bench/gpu/sdpa_ref.py [L ...]        # TFLOP/s per backend, median of 10
+    python3 bench/gpu/sdpa_ref.py --once L       # one call after a warm-up (for a profiler)
+    python3 bench/gpu/sdpa_ref.py --summary LOG  # each probe variant's best median / SDPA's
+"""
+import re
+import sys
+
+HQ, HKV, D = 32, 8, 128
+
+
+def summary(path):
+    """Best median per (variant, L) of the probe lines in the log, over SDPA's default path."""
+    best = {}
+    for line in open(path):
+        m = re.match(r"(\S+)\s+L=(\d+) .*?([\d.]+) TFLOP/s", line)
+        if m:
+            key = (m.group(1), int(m.group(2)))
+            best[key] = max(best.get(key, 0.0), float(m.group(3)))
+    for (name, L), tf in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        ref = best.get(("sdpa-default", L))
+        if not name.startswith("sdpa"):
+            ratio = f"{tf / ref:.3f}x SDPA" if ref else "no SDPA figure"
+            print(f"{name:24s} L={L:<6d} {tf:7.1f} TFLOP/s  {ratio}")
+
+
+def once(L):
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(1, HQ, L, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for _ in range(2):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.cuda.synchronize()
+
+
+def main():
+    if sys.argv[1:2] == ["--summary"]:
+        return summary(sys.argv[2])
+    if sys.argv[1:2] == ["--once"]:
+        return once(int(sys.argv[2]))
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lens = [int(a) for a in sys.argv[1:]] or [16384]
+    for L in lens:
+        q = torch.randn(1, HQ, L, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * HQ * D * L * L
+        for name, be in [("default", None), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                         ("flash", SDPBackend.FLASH_ATTENTION)]:
+            def f():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            try:
+                if be is None:
+                    fn = f
+                else:
+                    def fn(be=be):
+                        with sdpa_kernel(be):
+                            return f()
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                ms = []
+                for _ in range(10):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    fn()
+                    b.record()
+                    b.synchronize()
+                    ms.append(a.elapsed_time(b))
+                ms.sort()
+                print(f"sdpa-{name:8s} L={L} {ms[5]:.3f} ms  {flops / ms[5] / 1e9:.1f} TFLOP/s", flush=True)
+            except Exception as e:  # a backend this build or shape lacks
+                print(f"sdpa-{name:8s} L={L} unavailable: {type(e).__name__}: {str(e)[:120]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
