@@ -496,13 +496,20 @@ class K25Model:
         finished = False
         full = ""     # all text decoded so far
         emitted = 0   # how much of it was yielded
+        get: Optional[asyncio.Future] = None  # the pending read of the queue, kept across timeouts
         try:
             while True:
-                try:
-                    out = await asyncio.wait_for(sink.queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
+                if get is None:
+                    get = asyncio.ensure_future(sink.queue.get())
+                # asyncio.wait, not wait_for: on Python 3.11 wait_for returns the result and
+                # drops a cancellation that arrives just as the read completes, so a cancelled
+                # stream (a client gone) would run on to its end without an abort.
+                done, _ = await asyncio.wait((get,), timeout=0.5)
+                if not done:
                     self._check_open()  # a close() racing with this request ends the wait
                     continue
+                out = get.result()
+                get = None
                 if out.finish_reason == "error":
                     finished = True
                     raise EngineError(f"request failed: {out.error}")
@@ -533,6 +540,8 @@ class K25Model:
                 if finished:
                     return
         finally:
+            if get is not None:
+                get.cancel()  # Queue.get gives up without taking an item
             if not finished:
                 self._engine.abort(rid)
 

@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -388,6 +389,58 @@ def test_cancelling_a_stream_task_aborts_request(default_model):
         return await async_wait_until(lambda: m.stats()["requests_aborted"] == before + 1 and idle(m))
 
     assert asyncio.run(main())
+
+
+def test_a_cancel_landing_with_an_output_still_ends_the_stream_and_aborts(default_model, monkeypatch):
+    """The server's disconnect watcher cancels a request's task once. That cancellation must
+    end the stream and abort the request also when it arrives just as the next output is
+    read: asyncio.wait_for (Python 3.11) returned the output and dropped the cancellation,
+    so the request ran on to its end (tests/python/test_server.py's non-streaming
+    disconnect test failed that way now and then). The engine is a fake here, so that the
+    output and the cancel land in chosen turns of the event loop."""
+    m = default_model
+    sinks, aborted = [], []
+
+    def submit(ids, params, priority, sink, *args, **kwargs):
+        sinks.append(sink)
+        return len(sinks)
+
+    class Engine:
+        def abort(self, rid):
+            aborted.append(rid)
+
+    monkeypatch.setattr(m, "_submit", submit)
+    monkeypatch.setattr(m, "_engine", Engine())
+    step = SimpleNamespace(finish_reason=None, finished=False, new_token_ids=[42], new_logprobs=[],
+                           stop_string="", num_output_tokens=1, queue_time_s=0.0, prefill_chunks=1,
+                           prefill_time_s=0.0, num_preemptions=0, error="")
+
+    async def consume():
+        async for _ in m.stream_events(PROMPT, max_new_tokens=50):
+            pass
+
+    async def trial(turns_before_output, turns_before_cancel):
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)  # the stream has submitted and waits for its first output
+        for _ in range(turns_before_output):
+            await asyncio.sleep(0)
+        sinks[-1].queue.put_nowait(step)
+        for _ in range(turns_before_cancel):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait((task,), timeout=2.0)
+        ended = task.cancelled()
+        if not task.done():  # the cancellation was lost: end it for good
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return ended
+
+    async def main():
+        return [await trial(a, b) for a in range(3) for b in range(5)]
+
+    ended = asyncio.run(main())
+    assert all(ended), f"cancellations lost in {ended.count(False)} of {len(ended)} orders"
+    assert aborted == list(range(1, len(sinks) + 1))
 
 
 def test_many_concurrent_streams_complete(default_model):
