@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: times each carried probe binary (bench/gpu/build_probe.sh builds them
-# on the CPU box into probe/) at each length, in alternating rounds, then PyTorch SDPA on the
-# same shapes, and prints each variant's best median TFLOP/s with its ratio to SDPA measured
-# in the same call. K25_PROBE_NCU=<variant> also profiles that variant and cuDNN's SDPA kernel
+# on the CPU box into probe/) in two alternating rounds (prefill probes at each length L,
+# decode probes at each case of K25_DECODE_CASES, "BxL" each), then PyTorch SDPA on the same
+# shapes, and prints each variant's best median with its ratio to SDPA measured in the same
+# call. K25_PROBE_NCU=<variant> also profiles that prefill variant and cuDNN's SDPA kernel
 # under Nsight Compute: headline metrics printed, details and per-SASS-line stall pages (CSV)
 # under $OUT.
 #   bash bench/gpu/probe_run.sh [L ...]          (default 16384; carry probe/)
@@ -14,12 +15,23 @@ export PYTHONUNBUFFERED=1
 lens=("$@")
 [ ${#lens[@]} -eq 0 ] && lens=(16384)
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv,noheader
+read -r -a cases <<< "${K25_DECODE_CASES:-8x32768 32x8192 1x32768}"
 for round in 1 2; do
   for b in probe/prefill_probe_*; do
+    [ -x "$b" ] || continue
     for L in "${lens[@]}"; do "$b" "$L" 10 2>&1 | tee -a "$OUT/probe.log"; done
   done
+  for b in probe/decode_probe_*; do
+    [ -x "$b" ] || continue
+    for c in "${cases[@]}"; do "$b" "${c%x*}" "${c#*x}" 2>&1 | tee -a "$OUT/probe.log"; done
+  done
 done
-python3 bench/gpu/sdpa_ref.py "${lens[@]}" 2>&1 | grep -v Warn | tee -a "$OUT/probe.log"
+if ls probe/prefill_probe_* >/dev/null 2>&1; then
+  python3 bench/gpu/sdpa_ref.py "${lens[@]}" 2>&1 | grep -v Warn | tee -a "$OUT/probe.log"
+fi
+if ls probe/decode_probe_* >/dev/null 2>&1; then
+  python3 bench/gpu/sdpa_ref.py --decode "${cases[@]}" 2>&1 | grep -v Warn | tee -a "$OUT/probe.log"
+fi
 python3 bench/gpu/sdpa_ref.py --summary "$OUT/probe.log"
 v=${K25_PROBE_NCU:-}
 if [ -n "$v" ]; then

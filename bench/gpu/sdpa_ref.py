@@ -1,9 +1,11 @@
-"""Causal prefill through PyTorch SDPA (GQA 32/8, head_dim 128, bf16), the reference that
-bench/gpu/prefill_probe.cu's figures are compared with in the same GPU call.
+"""PyTorch SDPA on the probes' shapes (GQA 32/8, head_dim 128, bf16, contiguous KV): the
+reference that bench/gpu/prefill_probe.cu's and decode_probe.cu's figures are compared with
+in the same GPU call.
 
-    python3 bench/gpu/sdpa_ref.py [L ...]        # TFLOP/s per backend, median of 10
-    python3 bench/gpu/sdpa_ref.py --once L       # one call after a warm-up (for a profiler)
-    python3 bench/gpu/sdpa_ref.py --summary LOG  # each probe variant's best median / SDPA's
+    python3 bench/gpu/sdpa_ref.py [L ...]         # causal prefill, TFLOP/s per backend, median of 10
+    python3 bench/gpu/sdpa_ref.py --decode BxL .. # decode, KV TB/s (the better GQA form), as attention_bench
+    python3 bench/gpu/sdpa_ref.py --once L        # one prefill call after a warm-up (for a profiler)
+    python3 bench/gpu/sdpa_ref.py --summary LOG   # each probe variant's best median / SDPA's
 """
 import re
 import sys
@@ -12,18 +14,57 @@ HQ, HKV, D = 32, 8, 128
 
 
 def summary(path):
-    """Best median per (variant, L) of the probe lines in the log, over SDPA's default path."""
+    """Best median per (variant, case) of the probe lines in the log, over SDPA's in the log
+    (prefill: its default path; decode: its better GQA form)."""
     best = {}
     for line in open(path):
         m = re.match(r"(\S+)\s+L=(\d+) .*?([\d.]+) TFLOP/s", line)
+        d = re.match(r"(\S+)\s+B=(\d+) L=(\d+) .*?([\d.]+) TB/s", line)
         if m:
-            key = (m.group(1), int(m.group(2)))
-            best[key] = max(best.get(key, 0.0), float(m.group(3)))
-    for (name, L), tf in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        ref = best.get(("sdpa-default", L))
-        if not name.startswith("sdpa"):
-            ratio = f"{tf / ref:.3f}x SDPA" if ref else "no SDPA figure"
-            print(f"{name:24s} L={L:<6d} {tf:7.1f} TFLOP/s  {ratio}")
+            key, value = (m.group(1), f"prefill L={m.group(2)}"), float(m.group(3))
+        elif d:
+            key, value = (d.group(1), f"decode B={d.group(2)} L={d.group(3)}"), float(d.group(4))
+        else:
+            continue
+        best[key] = max(best.get(key, 0.0), value)
+    for (name, case), v in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if name.startswith("sdpa"):
+            continue
+        ref = best.get(("sdpa-default" if case.startswith("prefill") else "sdpa-decode", case))
+        unit = "TFLOP/s" if case.startswith("prefill") else "TB/s"
+        ratio = f"{v / ref:.3f}x SDPA" if ref else "no SDPA figure"
+        print(f"{name:24s} {case:22s} {v:8.2f} {unit}  {ratio}")
+
+
+def decode(cases):
+    import torch
+    import torch.nn.functional as F
+
+    def time_ms(fn, iters=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = float("inf")
+        for _ in range(5):
+            a.record()
+            for _ in range(iters):
+                fn()
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / iters)
+        return best
+
+    for c in cases:
+        B, L = (int(x) for x in c.split("x"))
+        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        gb = B * L * HKV * D * 2 * 2 / 1e9
+        rows = lambda: F.scaled_dot_product_attention(q.view(B, HKV, HQ // HKV, D), k, v)  # noqa: E731
+        gqa = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+        tbps = max(gb / time_ms(fn) for fn in (rows, gqa))  # GB / ms = TB/s
+        print(f"sdpa-decode  B={B} L={L}  {tbps:.2f} TB/s", flush=True)
 
 
 def once(L):
@@ -43,6 +84,8 @@ def main():
         return summary(sys.argv[2])
     if sys.argv[1:2] == ["--once"]:
         return once(int(sys.argv[2]))
+    if sys.argv[1:2] == ["--decode"]:
+        return decode(sys.argv[2:])
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -1,0 +1,104 @@
+// Times the paged decode attention kernel alone, without torch: B sequences of L keys (GQA
+// 32/8, head_dim 128, bf16, pages of 16 in shuffled order), one query token each, in the
+// CUDA-graph form the engine's decode steps use (splits derived on the device, merged inside
+// the kernel), checked against a float32 CUDA-core reference. Built on the CPU box with
+// nvcc and carried, like prefill_probe.cu:
+//
+//   bash bench/gpu/build_probe.sh [name:"-DFLAGS"] ...   # here: probe/decode_probe_<name>
+//   probe/decode_probe_<name> B L [rounds]               # there (bench/gpu/probe_run.sh)
+//
+// Prints one line: variant, batch, length, splits, median and best us a call (rounds of 20
+// back-to-back calls), KV bytes read per second (median), relative error. Exits 2 when the
+// error is above 1e-2.
+#include "k25_cuda.h"
+#include "probe_common.cuh"
+
+#ifndef K25_PROBE_VARIANT
+#define K25_PROBE_VARIANT "base"
+#endif
+
+namespace {
+
+using namespace probe;
+
+__global__ void reference(const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* pool, const int* tables,
+                          int max_blocks, int B, int L, float scale, float* out) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  if (warp >= B * kHq) return;
+  const int s = warp / kHq, h = warp % kHq;
+  reference_row(q + s * q_stride + h * kD, pool, tables + static_cast<int64_t>(s) * max_blocks, L,
+                h / (kHq / kHkv), scale, out + (static_cast<int64_t>(s) * kHq + h) * kD);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace k25;
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s B L [rounds]\n", argv[0]);
+    return 1;
+  }
+  const int B = std::atoi(argv[1]), L = std::atoi(argv[2]);
+  const int rounds = argc > 3 ? std::atoi(argv[3]) : 7;
+  const int group = kHq / kHkv, qkv_cols = (kHq + 2 * kHkv) * kD;
+  Pool pool(std::vector<int>(B, L), 7 * B + L);
+
+  // The engine's split rule for the graph form (cuda_glue::decode_splits_for): one wave.
+  const int wave = cuda::decode_attention_wave(cuda::DType::kBF16, kD, group);
+  const int splits = std::max(1, std::min(64, wave / std::max(1, B * kHkv)));
+
+  std::vector<int> qs(B + 1), cl(B, L);
+  for (int i = 0; i <= B; ++i) qs[i] = i;
+  __nv_bfloat16 *d_q, *d_out;
+  int *d_qs, *d_cl, *d_counters;
+  float *d_partials, *d_ref;
+  const size_t out_elems = static_cast<size_t>(B) * kHq * kD;
+  CHECK(cudaMalloc(&d_q, static_cast<int64_t>(B) * qkv_cols * 2));
+  CHECK(cudaMalloc(&d_out, out_elems * 2));
+  CHECK(cudaMalloc(&d_ref, out_elems * 4));
+  CHECK(cudaMalloc(&d_qs, qs.size() * sizeof(int)));
+  CHECK(cudaMalloc(&d_cl, cl.size() * sizeof(int)));
+  CHECK(cudaMalloc(&d_counters, static_cast<size_t>(B) * kHkv * sizeof(int)));
+  CHECK(cudaMalloc(&d_partials, static_cast<size_t>(B) * kHkv * splits * group * (kD + cuda::kPartialPad) * 4));
+  CHECK(cudaMemset(d_counters, 0, static_cast<size_t>(B) * kHkv * sizeof(int)));  // zero at rest
+  fill_random<<<1024, 256>>>(d_q, static_cast<int64_t>(B) * qkv_cols, 3);
+  CHECK(cudaMemcpy(d_qs, qs.data(), qs.size() * sizeof(int), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_cl, cl.data(), cl.size() * sizeof(int), cudaMemcpyHostToDevice));
+
+  cuda::KVCache kv;
+  kv.data = pool.data;
+  kv.num_layers = 1;
+  kv.num_kv_heads = kHkv;
+  kv.head_dim = kD;
+  kv.block_size = kPage;
+  cuda::AttnBatch b{};
+  b.query_start = d_qs;
+  b.context_lens = d_cl;
+  b.block_tables = pool.d_table;
+  b.max_blocks = pool.max_blocks;
+  b.partials = d_partials;
+  b.decode_splits = splits;
+  b.num_seqs = B;
+  b.split_counters = splits > 1 ? d_counters : nullptr;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
+  const int items = B * kHkv * splits;
+  auto run = [&] {
+    cuda::decode_attention(cuda::DType::kBF16, d_q, qkv_cols, d_out, kv, 0, b, kHq, scale, 0, items, nullptr);
+  };
+
+  CHECK(cudaMemset(d_out, 0xFF, out_elems * 2));  // NaN: every element must be written
+  run();
+  CHECK(cudaGetLastError());
+  reference<<<(B * kHq * 32 + 255) / 256, 256>>>(d_q, qkv_cols, pool.data, pool.d_table, pool.max_blocks, B, L,
+                                                 scale, d_ref);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  const double rel = rel_err(d_out, d_ref, out_elems);
+
+  double med = 0, best = 0;
+  time_calls(run, rounds, 20, &med, &best);
+  const double bytes = static_cast<double>(B) * L * kHkv * kD * 2 * 2;  // K and V, bf16
+  std::printf("%-24s B=%d L=%d splits=%d  %.1f us (min %.1f)  %.2f TB/s  rel_err %.2e\n", K25_PROBE_VARIANT, B, L,
+              splits, med * 1e3, best * 1e3, bytes / (med * 1e-3) / 1e12, rel);
+  return rel < 1e-2 ? 0 : 2;
+}
