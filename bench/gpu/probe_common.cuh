@@ -24,7 +24,10 @@
 
 namespace probe {
 
-constexpr int kHq = 32, kHkv = 8, kD = 128, kPage = 16;  // Llama-3.1-8B attention, pages of 16
+#ifndef K25_PROBE_PAGE
+#define K25_PROBE_PAGE 16  // tokens per page (block_size); -DK25_PROBE_PAGE=32 builds another
+#endif
+constexpr int kHq = 32, kHkv = 8, kD = 128, kPage = K25_PROBE_PAGE;  // Llama-3.1-8B attention
 
 // Roughly normal values (sum of four uniforms, unit variance) from a counter hash: never zeros.
 __global__ void fill_random(__nv_bfloat16* x, int64_t n, uint64_t seed) {
