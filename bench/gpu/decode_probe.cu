@@ -47,35 +47,20 @@ int main(int argc, char** argv) {
   const int wave = cuda::decode_attention_wave(cuda::DType::kBF16, kD, group);
   const int splits = std::max(1, std::min(64, wave / std::max(1, B * kHkv)));
 
-  std::vector<int> qs(B + 1), cl(B, L);
-  for (int i = 0; i <= B; ++i) qs[i] = i;
   __nv_bfloat16 *d_q, *d_out;
-  int *d_qs, *d_cl, *d_counters;
+  int* d_counters;
   float *d_partials, *d_ref;
   const size_t out_elems = static_cast<size_t>(B) * kHq * kD;
   CHECK(cudaMalloc(&d_q, static_cast<int64_t>(B) * qkv_cols * 2));
   CHECK(cudaMalloc(&d_out, out_elems * 2));
   CHECK(cudaMalloc(&d_ref, out_elems * 4));
-  CHECK(cudaMalloc(&d_qs, qs.size() * sizeof(int)));
-  CHECK(cudaMalloc(&d_cl, cl.size() * sizeof(int)));
   CHECK(cudaMalloc(&d_counters, static_cast<size_t>(B) * kHkv * sizeof(int)));
   CHECK(cudaMalloc(&d_partials, static_cast<size_t>(B) * kHkv * splits * group * (kD + cuda::kPartialPad) * 4));
   CHECK(cudaMemset(d_counters, 0, static_cast<size_t>(B) * kHkv * sizeof(int)));  // zero at rest
   fill_random<<<1024, 256>>>(d_q, static_cast<int64_t>(B) * qkv_cols, 3);
-  CHECK(cudaMemcpy(d_qs, qs.data(), qs.size() * sizeof(int), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_cl, cl.data(), cl.size() * sizeof(int), cudaMemcpyHostToDevice));
 
-  cuda::KVCache kv;
-  kv.data = pool.data;
-  kv.num_layers = 1;
-  kv.num_kv_heads = kHkv;
-  kv.head_dim = kD;
-  kv.block_size = kPage;
-  cuda::AttnBatch b{};
-  b.query_start = d_qs;
-  b.context_lens = d_cl;
-  b.block_tables = pool.d_table;
-  b.max_blocks = pool.max_blocks;
+  const cuda::KVCache kv = pool.cache();
+  cuda::AttnBatch b = pool.batch(std::vector<int>(B, 1));
   b.partials = d_partials;
   b.decode_splits = splits;
   b.num_seqs = B;

@@ -48,32 +48,18 @@ int main(int argc, char** argv) {
   const AttentionPlan plan = plan_attention(qs, cl, 1, pp);
 
   __nv_bfloat16 *d_qkv, *d_out;
-  int *d_qs, *d_cl;
   cuda::AttnWork* d_work;
   float* d_ref;
   const size_t out_elems = static_cast<size_t>(L) * kHq * kD;
   CHECK(cudaMalloc(&d_qkv, static_cast<int64_t>(L) * qkv_cols * 2));
   CHECK(cudaMalloc(&d_out, out_elems * 2));
   CHECK(cudaMalloc(&d_ref, out_elems * 4));
-  CHECK(cudaMalloc(&d_qs, sizeof(qs)));
-  CHECK(cudaMalloc(&d_cl, sizeof(cl)));
   CHECK(cudaMalloc(&d_work, plan.work.size() * sizeof(cuda::AttnWork)));
   fill_random<<<1024, 256>>>(d_qkv, static_cast<int64_t>(L) * qkv_cols, 1);
-  CHECK(cudaMemcpy(d_qs, qs, sizeof(qs), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_cl, cl, sizeof(cl), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(d_work, plan.work.data(), plan.work.size() * sizeof(cuda::AttnWork), cudaMemcpyHostToDevice));
 
-  cuda::KVCache kv;
-  kv.data = pool.data;
-  kv.num_layers = 1;
-  kv.num_kv_heads = kHkv;
-  kv.head_dim = kD;
-  kv.block_size = kPage;
-  cuda::AttnBatch b{};
-  b.query_start = d_qs;
-  b.context_lens = d_cl;
-  b.block_tables = pool.d_table;
-  b.max_blocks = pool.max_blocks;
+  const cuda::KVCache kv = pool.cache();
+  cuda::AttnBatch b = pool.batch({L});
   b.work = d_work;
   b.num_work = static_cast<int>(plan.work.size());
   const float scale = 1.0f / std::sqrt(static_cast<float>(kD));

@@ -13,6 +13,8 @@
 #include <random>
 #include <vector>
 
+#include "k25_cuda.h"
+
 #define CHECK(x)                                                                             \
   do {                                                                                       \
     cudaError_t e_ = (x);                                                                    \
@@ -50,7 +52,7 @@ struct Pool {
   int* d_table = nullptr;
   std::vector<int> table;
   int pages = 0, max_blocks = 0;
-  Pool(const std::vector<int>& lens, uint64_t seed) {
+  Pool(const std::vector<int>& seq_lens, uint64_t seed) : lens(seq_lens) {
     for (int n : lens) max_blocks = std::max(max_blocks, (n + kPage - 1) / kPage);
     for (int n : lens) pages += (n + kPage - 1) / kPage;
     std::vector<int> perm(pages);
@@ -69,6 +71,33 @@ struct Pool {
     CHECK(cudaMemcpy(d_table, table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice));
   }
   int64_t elements() const { return static_cast<int64_t>(pages) * 2 * kHkv * kPage * kD; }
+  k25::cuda::KVCache cache() const {
+    k25::cuda::KVCache kv;
+    kv.data = data;
+    kv.num_layers = 1;
+    kv.num_kv_heads = kHkv;
+    kv.head_dim = kD;
+    kv.block_size = kPage;
+    return kv;
+  }
+  // A batch over the pool's sequences with q_lens[s] query tokens each (the last of its
+  // context): query_start, context_lens and the block table set, the rest for the caller.
+  k25::cuda::AttnBatch batch(const std::vector<int>& q_lens) {
+    std::vector<int> qs(1, 0);
+    for (int n : q_lens) qs.push_back(qs.back() + n);
+    CHECK(cudaMalloc(&d_query_start, qs.size() * sizeof(int)));
+    CHECK(cudaMalloc(&d_context_lens, lens.size() * sizeof(int)));
+    CHECK(cudaMemcpy(d_query_start, qs.data(), qs.size() * sizeof(int), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_context_lens, lens.data(), lens.size() * sizeof(int), cudaMemcpyHostToDevice));
+    k25::cuda::AttnBatch b{};
+    b.query_start = d_query_start;
+    b.context_lens = d_context_lens;
+    b.block_tables = d_table;
+    b.max_blocks = max_blocks;
+    return b;
+  }
+  std::vector<int> lens;
+  int *d_query_start = nullptr, *d_context_lens = nullptr;
 };
 
 // Row `key` of K (kv 0) or V (kv 1) of KV head h in the pool, for a sequence's table.
