@@ -40,9 +40,9 @@ if [ "${K25_ATTN_BENCH:-0}" = "1" ]; then
   FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=$(nproc) python3 bench/gpu/attention_bench.py \
     --json "$OUT/attention_bench.json" ${K25_ATTN_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/attention_bench.log"
 fi
-if [ "${K25_PROBE:-0}" = "1" ] && ls probe/prefill_probe_* >/dev/null 2>&1; then
-  # The prefill kernel alone (binaries built on the CPU box by bench/gpu/build_probe.sh,
-  # probe/ carried), in the same call as attention_bench's figure for the same kernel.
+if [ "${K25_PROBE:-0}" = "1" ] && ls probe/*_probe_* >/dev/null 2>&1; then
+  # The attention kernels alone (binaries built on the CPU box by bench/gpu/build_probe.sh,
+  # probe/ carried), in the same call as attention_bench's figures for the same kernels.
   bash bench/gpu/probe_run.sh ${K25_PROBE_LENS:-16384} 2>&1 | tee "$OUT/probe_run.log" | tail -12
 fi
 if [ "${K25_SPARSE_BENCH:-0}" = "1" ]; then

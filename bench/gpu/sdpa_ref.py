@@ -36,34 +36,45 @@ def summary(path):
         print(f"{name:24s} {case:22s} {v:8.2f} {unit}  {ratio}")
 
 
-def decode(cases):
+def call_ms(fn, rounds, per_round=1):
+    """Sorted times of `rounds` rounds of `per_round` back-to-back calls, in ms per call,
+    after three warm-up calls (as probe_common.cuh's time_calls)."""
     import torch
-    import torch.nn.functional as F
 
-    def time_ms(fn, iters=20):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(rounds):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = float("inf")
-        for _ in range(5):
-            a.record()
-            for _ in range(iters):
-                fn()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) / iters)
-        return best
+        a.record()
+        for _ in range(per_round):
+            fn()
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b) / per_round)
+    return sorted(ms)
+
+
+def inputs(B, Lq, L):
+    """Random q [B, HQ, Lq, D] and contiguous k, v [B, HKV, L, D] in bf16."""
+    import torch
+
+    q = torch.randn(B, HQ, Lq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k)
+
+
+def decode(cases):
+    import torch.nn.functional as F
 
     for c in cases:
         B, L = (int(x) for x in c.split("x"))
-        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(B, HKV, L, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
+        q, k, v = inputs(B, 1, L)
         gb = B * L * HKV * D * 2 * 2 / 1e9
         rows = lambda: F.scaled_dot_product_attention(q.view(B, HKV, HQ // HKV, D), k, v)  # noqa: E731
         gqa = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-        tbps = max(gb / time_ms(fn) for fn in (rows, gqa))  # GB / ms = TB/s
+        tbps = max(gb / call_ms(fn, 5, 20)[0] for fn in (rows, gqa))  # GB / ms = TB/s, best round
         print(f"sdpa-decode  B={B} L={L}  {tbps:.2f} TB/s", flush=True)
 
 
@@ -71,9 +82,7 @@ def once(L):
     import torch
     import torch.nn.functional as F
 
-    q = torch.randn(1, HQ, L, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    q, k, v = inputs(1, L, L)
     for _ in range(2):
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.cuda.synchronize()
@@ -86,15 +95,12 @@ def main():
         return once(int(sys.argv[2]))
     if sys.argv[1:2] == ["--decode"]:
         return decode(sys.argv[2:])
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     lens = [int(a) for a in sys.argv[1:]] or [16384]
     for L in lens:
-        q = torch.randn(1, HQ, L, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16)
+        q, k, v = inputs(1, L, L)
         flops = 2 * HQ * D * L * L
         for name, be in [("default", None), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                          ("flash", SDPBackend.FLASH_ATTENTION)]:
@@ -107,19 +113,8 @@ def main():
                     def fn(be=be):
                         with sdpa_kernel(be):
                             return f()
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                ms = []
-                for _ in range(10):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    fn()
-                    b.record()
-                    b.synchronize()
-                    ms.append(a.elapsed_time(b))
-                ms.sort()
-                print(f"sdpa-{name:8s} L={L} {ms[5]:.3f} ms  {flops / ms[5] / 1e9:.1f} TFLOP/s", flush=True)
+                med = call_ms(fn, 10)[5]
+                print(f"sdpa-{name:8s} L={L} {med:.3f} ms  {flops / med / 1e9:.1f} TFLOP/s", flush=True)
             except Exception as e:  # a backend this build or shape lacks
                 print(f"sdpa-{name:8s} L={L} unavailable: {type(e).__name__}: {str(e)[:120]}", flush=True)
 
