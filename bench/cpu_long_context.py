@@ -1,4 +1,4 @@
-"""A context longer than the KV pool (issue #6 use (a)), default model, CPU, batch 1.
+"""A context longer than the KV pool (issue #6 use (a)), default model, batch 1, CPU (or CUDA).
 
 The same prompt runs twice in one process: on a pool that holds all of it (the
 reference), and with cache_mode="hierarchical" on a pool (L1) that holds only a fraction
@@ -8,12 +8,16 @@ token's arrival time), their ratio, the blocks that went cold, and checks that t
 runs give the same greedy tokens.
 
     python bench/cpu_long_context.py [--tokens 8000] [--l1-fraction 0.25] [--new 64] [--threads 2] [--sparse]
-                                     [--max-moves 2 [0 ...]]
+                                     [--max-moves 2 [0 ...]] [--device cuda [--dtype bfloat16]]
 
 --sparse turns dynamic sparsity on in both runs (defaults: cap 0.6, mass target 0.95): the
 cold run then reads only the selected cold blocks in L2. --max-moves runs the tiered case once
 per value of predictor_max_moves (the predictor's promotions per step; 0: it only orders
 demotions) and prints each run's L1 hit rate (decode block reads served by L1).
+
+--device cuda: L1 is device memory and L2 pinned host memory, which the attention kernels
+read in place over the bus (cold blocks on CUDA, docs/offload.md); decode steps run as CUDA
+graphs in both runs (K25_DISABLE_CUDA_GRAPHS=1: eager in both).
 """
 import argparse
 import asyncio
@@ -66,10 +70,14 @@ def main():
     ap.add_argument("--sparse", action="store_true", help="dynamic sparsity on in both runs")
     ap.add_argument("--max-moves", type=int, nargs="*", default=[2],
                     help="predictor_max_moves of the tiered run(s): one tiered run per value (0: demotion order only)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
     ap.add_argument("--json")
     args = ap.parse_args()
     from k25 import K25Config, K25Model, _C
-    base = dict(num_threads=args.threads, max_seq_len=max(args.tokens + args.new + 8, 8192),
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    base = dict(num_threads=args.threads, device=args.device, dtype=dtype,
+                max_seq_len=max(args.tokens + args.new + 8, 8192),
                 prefill_chunk_size=512, max_num_batched_tokens=512, block_size=16,
                 enable_dynamic_sparsity=args.sparse)
     probe = K25Model(K25Config(**base))
@@ -88,7 +96,7 @@ def main():
     cold = colds[0]
     same = all(resident["tokens"] == c["tokens"] for c in colds)
     res = {"date": time.strftime("%Y-%m-%d"), "context": args.tokens, "new": args.new, "blocks_needed": need,
-           "sparse": args.sparse,
+           "sparse": args.sparse, "device": args.device, "dtype": dtype,
            "l1_blocks": l1, "threads": args.threads, "same_tokens": same,
            "resident": {k: v for k, v in resident.items() if k != "tokens"},
            "cold": {k: v for k, v in cold.items() if k != "tokens"},
@@ -97,7 +105,7 @@ def main():
            "decode_ratio": cold["decode_tok_s"] / resident["decode_tok_s"],
            "p99_ratio": cold["p99_ms"] / resident["p99_ms"]}
     print(f"context {args.tokens} + {args.new} new tokens = {need} blocks of {per_block} bytes; "
-          f"L1 of {l1} blocks ({l1 / need:.0%}) in the tiered run, {args.threads} threads")
+          f"L1 of {l1} blocks ({l1 / need:.0%}) in the tiered run, {args.device} {dtype}, {args.threads} threads")
     runs = [("all resident", resident)] + [(f"cold, moves {mm}", c) for c, mm in zip(colds, args.max_moves)]
     for name, r in runs:
         p = r["predictor"]

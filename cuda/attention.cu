@@ -88,7 +88,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const T* q, int64_t
     key_hi = max(key_hi, min(pos, w.key_end - 1));
   }
 
-  const T* cache = static_cast<const T*>(kv.data);
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte load
   for (int tile = key_lo - key_lo % kKeys; tile <= key_hi; tile += kKeys) {
     __syncthreads();  // the previous tile is consumed (and the queries are staged)
@@ -96,11 +95,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const T* q, int64_t
       const int j = e / (D / kVec), c = (e % (D / kVec)) * kVec;
       const int p = tile + j;
       if (p < key_lo || p > key_hi) continue;  // never read slots nobody wrote
-      const int64_t block = table[p / kv.block_size];
       const int off = p % kv.block_size;
-      const int4 kk = *reinterpret_cast<const int4*>(cache + head_offset(kv, block, layer, 0, w.kv_head) +
+      // The block's start (a pool block or a cold one in L2), then the head's K / V rows in it.
+      const T* blk = block_start<T>(kv, table[p / kv.block_size], head_offset(kv, 1, 0, 0, 0));
+      const int4 kk = *reinterpret_cast<const int4*>(blk + head_offset(kv, 0, layer, 0, w.kv_head) +
                                                       static_cast<int64_t>(off) * D + c);
-      const int4 vv = *reinterpret_cast<const int4*>(cache + head_offset(kv, block, layer, 1, w.kv_head) +
+      const int4 vv = *reinterpret_cast<const int4*>(blk + head_offset(kv, 0, layer, 1, w.kv_head) +
                                                       static_cast<int64_t>(off) * D + c);
       *reinterpret_cast<int4*>(&sm.v[j][c]) = vv;
       const T* ks = reinterpret_cast<const T*>(&kk);  // padded K rows are not 16-byte aligned

@@ -113,6 +113,17 @@ __device__ __forceinline__ SplitMerge split_merge(const AttnBatch& batch, const 
   return s;
 }
 
+// The first element of block `id` (KVCache: a pool block, or a cold block's L2 slot).
+template <typename T>
+__device__ __forceinline__ const T* block_start(const KVCache& kv, int id, int64_t block_elems) {
+  return is_cold_block(id) ? static_cast<const T*>(kv.cold_data) + cold_slot_of(id) * kv.cold_block_elems
+                           : static_cast<const T*>(kv.data) + id * block_elems;
+}
+// Kernels that name a key row by a 32-bit row index (rows of head_dim elements from the
+// pool's start) mark a cold block's rows, counted from the L2 pool's start, with this bit;
+// the ATen glue (cuda_glue::paged_attention) checks that both pools have fewer than 2^31 rows.
+constexpr uint32_t kColdRow = 0x80000000u;
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -198,9 +198,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
       const int p = base + k * KPL + sub;
       const bool ok = it < iters && p <= hi;
       const int blk = pow2 ? p >> bs_shift : p / kv.block_size;
-      const int64_t off = ok ? table[blk] * block_elems + static_cast<int64_t>(p - blk * kv.block_size) * D : 0;
-      cp_async16(smem_u32(slot + k * 32 + lane), cache + k_base + off, ok);
-      cp_async16(smem_u32(slot + (kLoads + k) * 32 + lane), cache + v_base + off, ok);
+      const int64_t in_block = static_cast<int64_t>(p - blk * kv.block_size) * D;
+      const T* row = ok ? block_start<T>(kv, table[blk], block_elems) + in_block : cache;
+      cp_async16(smem_u32(slot + k * 32 + lane), row + k_base, ok);
+      cp_async16(smem_u32(slot + (kLoads + k) * 32 + lane), row + v_base, ok);
     }
     cp_async_commit();
   };
@@ -490,11 +491,15 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
 
-  // Cache addresses in rows of D elements from the pool's start: 32 bits hold any pool
-  // (2^32 rows of at least 128 bytes are 512 GB), and one wide multiply-add makes the pointer.
+  // Cache addresses in rows of D elements from the pool's start: 31 bits hold any pool
+  // (2^31 rows of at least 128 bytes are 256 GB; the glue checks), and one wide multiply-add
+  // makes the pointer.
   const T* cache = static_cast<const T*>(kv.data);
   const int bs = kv.block_size;
   const uint32_t block_rows = static_cast<uint32_t>(kv.num_layers) * 2 * kv.num_kv_heads * bs;
+  // Cold blocks (KVCache): rows from the L2 pool's start, marked with kColdRow.
+  const T* cold = static_cast<const T*>(kv.cold_data);
+  const uint32_t cold_rows = static_cast<uint32_t>(kv.cold_block_elems / D);
   const uint32_t k_row0 = (static_cast<uint32_t>(layer) * 2 * kv.num_kv_heads + w.kv_head) * bs;
   const int64_t v_delta = static_cast<int64_t>(kv.num_kv_heads) * bs * D;  // K row -> its V row, in elements
   const int* table = table_of(batch, w.seq, w.kv_head, kv.num_kv_heads);
@@ -506,7 +511,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int p = tile_base(j) + lane;
     if (j >= my_tiles || lane >= NK || p > hi) return 0;
     const int blk = pow2 ? p >> bs_shift : p / bs;
-    return static_cast<uint32_t>(table[blk]) * block_rows + k_row0 + static_cast<uint32_t>(p - blk * bs);
+    const int id = table[blk];
+    const uint32_t in_block = k_row0 + static_cast<uint32_t>(p - blk * bs);
+    return is_cold_block(id) ? kColdRow | (static_cast<uint32_t>(cold_slot_of(id)) * cold_rows + in_block)
+                             : static_cast<uint32_t>(id) * block_rows + in_block;
   };
   // Tile j into slot j % kStages: lane copies chunk cc of key rows cr + i * kRowsPerCopy.
   // One commit group per tile, empty past the warp's last: the waits count tiles.
@@ -521,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int r = cr + i * S::kRowsPerCopy;
         const uint32_t row = __shfl_sync(0xffffffffu, key_rows, r);
         const bool ok = base + r <= hi;  // else row is 0: a valid address, not read
-        const T* src = cache + static_cast<uint64_t>(row) * D + cc * 8;
+        const T* src = ((row & kColdRow) ? cold : cache) + static_cast<uint64_t>(row & ~kColdRow) * D + cc * 8;
         cp_async16(st + swz<CH>(r, cc), src, ok);
         cp_async16(st + S::kTileBytes + swz<CH>(r, cc), src + v_delta, ok);
       }

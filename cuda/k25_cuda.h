@@ -15,10 +15,19 @@ namespace k25::cuda {
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // Paged KV storage: [blocks][layers][K, V][kv heads][block_size][head_dim].
+// Cold blocks (tiered KV, a sequence longer than the device pool; docs/offload.md): a
+// block-table entry id <= -2 names slot (-2 - id) of the L2 pool, pinned host memory mapped
+// into the device's address space (cold_data, its device pointer), which the attention
+// kernels read in place over the bus. A slot holds a block in the same layout at its start;
+// slots are cold_block_elems elements apart (a block plus its page trailer, rounded up).
 struct KVCache {
   void* data = nullptr;
   int32_t num_layers = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;
+  const void* cold_data = nullptr;
+  int64_t cold_block_elems = 0;
 };
+constexpr __host__ __device__ bool is_cold_block(int32_t id) { return id <= -2; }
+constexpr __host__ __device__ int32_t cold_slot_of(int32_t id) { return -2 - id; }
 
 // One unit of attention work: query tokens [q_begin, q_end) of sequence `seq` for the
 // query heads of KV head `kv_head`, against keys [key_begin, key_end); partial >= 0

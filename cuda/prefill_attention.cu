@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreads, Tiles<D>::kMinBlocks)
   const int bs = kv.block_size;
   const int64_t head_elems = static_cast<int64_t>(bs) * D;
   const int64_t block_elems = static_cast<int64_t>(kv.num_layers) * 2 * kv.num_kv_heads * head_elems;
-  const T* k_base = cache + (static_cast<int64_t>(layer) * 2 * kv.num_kv_heads + w.kv_head) * head_elems;
+  const int64_t k_off = (static_cast<int64_t>(layer) * 2 * kv.num_kv_heads + w.kv_head) * head_elems;  // in a block
   const int64_t v_delta = static_cast<int64_t>(kv.num_kv_heads) * head_elems;
   const int* table = batch.block_tables + static_cast<int64_t>(w.seq) * batch.max_blocks;
   const bool pow2 = (bs & (bs - 1)) == 0;
@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(kThreads, Tiles<D>::kMinBlocks)
         const int p = key_lo + tile * kKeys + row;
         const bool ok = p <= key_hi;  // past the last key: zero-filled, masked below
         const int slot = pow2 ? p & (bs - 1) : p % bs;
-        const T* src = ok ? k_base + blk[k] * block_elems + static_cast<int64_t>(slot) * D + ld_c * 8 : cache;
+        const T* src = ok ? block_start<T>(kv, blk[k], block_elems) + k_off + static_cast<int64_t>(slot) * D + ld_c * 8
+                          : cache;
         cp_async16(st + swz<CH>(row, ld_c), src, ok);
         cp_async16(st + C::kKVBytes + swz<CH>(row, ld_c), ok ? src + v_delta : cache, ok);
       }

@@ -319,6 +319,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Byte pointers, so that a row's address is one IMAD.WIDE.U32 (row * 256 + base).
     const char* k_bytes = reinterpret_cast<const char*>(k_base);
     const char* v_bytes = reinterpret_cast<const char*>(v_base);
+    // Cold blocks (KVCache): the same offsets from the L2 pool's start, rows marked kColdRow.
+    const int64_t kv_delta = static_cast<int64_t>(reinterpret_cast<uintptr_t>(kv.cold_data) -
+                                                  reinterpret_cast<uintptr_t>(kv.data));
+    const uint32_t cold_rows = static_cast<uint32_t>(kv.cold_block_elems / kD);
     const int* table = batch.block_tables + static_cast<int64_t>(w.seq) * batch.max_blocks;
     const bool pow2 = (bs & (bs - 1)) == 0;
     const int bs_shift = __ffs(bs) - 1;
@@ -332,7 +336,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (i < num_tiles && p <= key_hi) {
         const int blk = __ldg(table + (pow2 ? p >> bs_shift : p / bs));
         const int slot = pow2 ? p & (bs - 1) : p % bs;
-        row = static_cast<uint32_t>(blk) * rows_per_block + static_cast<uint32_t>(slot);
+        row = is_cold_block(blk) ? kColdRow | (static_cast<uint32_t>(cold_slot_of(blk)) * cold_rows + slot)
+                                 : static_cast<uint32_t>(blk) * rows_per_block + static_cast<uint32_t>(slot);
       }
       return row;
     };
@@ -343,7 +348,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int k = 0; k < kKeys / 8; ++k) {
         const uint32_t row = __shfl_sync(0xffffffffu, look, 2 * k + hi);
         const bool ok = 8 * k <= room;  // past the last key: zero-filled (never a slot nobody wrote)
-        cp_async16(dst + 1024u * k, src_bytes + static_cast<uint64_t>(row) * (kD * sizeof(T)), ok);
+        const char* src = (row & kColdRow) ? src_bytes + kv_delta : src_bytes;
+        cp_async16(dst + 1024u * k, src + static_cast<uint64_t>(row & ~kColdRow) * (kD * sizeof(T)), ok);
       }
     };
     // K and V go through separate rings (FA3's layout): a consumer is done with K of tile j

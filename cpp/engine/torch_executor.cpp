@@ -11,6 +11,7 @@
 #include <string>
 
 #include "k25/status.h"
+#include "kv/tiers/page_format.h"
 #include "kv/tiers/tier_manager.h"
 #include "model/llama_model.h"
 #include "ops/parallel.h"
@@ -283,7 +284,24 @@ class TorchExecutor : public ModelExecutor {
   bool configure_tiers(TierConfig* config) override {
 #ifdef K25_WITH_CUDA
     if (!kv_.is_cuda()) return false;
-    config->l2_allocator = cuda_glue::pinned_allocator();
+    // L2 in pinned host memory, mapped: its allocation is also where the attention kernels
+    // read cold blocks (cold_, passed to every eager forward).
+    HostAllocator pinned = cuda_glue::pinned_allocator();
+    std::shared_ptr<ColdRegion> cold = cold_;
+    const int64_t slot_bytes = page_bytes_for(kv_block_bytes());
+    config->l2_allocator = pinned;
+    config->l2_allocator.allocate = [alloc = pinned.allocate, cold, slot_bytes](size_t bytes) -> void* {
+      void* p = alloc(bytes);
+      if (p != nullptr) {
+        *cold = ColdRegion{static_cast<const uint8_t*>(p), cuda_glue::device_address(p), slot_bytes,
+                           static_cast<int32_t>(static_cast<int64_t>(bytes) / slot_bytes)};
+      }
+      return p;
+    };
+    config->l2_allocator.release = [release = pinned.release, cold](void* p, size_t bytes) {
+      if (cold->host == p) *cold = ColdRegion{};
+      release(p, bytes);
+    };
     void* base = kv_.data_ptr();
     const int64_t bytes = kv_block_bytes();
     const int32_t blocks = static_cast<int32_t>(kv_.numel() / layout_.block_elems());
@@ -346,9 +364,13 @@ class TorchExecutor : public ModelExecutor {
   }
   // The CPU fused kernels (dense and sparse) read cold blocks in host memory; the CUDA
   // kernels and the unfused path (index_select on the pool) do not.
-  bool supports_cold_blocks() const override { return kv_.is_cpu() && fused_; }
+  // On CUDA (dense attention, the L2 pool mapped), the device kernels read them in place
+  // over the bus; the device selection of dynamic sparsity does not.
+  bool supports_cold_blocks() const override {
+    return fused_ && (kv_.is_cpu() || (!sparse_ && cold_->device != nullptr));
+  }
   bool block_reads(const BatchMeta& meta, BlockReads* out) const override {
-    if (!kv_.is_cpu()) return false;  // the device selection keeps its tables on the device
+    if (!kv_.is_cpu() && sparse_) return false;  // the device selection keeps its tables on the device
     const int32_t S = meta.num_seqs(), H = layout_.num_kv_heads, L = layout_.num_layers, bs = layout_.block_size;
     const int32_t MB = meta.max_blocks_per_seq;
     out->passes = L * H;
@@ -514,7 +536,7 @@ class TorchExecutor : public ModelExecutor {
 #ifdef K25_WITH_CUDA
     ensure_sparse_scratch(meta.num_seqs(), meta.max_blocks_per_seq);
 #endif
-    at::Tensor logits = model_->forward(meta, kv_, layout_, fused_, nullptr, sparse_.get());
+    at::Tensor logits = model_->forward(meta, kv_, layout_, fused_, nullptr, sparse_.get(), cold_.get());
     if (sparse_) {
       for (size_t l = 0; l < stats_.size(); ++l) {
         const LayerSelection& sel = sparse_->layers[l];
@@ -609,7 +631,9 @@ class TorchExecutor : public ModelExecutor {
   }
 
   bool graph_eligible(const BatchMeta& meta, const std::vector<LogitsCopy>& copies) const {
-    return meta.is_decode_only() && copies.empty() && meta.num_seqs() <= kBuckets[7] &&
+    // Cold blocks: the graphs' batches carry the L2 pool (graph_for), when there is one.
+    return meta.is_decode_only() && copies.empty() && (meta.cold_blocks.empty() || cold_->device != nullptr) &&
+           meta.num_seqs() <= kBuckets[7] &&
            meta.max_blocks_per_seq <= graph_blocks() &&
            static_cast<int32_t>(meta.logits_rows.size()) == meta.num_seqs();
   }
@@ -651,6 +675,9 @@ class TorchExecutor : public ModelExecutor {
     b.block_tables = g.ints.narrow(0, 4 * bucket, bucket * MB).view({bucket, MB});
     b.max_blocks = MB;
     b.num_seqs = bucket;
+    // The tiers (and so the L2 pool) exist before warm_up captures: replays then read cold
+    // blocks as eager steps do (replay_graph stages their slot ids).
+    if (cold_->device != nullptr) b.cold = {cold_->device, cold_->slot_bytes, cold_->num_slots};
     const ModelConfig& c = model_->config();
     // Enough key ranges per (sequence, KV head) to fill one wave of the decode kernel.
     b.decode_splits = cuda_glue::decode_splits_for(model_->dtype(), c.head_dim, c.num_heads / c.num_kv_heads, bucket,
@@ -725,13 +752,19 @@ class TorchExecutor : public ModelExecutor {
     int32_t* h = g.host_ints.data_ptr<int32_t>();
     int64_t* hs = g.host_slots.data_ptr<int64_t>();
     const bool prev = !meta.prev_rows.empty();
+    std::vector<int32_t> cold_tables;
+    const int32_t* tables = meta.block_tables.data();
+    if (!meta.cold_blocks.empty()) {
+      cold_tables = cold_slot_tables(meta, cold_.get());
+      tables = cold_tables.data();
+    }
     for (int32_t r = 0; r < B; ++r) {
       h[r] = meta.token_ids[r];
       h[bucket + r] = meta.positions[r];
       h[2 * bucket + r] = meta.context_lens[r];
       h[3 * bucket + r] = prev ? meta.prev_rows[r] : -1;
       int32_t* row = h + 4 * bucket + r * MB;
-      const int32_t* src = meta.block_tables.data() + static_cast<int64_t>(r) * meta.max_blocks_per_seq;
+      const int32_t* src = tables + static_cast<int64_t>(r) * meta.max_blocks_per_seq;
       std::copy(src, src + meta.max_blocks_per_seq, row);
       std::fill(row + meta.max_blocks_per_seq, row + MB, num_blocks_);  // never read
       hs[r] = meta.slot_mapping[r];
@@ -806,6 +839,8 @@ class TorchExecutor : public ModelExecutor {
 
   std::shared_ptr<ModelHandle> handle_;
   const LlamaModel* model_;
+  // Where cold blocks lie for the CUDA kernels: the L2 pool's allocation (configure_tiers).
+  std::shared_ptr<ColdRegion> cold_ = std::make_shared<ColdRegion>();
   bool fused_;
   int32_t num_blocks_ = 0;
   KVLayout layout_;

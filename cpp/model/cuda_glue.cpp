@@ -68,7 +68,8 @@ HostAllocator pinned_allocator() {
     void* p = nullptr;
     // Portable: any device's copies may use it. cudaHostAlloc memory is page-aligned, so
     // slots stay O_DIRECT buffers for L3.
-    if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
+    // Mapped: the attention kernels read cold blocks in place (device_address).
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped) != cudaSuccess) {
       (void)cudaGetLastError();
       return nullptr;
     }
@@ -77,6 +78,15 @@ HostAllocator pinned_allocator() {
   a.release = [](void* p, size_t) { (void)cudaFreeHost(p); };
   a.kind = "pinned";
   return a;
+}
+
+const void* device_address(const void* pinned) {
+  void* d = nullptr;
+  if (cudaHostGetDevicePointer(&d, const_cast<void*>(pinned), 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    fail(ErrorCode::kInternal, "the KV tiers' L2 pool is not mapped into the device's address space");
+  }
+  return d;
 }
 
 namespace {
@@ -324,8 +334,19 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
          "head tables: int32 [sequences, kv heads, max_blocks]");
     ab.head_tables = b.head_tables.data_ptr<int32_t>();
   }
-  cuda::paged_attention(dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), out.data_ptr(), cache_of(kv, layout), layer,
-                        ab, num_heads, static_cast<float>(scale), window, stream());
+  cuda::KVCache cache = cache_of(kv, layout);
+  // Key rows are 31-bit indices in some kernels (kColdRow marks the L2 pool's): both pools
+  // must have fewer than 2^31 rows of head_dim elements.
+  const int64_t row_bytes = static_cast<int64_t>(layout.head_dim) * kv.element_size();
+  need(kv.numel() / layout.head_dim < (int64_t{1} << 31), "the KV pool has 2^31 rows or more");
+  if (b.cold.data != nullptr) {
+    need(b.cold.slot_bytes % row_bytes == 0 && b.cold.num_slots * (b.cold.slot_bytes / row_bytes) < (int64_t{1} << 31),
+         "the L2 pool's slots for cold blocks");
+    cache.cold_data = b.cold.data;
+    cache.cold_block_elems = b.cold.slot_bytes / kv.element_size();
+  }
+  cuda::paged_attention(dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), out.data_ptr(), cache, layer, ab, num_heads,
+                        static_cast<float>(scale), window, stream());
   check_launch("paged_attention");
 }
 

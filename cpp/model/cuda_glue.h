@@ -28,9 +28,18 @@ bool available();                         // built with CUDA and a device is vis
 // copies out blocks no kernel in flight writes, and reads fetched blocks after their
 // completion, so the copy stream needs no ordering with the compute stream.
 HostAllocator pinned_allocator();
+// The device's address of pinned host memory from pinned_allocator() (mapped).
+const void* device_address(const void* pinned);
 std::unique_ptr<BlockCopier> make_cuda_block_copier(void* base, int64_t block_bytes, int32_t num_blocks, int device,
                                                     TaskRunner* completions);
 void device_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
+
+// The L2 pool (pinned host memory, mapped) as the attention kernels read cold blocks in it.
+struct ColdPool {
+  const void* data = nullptr;  // device pointer of slot 0
+  int64_t slot_bytes = 0;      // a block plus its page trailer, rounded up (page_bytes_for)
+  int32_t num_slots = 0;
+};
 
 // The per-step attention batch on the device.
 struct DeviceBatch {
@@ -50,6 +59,9 @@ struct DeviceBatch {
   // Dynamic block sparsity: int32 [S, num_kv_heads, max_blocks] of kept blocks, with
   // context_lens the kept keys (select_blocks); undefined: dense.
   at::Tensor head_tables;
+  // Cold blocks (cuda::KVCache): block-table ids <= -2 name slots of this L2 pool, which
+  // the attention kernels read in place (device pointer of the mapped pinned memory).
+  ColdPool cold;
 };
 // The device form of a plan: its merges reordered so that those the decode kernel can do
 // itself come first (every piece one of the leading num_decode items, group <= the decode

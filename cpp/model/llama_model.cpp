@@ -129,8 +129,26 @@ int64_t LlamaModel::weight_bytes() const {
   return n;
 }
 
+std::vector<int32_t> cold_slot_tables(const BatchMeta& meta, const ColdRegion* region) {
+  if (region == nullptr || region->device == nullptr || region->slot_bytes <= 0) {
+    fail(ErrorCode::kInternal, "cold KV blocks on CUDA without a mapped L2 pool");
+  }
+  std::vector<int32_t> t = meta.block_tables;
+  for (int32_t& id : t) {
+    if (id > cold_block_id(0)) continue;  // a pool block, or -1 (none)
+    const size_t j = static_cast<size_t>(cold_block_index(id));
+    if (j >= meta.cold_blocks.size()) fail(ErrorCode::kInternal, "a cold block id past the step's cold list");
+    const int64_t off = static_cast<const uint8_t*>(meta.cold_blocks[j]) - region->host;
+    if (off < 0 || off % region->slot_bytes != 0 || off / region->slot_bytes >= region->num_slots) {
+      fail(ErrorCode::kInternal, "a cold block outside the mapped L2 pool");
+    }
+    id = cold_block_id(static_cast<int32_t>(off / region->slot_bytes));
+  }
+  return t;
+}
+
 at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused,
-                               const DeviceStep* prepared, SparseStep* sparse) const {
+                               const DeviceStep* prepared, SparseStep* sparse, const ColdRegion* cold) const {
   const ModelConfig& c = config_;
   const LlamaWeights& W = weights_;
   const at::Device dev = device();
@@ -165,16 +183,23 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   at::Tensor act = at::empty({T, I}, h.options());
 
   cpu::AttentionBatch ab = cpu_attention_batch(meta);
+  // Cold blocks (a sequence longer than the KV pool): the CPU kernels read them by pointer;
+  // the CUDA kernels by slot of the mapped L2 pool (cold_tables below), dense only.
+  std::vector<int32_t> cold_tables;
   if (!meta.cold_blocks.empty()) {
-    if (cuda || !fused) {
-      fail(ErrorCode::kUnsupported, "cold KV blocks (a sequence longer than the KV pool) need the CPU backend's "
-                                    "fused kernels");
+    if (!fused) {
+      fail(ErrorCode::kUnsupported, "cold KV blocks (a sequence longer than the KV pool) need the fused kernels");
+    }
+    if (cuda && sparse) {
+      fail(ErrorCode::kUnsupported, "cold KV blocks with dynamic sparsity are not built on CUDA (the device "
+                                    "selection reads summaries of pool blocks only)");
     }
     if (sparse && meta.cold_summaries.size() != meta.cold_blocks.size()) {
       fail(ErrorCode::kInternal, "cold blocks without their key summaries");
     }
     ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_blocks.data());
     ab.cold_summaries = sparse ? meta.cold_summaries.data() : nullptr;
+    if (cuda) cold_tables = cold_slot_tables(meta, cold);
   }
 #ifdef K25_WITH_CUDA
   cuda_glue::DeviceBatch db;
@@ -197,8 +222,10 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
     pp.sliding_window = uniform ? window : 0;
     const AttentionPlan plan = plan_attention(meta.query_start.data(), meta.context_lens.data(), meta.num_seqs(), pp);
     db = cuda_glue::make_batch(on_device(meta.query_start, at::kInt, dev), on_device(meta.context_lens, at::kInt, dev),
-                               on_device(meta.block_tables, at::kInt, dev, {meta.num_seqs(), meta.max_blocks_per_seq}),
+                               on_device(cold_tables.empty() ? meta.block_tables : cold_tables, at::kInt, dev,
+                                         {meta.num_seqs(), meta.max_blocks_per_seq}),
                                plan, Hq / Hkv, static_cast<int32_t>(D), dev);
+    if (!cold_tables.empty()) db.cold = {cold->device, cold->slot_bytes, cold->num_slots};
   }
 #endif
 

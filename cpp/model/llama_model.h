@@ -79,6 +79,21 @@ struct SparseStep {
 #endif
 };
 
+// Where the CUDA attention kernels find cold blocks (a sequence longer than the device
+// pool, docs/offload.md): the tiers' L2 pool, pinned and mapped; meta.cold_blocks point
+// into it (host addresses), the kernels read slot (addr - host) / slot_bytes at device.
+struct ColdRegion {
+  const uint8_t* host = nullptr;
+  const void* device = nullptr;
+  int64_t slot_bytes = 0;
+  int32_t num_slots = 0;
+};
+
+// meta.block_tables with each cold id (an index into meta.cold_blocks) replaced by the id of
+// its slot in `region` (cuda::KVCache's encoding, the same -2 - j form): the block tables the
+// CUDA kernels read.
+std::vector<int32_t> cold_slot_tables(const BatchMeta& meta, const ColdRegion* region);
+
 class LlamaModel {
  public:
   LlamaModel(ModelConfig config, LlamaWeights weights, int32_t max_positions);
@@ -96,8 +111,10 @@ class LlamaModel {
   // the model's device laid out as `layout`), and returns float32 logits
   // [meta.logits_rows.size(), vocab] on the model's device.
   // With `prepared` (fused CUDA only) the inputs come from there and `meta` is unused.
+  // `cold`: where meta.cold_blocks lie, for the CUDA kernels (see ColdRegion).
   at::Tensor forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused,
-                     const DeviceStep* prepared = nullptr, SparseStep* sparse = nullptr) const;
+                     const DeviceStep* prepared = nullptr, SparseStep* sparse = nullptr,
+                     const ColdRegion* cold = nullptr) const;
 
  private:
   void attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, const at::Tensor& kv,

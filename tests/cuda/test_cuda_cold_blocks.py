@@ -1,0 +1,124 @@
+"""Cold KV blocks on CUDA (tiered KV, issue #6 use (a)): a sequence longer than the device
+pool moves some of its computed blocks to L2 (pinned host memory, mapped) and keeps
+running; the attention kernels read those blocks in place over the bus. The oracle is the
+same prompt on a device pool that holds everything, with the same prefill chunking.
+
+Covers every kernel that reads KV through a block table: float32 (CUDA-core prefill and
+decode kernels), bf16 at head_dim 64 (mma.sync prefill, tensor-core decode) and at 128
+(the wgmma prefill kernel on Hopper, tensor-core decode).
+"""
+import pytest
+
+from k25 import K25Config, K25Model, _C, errors
+
+from oracles import write_random_checkpoint
+from test_cuda_model import BF16_NEAR_TIE, prompt_for
+
+NEW_TOKENS = 20
+BLOCK = 16
+PROMPT = 600
+
+
+@pytest.fixture(scope="module", params=[64, 128])
+def model_dir(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"cold{request.param}")
+    write_random_checkpoint(d, "llama3", hidden_size=8 * request.param, num_attention_heads=8,
+                            intermediate_size=1024, head_dim=request.param, initializer_range=0.15)
+    return str(d)
+
+
+def common(model_dir, dtype):
+    return dict(model_path=model_dir, device="cuda", dtype=dtype, block_size=BLOCK, prefill_chunk_size=64,
+                max_num_batched_tokens=96, max_batch_size=4)
+
+
+def reference(model_dir, dtype, prompts):
+    plain = K25Model(K25Config(kv_cache_bytes=1 << 28, **common(model_dir, dtype)))
+    try:
+        outs = plain.generate(prompts, max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+        return outs, plain.kv_block_bytes
+    finally:
+        plain.close()
+
+
+def small_l1(model_dir, dtype, per_block, l1_blocks, l2_slots, **kw):
+    return K25Model(K25Config(kv_cache_bytes=l1_blocks * per_block, cache_mode="hierarchical",
+                              enable_async_offload=True, l2_bytes=l2_slots * _C.kv_page_bytes(per_block),
+                              **common(model_dir, dtype), **kw))
+
+
+def same_tokens(got, want, dtype):
+    """float32: equal. bf16: equal up to the first divergence, which must be at a near-tie of
+    the reference's top two (a cold run's prefill chunks can differ from the reference's)."""
+    if dtype == "float32":
+        assert got.token_ids == want.token_ids
+        return
+    for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)):
+        if a != b:
+            gap = abs(want.logprobs[i].top.get(a, -1e9) - want.logprobs[i].logprob)
+            assert gap <= BF16_NEAR_TIE, f"diverged at token {i}, logprob gap {gap}"
+            return
+    assert len(got.token_ids) == len(want.token_ids)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sequence_three_times_longer_than_the_device_pool_reads_cold_blocks_in_l2(model_dir, dtype):
+    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, dtype)))
+    try:
+        prompt = prompt_for(m0, PROMPT, seed=7)
+    finally:
+        m0.close()
+    (want,), per_block = reference(model_dir, dtype, [prompt])
+    need = -(-(PROMPT + NEW_TOKENS) // BLOCK)  # 39 blocks
+    m = small_l1(model_dir, dtype, per_block, l1_blocks=12, l2_slots=need)
+    try:
+        got = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)[0]
+        s = m.stats()
+        tiers = m.tier_stats()
+    finally:
+        m.close()
+    same_tokens(got, want, dtype)
+    # Every block past what the pool holds went to L2, and stayed readable there: nothing
+    # was recomputed.
+    assert s["cold_demotes"] >= need - 12
+    assert tiers["offloads_to_l2"] >= s["cold_demotes"]
+    assert s["preemptions"] == 0 and s["prefill_tokens"] == PROMPT
+
+
+def test_two_long_sequences_on_the_gpu_share_the_pool_by_preemption_and_cold_blocks(model_dir):
+    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32")))
+    try:
+        prompts = [prompt_for(m0, PROMPT, seed=8), prompt_for(m0, 300, seed=9)]
+    finally:
+        m0.close()
+    want, per_block = reference(model_dir, "float32", prompts)
+    m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=80)
+    try:
+        got = m.generate(prompts, max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        s = m.stats()
+    finally:
+        m.close()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.token_ids == w.token_ids, f"prompt {i} differs"
+    assert s["cold_demotes"] > 0
+
+
+def test_cold_blocks_with_dynamic_sparsity_on_cuda_are_refused_clearly(model_dir):
+    """The device selection ranks pool blocks only: with sparsity on, a request longer than
+    the pool is still refused at admission (the pool's size in the message), and the engine
+    goes on serving requests that fit."""
+    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32")))
+    try:
+        prompt = prompt_for(m0, PROMPT, seed=10)
+        per_block = m0.kv_block_bytes
+    finally:
+        m0.close()
+    m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=40, enable_dynamic_sparsity=True)
+    try:
+        with pytest.raises(errors.ResourceExhaustedError, match="12 blocks"):
+            m.generate([prompt], max_new_tokens=NEW_TOKENS)
+        out = m.generate([prompt[:100]], max_new_tokens=4, ignore_eos=True, temperature=0.0)[0]
+        assert len(out.token_ids) == 4
+    finally:
+        m.close()
+
