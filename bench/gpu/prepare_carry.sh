@@ -3,7 +3,7 @@
 #   .whl/       FlashInfer 0.2.14.post1's sdist (attention_bench's peer; JIT-built there) and
 #               the gguf wheel (tests/cuda read the default GGUF's metadata with it)
 #   .devcache/  the default GGUF (98 MB) in two parts, since one call carries at most 64 MiB
-#   probe/      the kernel probes (bench/gpu/build_probe.sh)
+#   probe.tar.xz  the kernel probes (bench/gpu/build_probe.sh), packed; run_all.sh unpacks it
 # and prints the two calls that bring it all over: the first parks part a in /tmp on the
 # machine, the second (within the machine's 30 s warm window) carries part b and runs.
 #   bash bench/gpu/prepare_carry.sh
@@ -21,9 +21,11 @@ gguf=$("$PY" -c 'from k25.model import resolve_model_path; print(resolve_model_p
 rm -f .devcache/smollm2.part*
 split -n 2 -d -a 1 "$gguf" .devcache/smollm2.part  # .devcache/smollm2.part0, .part1
 ls probe/*_probe_* >/dev/null 2>&1 || bash bench/gpu/build_probe.sh >/dev/null
-du -sh .whl .devcache/* probe
+# Packed: the binaries share their static runtime, ~30 MB of them become ~1.5 MB.
+tar cJf probe.tar.xz probe
+du -sh .whl .devcache/* probe.tar.xz
 cat <<'MSG'
 Call 1 (carry [".devcache/smollm2.part0"]):  cp .devcache/smollm2.part0 /tmp/
-Call 2 (carry [".devcache/smollm2.part1", ".whl", "probe"], right after):
+Call 2 (carry [".devcache/smollm2.part1", ".whl", "probe.tar.xz"], right after):
   cp /tmp/smollm2.part0 .devcache/ && K25_ATTN_BENCH=1 K25_PROBE=1 bash bench/gpu/run_all.sh
 MSG

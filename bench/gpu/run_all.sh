@@ -2,8 +2,8 @@
 # One call on the GPU machine: build k25 with CUDA once, run tests/cuda, then the GPU
 # benchmarks. Results and logs go to $OUT. Extra arguments go to pytest.
 #   bash bench/gpu/run_all.sh [-k expr]
-# K25_SKIP_TESTS=1 skips tests/cuda; K25_ATTN_BENCH=1, K25_SPARSE_BENCH=1, K25_BENCH=1 and
-# K25_PROBE=1 (carried probe/ binaries) run the benchmarks.
+# K25_SKIP_TESTS=1 skips tests/cuda; K25_ATTN_BENCH=1, K25_SPARSE_BENCH=1, K25_BENCH=1,
+# K25_TIER_BENCH=1 and K25_PROBE=1 (carried probe/ binaries) run the benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/k25-out}
@@ -17,7 +17,11 @@ fi
 if [ "$(ls .devcache/smollm2.part* 2>/dev/null | wc -l)" -ge 2 ]; then
   cat .devcache/smollm2.part* > /tmp/smollm2.gguf && export K25_DEFAULT_MODEL_PATH=/tmp/smollm2.gguf
   ls -la /tmp/smollm2.gguf
+elif [ -f /tmp/smollm2.gguf ]; then  # joined by an earlier call on this (still warm) machine
+  export K25_DEFAULT_MODEL_PATH=/tmp/smollm2.gguf
 fi
+# The probes, carried packed (prepare_carry.sh): ~30 MB of binaries in ~1.5 MB.
+[ -f probe.tar.xz ] && tar xJf probe.tar.xz
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 start=$(date +%s)
@@ -34,8 +38,10 @@ if [ "${K25_ATTN_BENCH:-0}" = "1" ]; then
   if ls .whl/flashinfer_python-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import flashinfer" 2>/dev/null; then
     t0=$(date +%s)
     FLASHINFER_CUDA_ARCH_LIST=9.0a python3 -m pip install -q --no-deps --no-build-isolation --no-index \
-      .whl/flashinfer_python-*.tar.gz > "$OUT/flashinfer_install.log" 2>&1
-    echo "flashinfer install rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu.txt"
+      .whl/flashinfer_python-*.tar.gz > /tmp/flashinfer_install.log 2>&1
+    rc=$?
+    echo "flashinfer install rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu.txt"
+    [ $rc -eq 0 ] || tail -20 /tmp/flashinfer_install.log  # ($OUT brings back 8 files at most)
   fi
   FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=$(nproc) python3 bench/gpu/attention_bench.py \
     --json "$OUT/attention_bench.json" ${K25_ATTN_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/attention_bench.log"
@@ -48,6 +54,19 @@ fi
 if [ "${K25_SPARSE_BENCH:-0}" = "1" ]; then
   python3 bench/gpu/sparse_attention_bench.py --json "$OUT/sparse_attention_bench.json" 2>&1 | grep -v Warning \
     | tee "$OUT/sparse_attention_bench.log"
+fi
+if [ "${K25_TIER_BENCH:-0}" = "1" ]; then
+  # Tiered KV on CUDA (issue #6): swap-in vs recompute of a preempted 8K sequence; then cold
+  # blocks, the default model at 8K with L1 a fraction of what it needs, the rest read in
+  # place in pinned L2 (graphs on, then every step eager unless K25_COLD_EAGER=0).
+  python3 bench/preempt_swap.py --device cuda 2>&1 | grep -v Warn | tee -a "$OUT/tiers.log"
+  for f in ${K25_COLD_FRACTIONS:-0.25 0.9}; do
+    python3 bench/cpu_long_context.py --device cuda --l1-fraction "$f" --max-moves 0 2 2>&1 | grep -v Warn \
+      | sed "s/^/[L1 $f, graphs] /" | tee -a "$OUT/tiers.log"
+    [ "${K25_COLD_EAGER:-1}" = "1" ] || continue
+    K25_DISABLE_CUDA_GRAPHS=1 python3 bench/cpu_long_context.py --device cuda --l1-fraction "$f" 2>&1 | grep -v Warn \
+      | sed "s/^/[L1 $f, eager] /" | tee -a "$OUT/tiers.log"
+  done
 fi
 if [ "${K25_BENCH:-0}" = "1" ]; then
   python3 bench/gpu/model_bench.py --json "$OUT/model_bench.json" 2>&1 | grep -v Warning | tee "$OUT/model_bench.log"
