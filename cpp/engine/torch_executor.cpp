@@ -289,12 +289,17 @@ class TorchExecutor : public ModelExecutor {
     HostAllocator pinned = cuda_glue::pinned_allocator();
     std::shared_ptr<ColdRegion> cold = cold_;
     const int64_t slot_bytes = page_bytes_for(kv_block_bytes());
+    const int64_t row_bytes = static_cast<int64_t>(layout_.head_dim) * kv_.element_size();
     config->l2_allocator = pinned;
-    config->l2_allocator.allocate = [alloc = pinned.allocate, cold, slot_bytes](size_t bytes) -> void* {
+    config->l2_allocator.allocate = [alloc = pinned.allocate, cold, slot_bytes, row_bytes](size_t bytes) -> void* {
       void* p = alloc(bytes);
-      if (p != nullptr) {
-        *cold = ColdRegion{static_cast<const uint8_t*>(p), cuda_glue::device_address(p), slot_bytes,
-                           static_cast<int32_t>(static_cast<int64_t>(bytes) / slot_bytes)};
+      if (p == nullptr) return p;
+      const int64_t slots = static_cast<int64_t>(bytes) / slot_bytes;
+      const void* device = cuda_glue::device_address(p);
+      // The kernels name an L2 row in 31 bits (kColdRow): a pool past that, or one the device
+      // cannot address, still serves swaps and prefix spills, but no cold blocks.
+      if (device != nullptr && slots * (slot_bytes / row_bytes) < (int64_t{1} << 31)) {
+        *cold = ColdRegion{static_cast<const uint8_t*>(p), device, slot_bytes, static_cast<int32_t>(slots)};
       }
       return p;
     };
@@ -306,8 +311,10 @@ class TorchExecutor : public ModelExecutor {
     const int64_t bytes = kv_block_bytes();
     const int32_t blocks = static_cast<int32_t>(kv_.numel() / layout_.block_elems());
     const int device = kv_.device().index();
-    config->make_copier = [base, bytes, blocks, device](TaskRunner* completions) {
-      return cuda_glue::make_cuda_block_copier(base, bytes, blocks, device, completions);
+    c10::cuda::CUDAGuard guard(kv_.device());  // engine_stream() is made on the current device
+    cudaStream_t compute = engine_stream().stream();
+    config->make_copier = [base, bytes, blocks, device, compute](TaskRunner* completions) {
+      return cuda_glue::make_cuda_block_copier(base, bytes, blocks, device, completions, compute);
     };
     return true;
 #else

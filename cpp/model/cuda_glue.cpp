@@ -84,7 +84,7 @@ const void* device_address(const void* pinned) {
   void* d = nullptr;
   if (cudaHostGetDevicePointer(&d, const_cast<void*>(pinned), 0) != cudaSuccess) {
     (void)cudaGetLastError();
-    fail(ErrorCode::kInternal, "the KV tiers' L2 pool is not mapped into the device's address space");
+    return nullptr;
   }
   return d;
 }
@@ -93,12 +93,15 @@ namespace {
 
 class CudaBlockCopier : public BlockCopier {
  public:
-  CudaBlockCopier(void* base, int64_t block_bytes, int32_t num_blocks, int device, TaskRunner* completions)
+  CudaBlockCopier(void* base, int64_t block_bytes, int32_t num_blocks, int device, TaskRunner* completions,
+                  cudaStream_t compute)
       : base_(static_cast<uint8_t*>(base)), block_bytes_(block_bytes), num_blocks_(num_blocks), device_(device),
-        completions_(completions) {
+        completions_(completions), compute_(compute) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess) {
+    if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming) != cudaSuccess) {
       (void)cudaGetLastError();
+      if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
       fail(ErrorCode::kResourceExhausted, "cannot create the KV tiers' CUDA copy stream");
     }
   }
@@ -106,6 +109,7 @@ class CudaBlockCopier : public BlockCopier {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     (void)cudaStreamSynchronize(stream_);
     (void)cudaStreamDestroy(stream_);
+    (void)cudaEventDestroy(queued_);
   }
   int64_t block_bytes() const override { return block_bytes_; }
   int32_t num_blocks() const override { return num_blocks_; }
@@ -131,7 +135,13 @@ class CudaBlockCopier : public BlockCopier {
   void copy(void* dst, const void* src, cudaMemcpyKind kind, Done done) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     auto* x = new Pending{std::move(done), completions_};
-    if (cudaMemcpyAsync(dst, src, static_cast<size_t>(block_bytes_), kind, stream_) != cudaSuccess ||
+    // Behind everything the compute stream has queued so far: the engine does not wait for a
+    // step that samples nothing (a prompt chunk before the last), so a copy out could read a
+    // block a kernel in flight still writes, and a copy in overwrite one it still reads. (One
+    // event for all copies: a wait takes the event as recorded at the call, and a record by
+    // another thread in between only orders a copy later.)
+    if (cudaEventRecord(queued_, compute_) != cudaSuccess || cudaStreamWaitEvent(stream_, queued_, 0) != cudaSuccess ||
+        cudaMemcpyAsync(dst, src, static_cast<size_t>(block_bytes_), kind, stream_) != cudaSuccess ||
         cudaLaunchHostFunc(stream_, &CudaBlockCopier::landed, x) != cudaSuccess) {
       (void)cudaGetLastError();
       completions_->post([x] {
@@ -146,14 +156,16 @@ class CudaBlockCopier : public BlockCopier {
   int32_t num_blocks_;
   int device_;
   TaskRunner* completions_;
+  cudaStream_t compute_;  // the engine's compute stream (the executor's)
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t queued_ = nullptr;
 };
 
 }  // namespace
 
 std::unique_ptr<BlockCopier> make_cuda_block_copier(void* base, int64_t block_bytes, int32_t num_blocks, int device,
-                                                    TaskRunner* completions) {
-  return std::make_unique<CudaBlockCopier>(base, block_bytes, num_blocks, device, completions);
+                                                    TaskRunner* completions, cudaStream_t compute) {
+  return std::make_unique<CudaBlockCopier>(base, block_bytes, num_blocks, device, completions, compute);
 }
 
 void device_memory(int device, int64_t* free_bytes, int64_t* total_bytes) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <memory>
@@ -24,14 +25,19 @@ bool available();                         // built with CUDA and a device is vis
 // Tiered KV on CUDA: L2 in pinned host memory (cudaHostAlloc), and a copier that moves
 // whole blocks between the device pool (block b at base + b * block_bytes) and host memory
 // with cudaMemcpyAsync on its own stream; each copy's completion (cudaLaunchHostFunc) is
-// posted to `completions` (no CUDA call may run inside a host function). The engine only
-// copies out blocks no kernel in flight writes, and reads fetched blocks after their
-// completion, so the copy stream needs no ordering with the compute stream.
+// posted to `completions` (no CUDA call may run inside a host function). Each copy waits for
+// the work queued on the engine's compute stream when it is asked for (make_cuda_block_copier):
+// the engine does not wait for every step (not for one that samples nothing), so a block a
+// copy reads or writes may still be in use by a kernel in flight. The engine reads fetched
+// blocks only after their completion.
 HostAllocator pinned_allocator();
-// The device's address of pinned host memory from pinned_allocator() (mapped).
+// The device's address of pinned host memory from pinned_allocator() (mapped); nullptr if
+// the device cannot address it.
 const void* device_address(const void* pinned);
+// Copies run on their own stream, each behind the work `compute` (the engine's stream) has
+// queued when it is asked for.
 std::unique_ptr<BlockCopier> make_cuda_block_copier(void* base, int64_t block_bytes, int32_t num_blocks, int device,
-                                                    TaskRunner* completions);
+                                                    TaskRunner* completions, cudaStream_t compute);
 void device_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
 
 // The L2 pool (pinned host memory, mapped) as the attention kernels read cold blocks in it.
