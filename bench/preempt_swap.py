@@ -20,13 +20,7 @@ import json
 import threading
 import time
 
-
-def text_ids(model, n, offset=0):
-    from pydoc_data import topics
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    ids = model.tokenize([text])[0]
-    assert len(ids) >= offset + n
-    return ids[offset:offset + n]
+from cpu_long_context import text_ids
 
 
 def main():
@@ -45,8 +39,8 @@ def main():
     gen = dict(max_new_tokens=args.new, ignore_eos=True, temperature=0.0)
     probe = K25Model(K25Config(**base))
     try:
-        bronze_ids = text_ids(probe, args.tokens)
-        gold_ids = text_ids(probe, args.tokens, offset=args.tokens)
+        ids = text_ids(probe, 2 * args.tokens)
+        bronze_ids, gold_ids = ids[:args.tokens], ids[args.tokens:]
         per_block = probe.kv_block_bytes
         want = probe.generate([bronze_ids], **gen)[0].token_ids
     finally:

@@ -179,20 +179,21 @@ def decode_case(B, L, fi, results):
     del P
 
 
-def prefill_case(L, fi, results):
+def prefill_kernels(L, fi, row):
+    """Causal prefill of one random L-token sequence: {name: call} for SDPA (contiguous KV),
+    k25's paged call and, with `fi`, FlashInfer's paged prefill, each output's error against
+    SDPA's put in `row` (or FlashInfer's failure: the peer is optional); also the k25 call, its
+    qkv input and SDPA's output [L, HQ, D]."""
     P = Paged([L], seed=L)
     q = torch.randn(L, HQ, D, device="cuda", dtype=DT)
     kc, vc = P.k[0].transpose(0, 1)[None], P.v[0].transpose(0, 1)[None]  # [1, HKV, L, D]
     qs = q.transpose(0, 1)[None]
     sdpa = lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True)  # noqa: E731
     ref = sdpa()[0].transpose(0, 1)
-    flops = 2 * HQ * D * L * L  # QK and PV over the causal half: 2 * (2 * HQ * D * L^2 / 2)
-    row = {"case": f"prefill causal L{L}", "TFLOP": round(flops / 1e12, 3)}
     qkv = torch.zeros(L, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)
     qkv[:, :HQ * D] = q.reshape(L, -1)
     call = P.k25([L])
-    out = call.run(qkv).view(L, HQ, D)
-    row["k25_err"] = rel(out, ref)
+    row["k25_err"] = rel(call.run(qkv).view(L, HQ, D), ref)
     kernels = {"sdpa": sdpa, "k25": lambda: call.run(qkv)}
     if fi is not None:
         try:
@@ -201,11 +202,17 @@ def prefill_case(L, fi, results):
             indptr, indices, last = P.flashinfer_args()
             qo = torch.tensor([0, L], dtype=torch.int32, device="cuda")
             w.plan(qo, indptr, indices, last, HQ, HKV, D, PAGE, causal=True, q_data_type=DT, kv_data_type=DT)
-            out = w.run(q, P.fi_kv)
-            row["flashinfer_err"] = rel(out, ref)
+            row["flashinfer_err"] = rel(w.run(q, P.fi_kv), ref)
             kernels["flashinfer"] = lambda: w.run(q, P.fi_kv)
         except Exception as e:
             row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]
+    return kernels, call, qkv, ref
+
+
+def prefill_case(L, fi, results):
+    flops = 2 * HQ * D * L * L  # QK and PV over the causal half: 2 * (2 * HQ * D * L^2 / 2)
+    row = {"case": f"prefill causal L{L}", "TFLOP": round(flops / 1e12, 3)}
+    kernels, call, qkv, ref = prefill_kernels(L, fi, row)
     # Every kernel from the same state (burst_and_sustained): "_TFLOPs" a short run's figure,
     # "_sustained_TFLOPs" the settled one.
     for name, (burst, settled) in burst_and_sustained(kernels).items():

@@ -18,9 +18,8 @@ import subprocess
 import time
 
 import torch
-import torch.nn.functional as F
 
-from attention_bench import DT, HKV, HQ, D, PAGE, Paged, rel, sustained
+from attention_bench import HQ, D, Paged, prefill_kernels, sustained
 
 
 def irwin_hall_(t, gen):
@@ -66,19 +65,16 @@ def main():
     from k25 import _C  # noqa: F401  (attention_bench's Paged.k25 uses it)
     L = args.len
     flops = 2 * HQ * D * L * L
-    P = Paged([L], seed=L)
-    q = torch.randn(L, HQ, D, device="cuda", dtype=DT)
-    kc, vc = P.k[0].transpose(0, 1)[None], P.v[0].transpose(0, 1)[None]
-    qs = q.transpose(0, 1)[None]
-    ref = F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-    qkv = torch.zeros(L, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)
-    qkv[:, :HQ * D] = q.reshape(L, -1)
-    call = P.k25([L])
-    assert rel(call.run(qkv).view(L, HQ, D), ref) < 1e-2
-    kernels = {
-        "sdpa": lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True),
-        "k25": lambda: call.run(qkv),
-    }
+    try:
+        import flashinfer as fi
+    except Exception as e:  # the peer is optional
+        fi = None
+        print(f"flashinfer unavailable: {type(e).__name__}: {e}", flush=True)
+    checks = {}
+    kernels, _, qkv, _ = prefill_kernels(L, fi, checks)
+    if "flashinfer_error" in checks:
+        print(f"flashinfer failed: {checks['flashinfer_error']}", flush=True)
+    assert all(v < 1e-2 for k, v in checks.items() if k.endswith("_err")), checks
     # The same kernel on the probe's data distribution (its own pool, plan and query).
     g = torch.Generator(device="cuda").manual_seed(1)
     P2 = Paged([L], seed=L + 1)
@@ -87,17 +83,6 @@ def main():
     irwin_hall_(qkv2, g)
     call2 = P2.k25([L])
     kernels["k25-ih"] = lambda: call2.run(qkv2)
-    try:
-        import flashinfer as fi
-        ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        indptr, indices, last = P.flashinfer_args()
-        qo = torch.tensor([0, L], dtype=torch.int32, device="cuda")
-        w.plan(qo, indptr, indices, last, HQ, HKV, D, PAGE, causal=True, q_data_type=DT, kv_data_type=DT)
-        assert rel(w.run(q, P.fi_kv), ref) < 1e-2
-        kernels["flashinfer"] = lambda: w.run(q, P.fi_kv)
-    except Exception as e:  # the peer is optional
-        print(f"flashinfer unavailable: {type(e).__name__}: {e}", flush=True)
     for fn in kernels.values():  # compile / plan caches before any timing
         fn()
     torch.cuda.synchronize()

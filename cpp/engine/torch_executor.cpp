@@ -298,7 +298,7 @@ class TorchExecutor : public ModelExecutor {
       const void* device = cuda_glue::device_address(p);
       // The kernels name an L2 row in 31 bits (kColdRow): a pool past that, or one the device
       // cannot address, still serves swaps and prefix spills, but no cold blocks.
-      if (device != nullptr && slots * (slot_bytes / row_bytes) < (int64_t{1} << 31)) {
+      if (device != nullptr && cuda_glue::cold_rows_fit(slots, slot_bytes, row_bytes)) {
         *cold = ColdRegion{static_cast<const uint8_t*>(p), device, slot_bytes, static_cast<int32_t>(slots)};
       }
       return p;

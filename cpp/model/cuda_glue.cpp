@@ -80,6 +80,10 @@ HostAllocator pinned_allocator() {
   return a;
 }
 
+bool cold_rows_fit(int64_t num_slots, int64_t slot_bytes, int64_t row_bytes) {
+  return row_bytes > 0 && slot_bytes % row_bytes == 0 && num_slots * (slot_bytes / row_bytes) < (int64_t{1} << 31);
+}
+
 const void* device_address(const void* pinned) {
   void* d = nullptr;
   if (cudaHostGetDevicePointer(&d, const_cast<void*>(pinned), 0) != cudaSuccess) {
@@ -352,8 +356,7 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
   const int64_t row_bytes = static_cast<int64_t>(layout.head_dim) * kv.element_size();
   need(kv.numel() / layout.head_dim < (int64_t{1} << 31), "the KV pool has 2^31 rows or more");
   if (b.cold.data != nullptr) {
-    need(b.cold.slot_bytes % row_bytes == 0 && b.cold.num_slots * (b.cold.slot_bytes / row_bytes) < (int64_t{1} << 31),
-         "the L2 pool's slots for cold blocks");
+    need(cold_rows_fit(b.cold.num_slots, b.cold.slot_bytes, row_bytes), "the L2 pool's slots for cold blocks");
     cache.cold_data = b.cold.data;
     cache.cold_block_elems = b.cold.slot_bytes / kv.element_size();
   }

@@ -40,6 +40,10 @@ std::unique_ptr<BlockCopier> make_cuda_block_copier(void* base, int64_t block_by
                                                     TaskRunner* completions, cudaStream_t compute);
 void device_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
 
+// Whether the attention kernels can name every row (head_dim elements of row_bytes) of an L2
+// pool of num_slots slots of slot_bytes as a cold row: 31-bit row indices (cuda::kColdRow).
+bool cold_rows_fit(int64_t num_slots, int64_t slot_bytes, int64_t row_bytes);
+
 // The L2 pool (pinned host memory, mapped) as the attention kernels read cold blocks in it.
 struct ColdPool {
   const void* data = nullptr;  // device pointer of slot 0
