@@ -469,6 +469,13 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
   a.head_tables = x.head_tables.data_ptr<int32_t>();
   a.context_lens_out = x.context_lens.data_ptr<int32_t>();
   a.layer_stats = layer_stats.data_ptr<double>() + 4 * static_cast<int64_t>(layer);
+  if (b.cold.data != nullptr) {
+    // The summaries' last num_slots block rows are the L2 slots' (TorchExecutor::grow_cold_summaries).
+    const int64_t per_block = static_cast<int64_t>(layout.num_layers) * layout.num_kv_heads * 2 * layout.head_dim;
+    const int64_t rows = summaries.numel() / per_block;
+    need(rows > b.cold.num_slots, "block summaries without rows for the L2 slots (cold blocks)");
+    a.cold_summary_base = static_cast<int32_t>(rows - b.cold.num_slots);
+  }
   cuda::select_blocks(dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), summaries.data_ptr(), layout.head_dim, a,
                       stream());
   check_launch("select_blocks");

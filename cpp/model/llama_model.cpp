@@ -184,17 +184,14 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
 
   cpu::AttentionBatch ab = cpu_attention_batch(meta);
   // Cold blocks (a sequence longer than the KV pool): the CPU kernels read them by pointer;
-  // the CUDA kernels by slot of the mapped L2 pool (cold_tables below), dense only.
+  // the CUDA kernels by slot of the mapped L2 pool (cold_tables below; with sparsity the
+  // device selection finds their summaries by slot too, TorchExecutor::keep_cold_summaries).
   std::vector<int32_t> cold_tables;
   if (!meta.cold_blocks.empty()) {
     if (!fused) {
       fail(ErrorCode::kUnsupported, "cold KV blocks (a sequence longer than the KV pool) need the fused kernels");
     }
-    if (cuda && sparse) {
-      fail(ErrorCode::kUnsupported, "cold KV blocks with dynamic sparsity are not built on CUDA (the device "
-                                    "selection reads summaries of pool blocks only)");
-    }
-    if (sparse && meta.cold_summaries.size() != meta.cold_blocks.size()) {
+    if (!cuda && sparse && meta.cold_summaries.size() != meta.cold_blocks.size()) {
       fail(ErrorCode::kInternal, "cold blocks without their key summaries");
     }
     ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_blocks.data());
