@@ -665,6 +665,7 @@ class TorchExecutor : public ModelExecutor {
     if (sm.numel() >= rows * summary_rows_per_block()) return;
     if (!graphs_.empty()) fail(ErrorCode::kInternal, "the block summaries cannot grow under captured CUDA graphs");
     c10::cuda::CUDAGuard guard(model_->device());
+    c10::cuda::CUDAStreamGuard sg(engine_stream());  // ordered with every summary update
     at::Tensor grown = cuda_glue::make_block_summaries(rows, layout_, model_->dtype(), model_->device());
     grown.narrow(0, 0, sm.numel()).copy_(sm);
     sm = grown;
