@@ -426,15 +426,12 @@ class TorchExecutor : public ModelExecutor {
 #ifdef K25_WITH_CUDA
     if (!sparse_ || !kv_.is_cuda() || cold_->device == nullptr) return;
     grow_cold_summaries();
-    const int64_t off = static_cast<const uint8_t*>(cold_data) - cold_->host;
-    if (off < 0 || off % cold_->slot_bytes != 0 || off / cold_->slot_bytes >= cold_->num_slots) {
-      fail(ErrorCode::kInternal, "a cold block outside the mapped L2 pool");
-    }
+    const int64_t slot = cold_slot(*cold_, cold_data);
     const int64_t per = summary_rows_per_block();
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());  // before the step that rewrites the block's rows
     at::Tensor& sm = sparse_->device_summaries;
-    sm.narrow(0, (num_blocks_ + 1 + off / cold_->slot_bytes) * per, per).copy_(sm.narrow(0, block * per, per));
+    sm.narrow(0, (num_blocks_ + 1 + slot) * per, per).copy_(sm.narrow(0, block * per, per));
 #else
     (void)block;
     (void)cold_data;
