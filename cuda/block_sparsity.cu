@@ -71,7 +71,8 @@ __device__ __forceinline__ void others_range(const SparseSelect& a, int nb, int*
 }
 
 __device__ __forceinline__ int64_t summary_offset(const SparseSelect& a, int block, int h, int D) {
-  return ((static_cast<int64_t>(block) * a.num_layers + a.layer) * a.num_kv_heads + h) * 2 * D;
+  const int64_t row = is_cold_block(block) ? a.cold_summary_base + cold_slot_of(block) : block;
+  return ((row * a.num_layers + a.layer) * a.num_kv_heads + h) * 2 * D;
 }
 
 // ---- summaries ----------------------------------------------------------------------

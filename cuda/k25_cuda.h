@@ -173,6 +173,8 @@ struct SparseSelect {
   int32_t* head_tables;           // [S][Hkv][max_blocks]: out (AttnBatch::head_tables)
   int32_t* context_lens_out;      // [S]: out, kept keys (sparse) or the context
   double* layer_stats;            // [4] of this layer, added to: blocks, kept, selections, entropy bits
+  // Cold blocks (KVCache): the summaries of L2 slot s are at summary block cold_summary_base + s.
+  int32_t cold_summary_base = 0;
 };
 // Selects for every single-token sequence longer than min_context (the Quest bound ranks,
 // the centre estimate sizes: docs/sparsity.md), and writes head_tables / context_lens_out

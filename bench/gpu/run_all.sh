@@ -59,13 +59,15 @@ if [ "${K25_TIER_BENCH:-0}" = "1" ]; then
   # Tiered KV on CUDA (issue #6): swap-in vs recompute of a preempted 8K sequence; then cold
   # blocks, the default model at 8K with L1 a fraction of what it needs, the rest read in
   # place in pinned L2 (graphs on, then every step eager unless K25_COLD_EAGER=0).
-  python3 bench/preempt_swap.py --device cuda 2>&1 | grep -v Warn | tee -a "$OUT/tiers.log"
+  # K25_SWAP=0 skips the swap bench; K25_COLD_ARGS (e.g. "--sparse --max-moves 2": on CUDA
+  # with sparsity the predictor knobs are a ConfigError) replaces "--max-moves 0 2".
+  [ "${K25_SWAP:-1}" = "1" ] && python3 bench/preempt_swap.py --device cuda 2>&1 | grep -v Warn | tee -a "$OUT/tiers.log"
   for f in ${K25_COLD_FRACTIONS:-0.25 0.9}; do
-    python3 bench/cpu_long_context.py --device cuda --l1-fraction "$f" --max-moves 0 2 2>&1 | grep -v Warn \
-      | sed "s/^/[L1 $f, graphs] /" | tee -a "$OUT/tiers.log"
+    python3 bench/cpu_long_context.py --device cuda --l1-fraction "$f" ${K25_COLD_ARGS:---max-moves 0 2} 2>&1 \
+      | grep -v Warn | sed "s/^/[L1 $f, graphs] /" | tee -a "$OUT/tiers.log"
     [ "${K25_COLD_EAGER:-1}" = "1" ] || continue
-    K25_DISABLE_CUDA_GRAPHS=1 python3 bench/cpu_long_context.py --device cuda --l1-fraction "$f" 2>&1 | grep -v Warn \
-      | sed "s/^/[L1 $f, eager] /" | tee -a "$OUT/tiers.log"
+    K25_DISABLE_CUDA_GRAPHS=1 python3 bench/cpu_long_context.py --device cuda --l1-fraction "$f" \
+      ${K25_COLD_ARGS:-} 2>&1 | grep -v Warn | sed "s/^/[L1 $f, eager] /" | tee -a "$OUT/tiers.log"
   done
 fi
 if [ "${K25_BENCH:-0}" = "1" ]; then

@@ -183,8 +183,8 @@ void bind_cuda_ops(py::module_& m) {
              p.max_ratio = static_cast<float>(max_ratio);
              p.mass_target = static_cast<float>(mass_target);
              p.score_channels = 0;
-             c.sparse = cuda_glue::select_blocks(q, c.layout, c.layer, summaries, c.batch, c.num_heads, c.scale, p,
-                                                 c.scratch, layer_stats);
+             c.sparse = cuda_glue::select_blocks(q, c.layout, c.layer, summaries, c.kv.numel() / c.layout.block_elems(),
+                                                 c.batch, c.num_heads, c.scale, p, c.scratch, layer_stats);
              return py::make_tuple(c.sparse.head_tables.narrow(0, 0, S), c.sparse.context_lens);
            },
            py::arg("q"), py::arg("summaries"), py::arg("layer_stats"), py::arg("min_context"),

@@ -617,6 +617,13 @@ void Engine::step() {
     d.seq->cold_summaries[static_cast<size_t>(d.index)] = std::move(sums);
   }
   if (swap_) swap_->start(plan);  // records preempt_swap (or preempt_recompute) itself
+  if (swap_) {
+    // Device-side summaries of the blocks that just went cold (their L2 slots are known now).
+    for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
+      const uint64_t key = d.seq->cold_keys.at(static_cast<size_t>(d.index));
+      if (key != 0) executor_->keep_cold_summaries(d.block, swap_->cold_data(key));
+    }
+  }
   for (const ScheduledSeq& s : plan.seqs) {
     if (s.seq->first_scheduled_time < 0) s.seq->first_scheduled_time = t0;
   }

@@ -126,6 +126,12 @@ class ModelExecutor {
     (void)block;
     return {};
   }
+  // The same where the executor keeps it on its device: L1 block `block` went cold, its KV
+  // now at `cold_data` (an L2 slot); called before the step that reuses the L1 block.
+  virtual void keep_cold_summaries(int32_t block, const void* cold_data) {
+    (void)block;
+    (void)cold_data;
+  }
 };
 
 }  // namespace k25

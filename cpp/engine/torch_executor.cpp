@@ -239,6 +239,7 @@ class TorchExecutor : public ModelExecutor {
   // time, ~70 ms for the 8B shape, to that request).
   void warm_up(int32_t max_batch_size) override {
 #ifdef K25_WITH_CUDA
+    grow_cold_summaries();  // before any graph captures the summaries' address
     if (!use_graphs_) return;
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());
@@ -371,11 +372,9 @@ class TorchExecutor : public ModelExecutor {
   }
   // The CPU fused kernels (dense and sparse) read cold blocks in host memory; the CUDA
   // kernels and the unfused path (index_select on the pool) do not.
-  // On CUDA (dense attention, the L2 pool mapped), the device kernels read them in place
-  // over the bus; the device selection of dynamic sparsity does not.
-  bool supports_cold_blocks() const override {
-    return fused_ && (kv_.is_cpu() || (!sparse_ && cold_->device != nullptr));
-  }
+  // On CUDA (the L2 pool mapped), the device kernels read them in place over the bus, and the
+  // device selection finds their summaries in rows past the pool's (keep_cold_summaries).
+  bool supports_cold_blocks() const override { return fused_ && (kv_.is_cpu() || cold_->device != nullptr); }
   bool block_reads(const BatchMeta& meta, BlockReads* out) const override {
     if (!kv_.is_cpu() && sparse_) return false;  // the device selection keeps its tables on the device
     const int32_t S = meta.num_seqs(), H = layout_.num_kv_heads, L = layout_.num_layers, bs = layout_.block_size;
@@ -415,10 +414,28 @@ class TorchExecutor : public ModelExecutor {
     return true;
   }
   std::vector<float> block_summaries(int32_t block) const override {
-    if (!sparse_) return {};
+    if (!sparse_ || sparse_->summaries == nullptr) return {};  // on CUDA: keep_cold_summaries
     const int64_t n = sparse_->layout.block_elems();
     const float* p = sparse_->summaries + static_cast<int64_t>(block) * n;
     return std::vector<float>(p, p + n);
+  }
+  // Dynamic sparsity on CUDA with cold blocks: the block summaries get one row set per L2
+  // slot after the pool's blocks and the graphs' scratch block (cuda_glue::select_blocks
+  // finds slot s at rows - num_slots + s); a block that goes cold has its rows copied there.
+  void keep_cold_summaries(int32_t block, const void* cold_data) override {
+#ifdef K25_WITH_CUDA
+    if (!sparse_ || !kv_.is_cuda() || cold_->device == nullptr) return;
+    grow_cold_summaries();
+    const int64_t slot = cold_slot(*cold_, cold_data);
+    const int64_t per = summary_rows_per_block();
+    c10::cuda::CUDAGuard guard(model_->device());
+    c10::cuda::CUDAStreamGuard sg(engine_stream());  // before the step that rewrites the block's rows
+    at::Tensor& sm = sparse_->device_summaries;
+    sm.narrow(0, (num_blocks_ + 1 + slot) * per, per).copy_(sm.narrow(0, block * per, per));
+#else
+    (void)block;
+    (void)cold_data;
+#endif
   }
   int32_t max_async_batch() const override { return 128; }
 
@@ -632,6 +649,24 @@ class TorchExecutor : public ModelExecutor {
     at::cuda::CUDAEvent done;
     std::vector<int32_t> rows;  // per sample, its logits row
   };
+
+  // Elements of one block's summaries (cuda_glue::make_block_summaries' layout).
+  int64_t summary_rows_per_block() const {
+    return static_cast<int64_t>(layout_.num_layers) * layout_.num_kv_heads * 2 * layout_.head_dim;
+  }
+  // The summaries' rows for the L2 slots (keep_cold_summaries), once the L2 pool exists.
+  void grow_cold_summaries() {
+    if (!sparse_ || !kv_.is_cuda() || cold_->device == nullptr) return;
+    const int64_t rows = static_cast<int64_t>(num_blocks_) + 1 + cold_->num_slots;
+    at::Tensor& sm = sparse_->device_summaries;
+    if (sm.numel() >= rows * summary_rows_per_block()) return;
+    if (!graphs_.empty()) fail(ErrorCode::kInternal, "the block summaries cannot grow under captured CUDA graphs");
+    c10::cuda::CUDAGuard guard(model_->device());
+    c10::cuda::CUDAStreamGuard sg(engine_stream());  // ordered with every summary update
+    at::Tensor grown = cuda_glue::make_block_summaries(rows, layout_, model_->dtype(), model_->device());
+    grown.narrow(0, 0, sm.numel()).copy_(sm);
+    sm = grown;
+  }
 
   int32_t graph_blocks() const {
     return (handle_->max_positions() + layout_.block_size - 1) / layout_.block_size;

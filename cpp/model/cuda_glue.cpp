@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -421,8 +422,8 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
 }
 
 DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t layer, const at::Tensor& summaries,
-                          const DeviceBatch& b, int32_t num_heads, double scale, const SparsityParams& p,
-                          SparseScratch& x, at::Tensor& layer_stats) {
+                          int64_t pool_blocks, const DeviceBatch& b, int32_t num_heads, double scale,
+                          const SparsityParams& p, SparseScratch& x, at::Tensor& layer_stats) {
   const int32_t S = static_cast<int32_t>(b.context_lens.numel());
   need(layout.head_dim == 64 || layout.head_dim == 128, "CUDA block selection supports head_dim 64 and 128");
   need(layout.num_kv_heads <= cuda::kMaxSparseKvHeads && num_heads <= cuda::kMaxSparseHeads,
@@ -469,6 +470,12 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
   a.head_tables = x.head_tables.data_ptr<int32_t>();
   a.context_lens_out = x.context_lens.data_ptr<int32_t>();
   a.layer_stats = layer_stats.data_ptr<double>() + 4 * static_cast<int64_t>(layer);
+  if (b.cold.data != nullptr) {
+    const int64_t per_block = static_cast<int64_t>(layout.num_layers) * layout.num_kv_heads * 2 * layout.head_dim;
+    need(summaries.numel() >= (pool_blocks + b.cold.num_slots) * per_block && pool_blocks + b.cold.num_slots <= INT32_MAX,
+         "block summaries without rows for the L2 slots (cold blocks)");
+    a.cold_summary_base = static_cast<int32_t>(pool_blocks);
+  }
   cuda::select_blocks(dtype_of(qkv), qkv.data_ptr(), qkv.stride(0), summaries.data_ptr(), layout.head_dim, a,
                       stream());
   check_launch("select_blocks");

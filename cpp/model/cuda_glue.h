@@ -102,10 +102,12 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
 // p.min_context (Quest bound ranks, centre estimate sizes) and returns the batch with
 // head_tables and the kept lengths set. layer_stats: float64 [num_layers, 4] on the device,
 // added to (blocks, kept blocks, selections, entropy bits). p.score_channels must be 0
-// and p.compensation off: the device does neither (ConfigError before this).
+// and p.compensation off: the device does neither (ConfigError before this). With cold
+// blocks (batch.cold), the summaries of L2 slot s are block row pool_blocks + s, past the
+// KV pool's pool_blocks rows (TorchExecutor::grow_cold_summaries).
 DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t layer, const at::Tensor& summaries,
-                          const DeviceBatch& batch, int32_t num_heads, double scale, const SparsityParams& p,
-                          SparseScratch& scratch, at::Tensor& layer_stats);
+                          int64_t pool_blocks, const DeviceBatch& batch, int32_t num_heads, double scale,
+                          const SparsityParams& p, SparseScratch& scratch, at::Tensor& layer_stats);
 
 // dst (pinned host) = src (device), same size, on the current stream without waiting
 // (a plain cudaMemcpyAsync: capturable in a CUDA graph).

@@ -129,6 +129,14 @@ int64_t LlamaModel::weight_bytes() const {
   return n;
 }
 
+int32_t cold_slot(const ColdRegion& region, const void* block) {
+  const int64_t off = static_cast<const uint8_t*>(block) - region.host;
+  if (region.slot_bytes <= 0 || off < 0 || off % region.slot_bytes != 0 || off / region.slot_bytes >= region.num_slots) {
+    fail(ErrorCode::kInternal, "a cold block outside the mapped L2 pool");
+  }
+  return static_cast<int32_t>(off / region.slot_bytes);
+}
+
 std::vector<int32_t> cold_slot_tables(const BatchMeta& meta, const ColdRegion* region) {
   if (region == nullptr || region->device == nullptr || region->slot_bytes <= 0) {
     fail(ErrorCode::kInternal, "cold KV blocks on CUDA without a mapped L2 pool");
@@ -138,11 +146,7 @@ std::vector<int32_t> cold_slot_tables(const BatchMeta& meta, const ColdRegion* r
     if (id > cold_block_id(0)) continue;  // a pool block, or -1 (none)
     const size_t j = static_cast<size_t>(cold_block_index(id));
     if (j >= meta.cold_blocks.size()) fail(ErrorCode::kInternal, "a cold block id past the step's cold list");
-    const int64_t off = static_cast<const uint8_t*>(meta.cold_blocks[j]) - region->host;
-    if (off < 0 || off % region->slot_bytes != 0 || off / region->slot_bytes >= region->num_slots) {
-      fail(ErrorCode::kInternal, "a cold block outside the mapped L2 pool");
-    }
-    id = cold_block_id(static_cast<int32_t>(off / region->slot_bytes));
+    id = cold_block_id(cold_slot(*region, meta.cold_blocks[j]));
   }
   return t;
 }
@@ -184,17 +188,14 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
 
   cpu::AttentionBatch ab = cpu_attention_batch(meta);
   // Cold blocks (a sequence longer than the KV pool): the CPU kernels read them by pointer;
-  // the CUDA kernels by slot of the mapped L2 pool (cold_tables below), dense only.
+  // the CUDA kernels by slot of the mapped L2 pool (cold_tables below; with sparsity the
+  // device selection finds their summaries by slot too, TorchExecutor::keep_cold_summaries).
   std::vector<int32_t> cold_tables;
   if (!meta.cold_blocks.empty()) {
     if (!fused) {
       fail(ErrorCode::kUnsupported, "cold KV blocks (a sequence longer than the KV pool) need the fused kernels");
     }
-    if (cuda && sparse) {
-      fail(ErrorCode::kUnsupported, "cold KV blocks with dynamic sparsity are not built on CUDA (the device "
-                                    "selection reads summaries of pool blocks only)");
-    }
-    if (sparse && meta.cold_summaries.size() != meta.cold_blocks.size()) {
+    if (!cuda && sparse && meta.cold_summaries.size() != meta.cold_blocks.size()) {
       fail(ErrorCode::kInternal, "cold blocks without their key summaries");
     }
     ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_blocks.data());
@@ -257,8 +258,8 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
       if (sparse) cuda_glue::update_block_summaries(kv, layout, l, sparse->device_summaries, db);
       if (sparse && window == 0) {
         const cuda_glue::DeviceBatch kept = cuda_glue::select_blocks(
-            qkv, layout, l, sparse->device_summaries, db, Hq, scale, sparse->params, sparse->scratch,
-            sparse->layer_stats);
+            qkv, layout, l, sparse->device_summaries, kv.numel() / layout.block_elems(), db, Hq, scale,
+            sparse->params, sparse->scratch, sparse->layer_stats);
         cuda_glue::paged_attention(qkv, attn, kv, layout, l, kept, Hq, scale, window);
       } else {
         cuda_glue::paged_attention(qkv, attn, kv, layout, l, db, Hq, scale, window);

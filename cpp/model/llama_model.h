@@ -89,6 +89,10 @@ struct ColdRegion {
   int32_t num_slots = 0;
 };
 
+// The slot of `region` whose block lies at host address `block` (a cold block's KV);
+// an internal error if it is not a slot's start.
+int32_t cold_slot(const ColdRegion& region, const void* block);
+
 // meta.block_tables with each cold id (an index into meta.cold_blocks) replaced by the id of
 // its slot in `region` (cuda::KVCache's encoding, the same -2 - j form): the block tables the
 // CUDA kernels read.
