@@ -55,7 +55,12 @@ def run(cfg, ids, new):
     finally:
         m.close()
     steps = np.diff(np.array(stamps))  # decode steps (the first token comes from the prefill)
-    return {"tokens": tokens, "decode_tok_s": len(steps) / steps.sum(), "p50_ms": 1e3 * np.percentile(steps, 50),
+    # The slowest 1%, with the slot of its block that each step wrote (step i writes position
+    # len(ids) + i; slot 0: the step opened a block, which on a full L1 demotes another).
+    slow = np.argsort(steps)[::-1][:max(1, len(steps) // 100)]
+    return {"tokens": tokens, "slow_steps": [{"ms": round(1e3 * float(steps[i]), 3),
+                                              "slot": int((len(ids) + i) % 16)} for i in slow],
+            "decode_tok_s": len(steps) / steps.sum(), "p50_ms": 1e3 * np.percentile(steps, 50),
             "p99_ms": 1e3 * np.percentile(steps, 99), "cold_demotes": s.get("cold_demotes", 0),
             "preemptions": s["preemptions"], "l2_bytes_in": tiers["bytes_to_l2"] if tiers else 0,
             "sparsity_ratio": m_ratio, "predictor": s["predictor"]}
@@ -114,6 +119,8 @@ def main():
         print(f"{name:>14}: decode {r['decode_tok_s']:6.2f} tok/s, step P50 {r['p50_ms']:7.1f} ms, "
               f"P99 {r['p99_ms']:7.1f} ms; cold demotes {r['cold_demotes']}, preemptions {r['preemptions']}, "
               f"skipped blocks {r['sparsity_ratio']:.2f}{tiers}")
+        print(f"{'':>14}  slowest 1% of steps (ms@slot in block): "
+              + ", ".join(f"{x['ms']:.2f}@{x['slot']}" for x in r["slow_steps"]))
     print(f"cold / resident: decode tok/s {res['decode_ratio']:.3f}, P99 {res['p99_ratio']:.3f}; "
           f"same greedy tokens: {same}")
     if args.json:

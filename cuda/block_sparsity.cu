@@ -540,9 +540,16 @@ __global__ void __launch_bounds__(kTableThreads) table_kernel(SparseSelect a) {
       a.maxima[(static_cast<int64_t>(s) * a.num_heads + h * group) * 2 + i] = 0;
     }
   }
+  // The passes that read each block position (a decode row's; a prompt chunk predicts nothing).
+  int* reads = a.block_reads != nullptr && a.query_start[s + 1] - a.query_start[s] == 1
+                   ? a.block_reads + static_cast<int64_t>(s) * a.reads_stride
+                   : nullptr;
   if (nb == 0 || sel[3] == 0) {
     const int n = ctx > 0 ? (ctx + bs - 1) / bs : 0;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) out[j] = table[j];
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+      out[j] = table[j];
+      if (reads) atomicAdd(reads + j, 1);
+    }
     if (h == 0 && threadIdx.x == 0) a.context_lens_out[s] = ctx;
     return;
   }
@@ -572,7 +579,9 @@ __global__ void __launch_bounds__(kTableThreads) table_kernel(SparseSelect a) {
   __syncthreads();  // the scan's storage is reused
   Scan(tmp).ExclusiveSum(kept, pos);
   for (int j = lo, r = tie_rank; j < hi; ++j) {
-    if (kept_at(j, r)) out[pos++] = table[j];
+    if (!kept_at(j, r)) continue;
+    out[pos++] = table[j];
+    if (reads) atomicAdd(reads + j, 1);
   }
   if (h == 0 && threadIdx.x == 0) a.context_lens_out[s] = (keep - 1) * bs + (ctx - (nb - 1) * bs);
 }

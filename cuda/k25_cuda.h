@@ -175,6 +175,11 @@ struct SparseSelect {
   double* layer_stats;            // [4] of this layer, added to: blocks, kept, selections, entropy bits
   // Cold blocks (KVCache): the summaries of L2 slot s are at summary block cold_summary_base + s.
   int32_t cold_summary_base = 0;
+  // Optional (null: not counted): [S][reads_stride], added to for every single-token row,
+  // KV head and block position the head tables keep (sparse) or copy (dense): the passes
+  // that read each block, which the tiered KV's predictor observes (docs/offload.md).
+  int32_t* block_reads = nullptr;
+  int32_t reads_stride = 0;
 };
 // Selects for every single-token sequence longer than min_context (the Quest bound ranks,
 // the centre estimate sizes: docs/sparsity.md), and writes head_tables / context_lens_out

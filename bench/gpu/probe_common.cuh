@@ -26,6 +26,11 @@
 
 namespace probe {
 
+#ifndef K25_PROBE_SHUFFLE_SPAN
+// Pages are shuffled within consecutive groups of this many (0: across the whole pool; 1: in
+// order): how far apart a sequence's consecutive pages lie, e.g. within 2 MB (TLB reach).
+#define K25_PROBE_SHUFFLE_SPAN 0
+#endif
 #ifndef K25_PROBE_PAGE
 #define K25_PROBE_PAGE 16  // tokens per page (block_size); -DK25_PROBE_PAGE=32 builds another
 #endif
@@ -58,7 +63,8 @@ struct Pool {
     std::vector<int> perm(pages);
     std::iota(perm.begin(), perm.end(), 0);
     std::mt19937 rng(static_cast<uint32_t>(seed));
-    std::shuffle(perm.begin(), perm.end(), rng);
+    const int span = K25_PROBE_SHUFFLE_SPAN > 0 ? K25_PROBE_SHUFFLE_SPAN : pages;
+    for (int g = 0; g < pages; g += span) std::shuffle(perm.begin() + g, perm.begin() + std::min(pages, g + span), rng);
     table.assign(static_cast<size_t>(lens.size()) * max_blocks, -1);
     int at = 0;
     for (size_t s = 0; s < lens.size(); ++s) {

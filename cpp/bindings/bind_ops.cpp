@@ -169,12 +169,13 @@ void bind_cuda_ops(py::module_& m) {
       .def("select",
            [](AttentionCall& c, const at::Tensor& q, const at::Tensor& summaries, at::Tensor& layer_stats,
               int32_t min_context, int32_t sink_blocks, int32_t recent_blocks, double min_ratio, double max_ratio,
-              double mass_target) {
+              double mass_target, bool count_reads) {
              const int32_t S = static_cast<int32_t>(c.batch.context_lens.numel());
-             if (!c.scratch.raw.defined()) {
+             if (!c.scratch.raw.defined() || c.scratch.reads.defined() != count_reads) {
                c.scratch = cuda_glue::make_sparse_scratch(S, c.batch.max_blocks, c.num_heads, c.layout.num_kv_heads,
-                                                          c.kv.device());
+                                                          c.kv.device(), count_reads);
              }
+             if (count_reads) c.scratch.reads.zero_();
              SparsityParams p;
              p.min_context = min_context;
              p.sink_blocks = sink_blocks;
@@ -185,11 +186,16 @@ void bind_cuda_ops(py::module_& m) {
              p.score_channels = 0;
              c.sparse = cuda_glue::select_blocks(q, c.layout, c.layer, summaries, c.kv.numel() / c.layout.block_elems(),
                                                  c.batch, c.num_heads, c.scale, p, c.scratch, layer_stats);
-             return py::make_tuple(c.sparse.head_tables.narrow(0, 0, S), c.sparse.context_lens);
+             if (count_reads) {
+               // and the block reads [S, max_blocks] the selection counted (SparseSelect::block_reads)
+               return py::tuple(py::make_tuple(c.sparse.head_tables.narrow(0, 0, S), c.sparse.context_lens,
+                                               c.scratch.reads.narrow(0, 0, S)));
+             }
+             return py::tuple(py::make_tuple(c.sparse.head_tables.narrow(0, 0, S), c.sparse.context_lens));
            },
            py::arg("q"), py::arg("summaries"), py::arg("layer_stats"), py::arg("min_context"),
            py::arg("sink_blocks"), py::arg("recent_blocks"), py::arg("min_ratio"), py::arg("max_ratio"),
-           py::arg("mass_target"))
+           py::arg("mass_target"), py::arg("count_reads") = false)
       .def("run_sparse", [](const AttentionCall& c, const at::Tensor& q) { return c.run_batch(q, c.sparse); });
   cu.def("make_block_summaries", [](int64_t num_blocks, py::tuple layout, const at::Tensor& like) {
     return cuda_glue::make_block_summaries(num_blocks, layout_of(layout), like.scalar_type(), like.device());

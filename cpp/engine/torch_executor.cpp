@@ -376,7 +376,7 @@ class TorchExecutor : public ModelExecutor {
   // device selection finds their summaries in rows past the pool's (keep_cold_summaries).
   bool supports_cold_blocks() const override { return fused_ && (kv_.is_cpu() || cold_->device != nullptr); }
   bool block_reads(const BatchMeta& meta, BlockReads* out) const override {
-    if (!kv_.is_cpu() && sparse_) return false;  // the device selection keeps its tables on the device
+    if (!kv_.is_cpu() && sparse_) return device_block_reads(meta, out);
     const int32_t S = meta.num_seqs(), H = layout_.num_kv_heads, L = layout_.num_layers, bs = layout_.block_size;
     const int32_t MB = meta.max_blocks_per_seq;
     out->passes = L * H;
@@ -412,6 +412,35 @@ class TorchExecutor : public ModelExecutor {
       }
     }
     return true;
+  }
+  // The device selection's count of the step's reads (SparseScratch::reads): its host copy
+  // landed before the sampled ids this step waited for. Layers with a sliding window ran no
+  // selection: they read every block.
+  bool device_block_reads(const BatchMeta& meta, BlockReads* out) const {
+#ifdef K25_WITH_CUDA
+    const cuda_glue::SparseScratch& x = sparse_->scratch;
+    const int32_t S = meta.num_seqs(), H = layout_.num_kv_heads, bs = layout_.block_size;
+    if (!x.host_reads.defined() || S > x.num_seqs) return false;
+    int32_t windowed = 0;
+    for (int32_t w : model_->config().layer_sliding_window) windowed += w != 0;
+    out->passes = layout_.num_layers * H;
+    out->reads.assign(S, {});
+    out->sparse.assign(S, 0);
+    const int32_t* counted = x.host_reads.data_ptr<int32_t>();
+    for (int32_t s = 0; s < S; ++s) {
+      if (meta.query_start[s + 1] - meta.query_start[s] != 1) continue;  // decode rows only
+      const int32_t nb = std::min((meta.context_lens[s] + bs - 1) / bs, x.max_blocks);
+      std::vector<int32_t>& r = out->reads[s];
+      r.assign(nb, windowed * H);
+      for (int32_t b = 0; b < nb; ++b) r[b] += counted[static_cast<int64_t>(s) * x.max_blocks + b];
+      out->sparse[s] = meta.context_lens[s] > sparse_->params.min_context;
+    }
+    return true;
+#else
+    (void)meta;
+    (void)out;
+    return false;
+#endif
   }
   std::vector<float> block_summaries(int32_t block) const override {
     if (!sparse_ || sparse_->summaries == nullptr) return {};  // on CUDA: keep_cold_summaries
@@ -685,11 +714,16 @@ class TorchExecutor : public ModelExecutor {
   void ensure_sparse_scratch(int32_t num_seqs, int32_t max_blocks) {
     if (!sparse_ || kv_.is_cpu()) return;
     cuda_glue::SparseScratch& x = sparse_->scratch;
-    if (x.raw.defined() && x.num_seqs >= num_seqs && x.max_blocks >= max_blocks) return;
+    // With tiers (the L2 pool mapped) the selections count their block reads for the predictor.
+    const bool count_reads = cold_->device != nullptr;
+    if (x.raw.defined() && x.num_seqs >= num_seqs && x.max_blocks >= max_blocks &&
+        x.reads.defined() == count_reads) {
+      return;
+    }
     if (!graphs_.empty()) fail(ErrorCode::kInternal, "the sparse scratch cannot grow under captured CUDA graphs");
     const ModelConfig& c = model_->config();
     x = cuda_glue::make_sparse_scratch(std::max(num_seqs, x.num_seqs), std::max(max_blocks, x.max_blocks),
-                                       c.num_heads, c.num_kv_heads, model_->device());
+                                       c.num_heads, c.num_kv_heads, model_->device(), count_reads);
   }
 
   DecodeGraph& graph_for(int32_t bucket) {

@@ -404,7 +404,7 @@ struct ZeroedParts {
 }  // namespace
 
 SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t num_heads, int32_t num_kv_heads,
-                                  const at::Device& device) {
+                                  const at::Device& device, bool count_reads) {
   const auto i32 = at::TensorOptions().dtype(at::kInt).device(device);
   const int64_t S = num_seqs, MB = max_blocks;
   SparseScratch x;
@@ -414,6 +414,10 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
   x.head_tables = at::empty({S, num_kv_heads, MB}, i32);
   x.context_lens = at::empty({S}, i32);
   x.zeroed = at::zeros({ZeroedParts(S, num_heads, num_kv_heads).bytes / 8}, i32.dtype(at::kLong));
+  if (count_reads) {
+    x.reads = at::zeros({S, MB}, i32);
+    x.host_reads = at::zeros({S, MB}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  }
   x.num_seqs = num_seqs;
   x.max_blocks = max_blocks;
   x.num_heads = num_heads;
@@ -470,6 +474,10 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
   a.head_tables = x.head_tables.data_ptr<int32_t>();
   a.context_lens_out = x.context_lens.data_ptr<int32_t>();
   a.layer_stats = layer_stats.data_ptr<double>() + 4 * static_cast<int64_t>(layer);
+  if (x.reads.defined()) {
+    a.block_reads = x.reads.data_ptr<int32_t>();
+    a.reads_stride = x.max_blocks;
+  }
   if (b.cold.data != nullptr) {
     const int64_t per_block = static_cast<int64_t>(layout.num_layers) * layout.num_kv_heads * 2 * layout.head_dim;
     need(summaries.numel() >= (pool_blocks + b.cold.num_slots) * per_block && pool_blocks + b.cold.num_slots <= INT32_MAX,

@@ -94,10 +94,14 @@ void update_block_summaries(const at::Tensor& kv, const KVLayout& layout, int32_
 struct SparseScratch {
   at::Tensor raw, score, select, head_tables, context_lens;
   at::Tensor zeroed;  // maxima, histograms and per-head sums: zero at rest (cuda::SparseSelect)
+  // count_reads: int32 [num_seqs, max_blocks] on the device, which every selection adds its
+  // block reads to (cuda::SparseSelect::block_reads; the caller zeroes it), and a pinned host
+  // copy of it; undefined otherwise.
+  at::Tensor reads, host_reads;
   int32_t num_seqs = 0, max_blocks = 0, num_heads = 0, num_kv_heads = 0;
 };
 SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t num_heads, int32_t num_kv_heads,
-                                  const at::Device& device);
+                                  const at::Device& device, bool count_reads = false);
 // Selects the blocks of `layer` for the batch's single-token sequences longer than
 // p.min_context (Quest bound ranks, centre estimate sizes) and returns the batch with
 // head_tables and the kept lengths set. layer_stats: float64 [num_layers, 4] on the device,

@@ -228,6 +228,8 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
                                plan, Hq / Hkv, static_cast<int32_t>(D), dev);
     if (!cold_tables.empty()) db.cold = {cold->device, cold->slot_bytes, cold->num_slots};
   }
+  // The step's block reads, counted by the selections of every layer (SparseScratch::reads).
+  if (sparse && cuda && sparse->scratch.reads.defined()) sparse->scratch.reads.zero_();
 #endif
 
   // The fused kernels of this device.
@@ -330,6 +332,12 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   }
 #ifdef K25_WITH_CUDA
   if (sparse && cuda) cuda_glue::copy_to_host_async(sparse->layer_stats, sparse->host_stats);
+  if (sparse && cuda && sparse->scratch.reads.defined()) {
+    // Lands before the sampled ids, which the host waits for (TorchExecutor::block_reads).
+    const int64_t S = db.context_lens.numel();
+    at::Tensor host = sparse->scratch.host_reads.narrow(0, 0, S);
+    cuda_glue::copy_to_host_async(sparse->scratch.reads.narrow(0, 0, S), host);
+  }
 #endif
   const at::Tensor logits_rows = prepared ? prepared->logits_rows : on_device(meta.logits_rows, at::kInt, dev);
   if (logits_rows.numel() == 0) return at::empty({0, c.vocab_size}, h.options().dtype(at::kFloat));

@@ -178,15 +178,11 @@ class K25Config:
              f"predictor_max_moves must be an int in [0, 1024], got {self.predictor_max_moves!r}")
         tuned = [f.name for f in dataclasses.fields(self)
                  if f.name.startswith("predictor_") and getattr(self, f.name) != f.default]
-        # Cold blocks (docs/offload.md): tiered KV with the fused kernels. On CUDA with dynamic
-        # sparsity the device selection's reads do not reach the predictor (block_reads), which
-        # then only orders demotions: its knobs would change nothing there.
+        # Cold blocks (docs/offload.md): tiered KV with the fused kernels.
         cold_blocks = self.cache_mode == "hierarchical" and self.enable_kernel_fusion
-        observed = not (device.startswith("cuda") and self.enable_dynamic_sparsity)
-        if tuned and not (cold_blocks and observed):
+        if tuned and not cold_blocks:
             raise ConfigError(f"{', '.join(tuned)} tune(s) the predictor of cold blocks, which only "
-                              f"cache_mode='hierarchical' with kernel fusion has (on CUDA: without "
-                              f"enable_dynamic_sparsity, whose device selection does not report its reads)")
+                              f"cache_mode='hierarchical' with kernel fusion has")
         if self.cache_mode != "hierarchical":
             for name in ("l2_bytes", "l3_path", "l3_bytes"):
                 if getattr(self, name) is not None:

@@ -111,7 +111,9 @@ def test_with_dynamic_sparsity_cold_blocks_are_ranked_by_the_summaries_they_left
     """Sparsity on in both runs (the device selection, from 256 tokens on, 4 recent blocks):
     a block that goes cold takes its key summaries to its L2 slot's rows, so the cold run
     ranks every block as the all-resident run does, reads the kept cold blocks in L2, and
-    gives the same tokens (float32) with the same share of blocks skipped."""
+    gives the same tokens (float32) with the same share of blocks skipped. The predictor sees
+    the device selection's reads: as many as the selections kept, some of them in L2; and with
+    promotions allowed it brings the hottest cold blocks back, tokens unchanged."""
     sp = dict(enable_dynamic_sparsity=True, sparsity_min_context=256, sparsity_recent_blocks=4)
     m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32"), **sp))
     try:
@@ -122,14 +124,29 @@ def test_with_dynamic_sparsity_cold_blocks_are_ranked_by_the_summaries_they_left
     finally:
         m0.close()
     need = -(-(PROMPT + NEW_TOKENS) // BLOCK)
-    m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=need, **sp)
-    try:
-        got = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
-        s = m.stats()
-        ratio = m.get_current_sparsity_ratio()
-    finally:
-        m.close()
-    assert want_ratio > 0.1  # the selection skipped blocks
-    assert got.token_ids == want.token_ids
-    assert s["cold_demotes"] >= need - 12 and s["preemptions"] == 0
-    assert ratio == pytest.approx(want_ratio)
+    for moves in (0, 2):
+        m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=need, predictor_max_moves=moves,
+                     predictor_promote_heat=0.3, **sp)
+        try:
+            got = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
+            s = m.stats()
+            ratio = m.get_current_sparsity_ratio()
+        finally:
+            m.close()
+        assert want_ratio > 0.1  # the selection skipped blocks
+        assert got.token_ids == want.token_ids, f"max_moves {moves}"
+        assert s["cold_demotes"] >= need - 12 and s["preemptions"] == 0
+        p = s["predictor"]
+        # Every decode step's selection kept fewer than all blocks (the ratio is clamped to
+        # >= 0.1 skipped), so the reads the tables gave the predictor are the kept blocks the
+        # selection statistics count, by another path (count_kernel's sums).
+        kept = sum(l["blocks_total"] - l["blocks_skipped"] for l in s["sparsity_layers"])
+        assert p["reads_l1"] + p["reads_lower"] == kept > 0
+        assert p["reads_lower"] > 0 and p["reads_l1"] > 0, "some kept blocks were cold, most resident"
+        assert p["steps"] == NEW_TOKENS - 1  # every decode step observed with sparse reads
+        if moves == 0:
+            assert ratio == pytest.approx(want_ratio)
+            assert p["promotions"] == 0
+        else:
+            assert p["promotions"] > 0, "hot cold blocks came back"
+

@@ -167,8 +167,21 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
     if stats is None:
         stats = torch.zeros(L, 4, dtype=torch.float64, device="cuda")
     before = stats[1].clone()
-    tables, lens = call.select(buf, summ, stats, **p)
-    tables, lens = tables.cpu(), lens.cpu()
+    tables, lens, reads = call.select(buf, summ, stats, **p, count_reads=True)
+    tables, lens, reads = tables.cpu(), lens.cpu(), reads.cpu()
+    # The reads the selection counted (the tiered KV's predictor reads them): per decode row
+    # and block position, the KV heads whose table holds the block; nothing for a prompt chunk.
+    for i, s in enumerate(info):
+        nb = len(s["table"])
+        want = torch.zeros(reads.shape[1], dtype=torch.int32)
+        if s["qlen"] == 1:
+            pos = {b: j for j, b in enumerate(s["table"])}
+            n = (lens[i].item() - (s["ctx"] - (nb - 1) * bs)) // bs + 1  # kept blocks (nb if dense)
+            for h in range(Hkv):
+                for b in tables[i, h, :n].tolist():
+                    want[pos[b]] += 1
+        assert torch.equal(reads[i], want), f"sequence {i}: counted reads differ from its head tables"
+    assert reads.sum().item() > 0
     mn, mx = summaries_view(summ, layout, 1)
     row = 0
     mismatched = kept_total = sparse_heads = nb_sum = keep_sum = 0
