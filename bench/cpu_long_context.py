@@ -44,6 +44,20 @@ async def timed_stream(model, ids, new):
     return stamps, tokens
 
 
+def latency_summary(h):
+    """Mean and the bound of the bucket that holds the 99th percentile of a tier latency histogram
+    (start of a copy to its completion callback, in seconds)."""
+    if not h["count"]:
+        return None
+    total, seen, p99 = h["count"], 0, float("inf")
+    for bound, n in zip(h["bounds"] + [float("inf")], h["counts"]):
+        seen += n
+        if seen >= 0.99 * total:
+            p99 = bound
+            break
+    return {"count": total, "mean_s": h["sum"] / total, "p99_bound_s": p99}
+
+
 def run(cfg, ids, new):
     from k25 import K25Model
     m = K25Model(cfg)
@@ -63,6 +77,7 @@ def run(cfg, ids, new):
             "decode_tok_s": len(steps) / steps.sum(), "p50_ms": 1e3 * np.percentile(steps, 50),
             "p99_ms": 1e3 * np.percentile(steps, 99), "cold_demotes": s.get("cold_demotes", 0),
             "preemptions": s["preemptions"], "l2_bytes_in": tiers["bytes_to_l2"] if tiers else 0,
+            "offload_latency": latency_summary(tiers["offload_latency"]) if tiers else None,
             "sparsity_ratio": m_ratio, "predictor": s["predictor"]}
 
 
@@ -119,6 +134,10 @@ def main():
         print(f"{name:>14}: decode {r['decode_tok_s']:6.2f} tok/s, step P50 {r['p50_ms']:7.1f} ms, "
               f"P99 {r['p99_ms']:7.1f} ms; cold demotes {r['cold_demotes']}, preemptions {r['preemptions']}, "
               f"skipped blocks {r['sparsity_ratio']:.2f}{tiers}")
+        if r["offload_latency"]:
+            o = r["offload_latency"]
+            print(f"{'':>14}  L1 -> L2 copies: {o['count']}, start to completion mean {1e3 * o['mean_s']:.3f} ms, "
+                  f"99% under {1e3 * o['p99_bound_s']:.3f} ms")
         print(f"{'':>14}  slowest 1% of steps (ms@slot in block): "
               + ", ".join(f"{x['ms']:.2f}@{x['slot']}" for x in r["slow_steps"]))
     print(f"cold / resident: decode tok/s {res['decode_ratio']:.3f}, P99 {res['p99_ratio']:.3f}; "

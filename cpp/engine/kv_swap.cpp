@@ -116,12 +116,14 @@ void KVSwap::demote_cold(const StepPlan& plan) {
   if (plan.cold_demotes.empty()) return;
   // Before anything else of this plan takes an L2 slot: the scheduler counted the room.
   auto copies = std::make_shared<StepCopies>();
+  CopyBatch batch(tiers_->copier());
   for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
     const uint64_t key = tiers_->demote(d.block, step_copy(copies), {}, /*allow_l3=*/false);
     if (key == 0) fail(ErrorCode::kInternal, "no L2 slot for a cold block although the plan counted one");
     d.seq->cold_keys.at(static_cast<size_t>(d.index)) = key;
     ++counters_.cold_demotes;
   }
+  batch.close();  // before waiting for its copies
   // The step reads them in L2 and may reuse their L1 blocks: wait until they are there.
   // An L1 -> L2 copy is a memcpy (or a copy-stream transfer) that has no failure of its own.
   if (!wait_step_copies(*copies)) fail(ErrorCode::kInternal, "copying a cold block to L2 failed");
@@ -177,6 +179,7 @@ void KVSwap::start(const StepPlan& plan) {
   const int32_t bs = config_.block_size;
   const double per_block = swap_s_per_block();
   const double t_copy = now_seconds();
+  CopyBatch batch(tiers_->copier());  // the copies out, closed before they are waited for
   for (const SwapOut& so : plan.swap_outs) {
     Sequence* s = so.seq;
     s->swap_keys.clear();
@@ -213,6 +216,7 @@ void KVSwap::start(const StepPlan& plan) {
   int64_t swapped_blocks = 0;
   for (const SwapOut& so : plan.swap_outs) swapped_blocks += static_cast<int64_t>(so.seq->swap_keys.size());
   spill_prefixes(plan, on_done);
+  batch.close();
   if (!plan.swap_outs.empty() || !plan.prefix_spills.empty()) {
     std::unique_lock<std::mutex> lk(mu_);
     copied_cv_.wait(lk, [&] { return copies_pending_ == 0; });
@@ -221,6 +225,7 @@ void KVSwap::start(const StepPlan& plan) {
     ewma(&copy_s_per_block_, (now_seconds() - t_copy) / static_cast<double>(swapped_blocks));
   }
   // After every copy out: a promotion's block may be one this plan freed.
+  CopyBatch copies_in(tiers_->copier());  // nothing below waits for them
   promote(plan, on_done);
   // Fetches after the copies: a block freed by a swap-out may be a fetch's target now.
   for (Sequence* s : plan.swap_ins) {

@@ -5,11 +5,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "k25/status.h"
@@ -124,11 +127,37 @@ class CudaBlockCopier : public BlockCopier {
   void copy_in(const void* src, int32_t block, Done done) override {
     copy(base_ + static_cast<int64_t>(block) * block_bytes_, src, cudaMemcpyHostToDevice, std::move(done));
   }
+  // A batch (a step's swap-outs, say: hundreds of blocks) waits for the compute stream once
+  // and lands through one host callback instead of one per block.
+  void begin_batch() override {
+    batch_ = std::make_unique<Batch>();
+    batch_->runner = completions_;
+    batch_owner_.store(std::this_thread::get_id());
+  }
+  void end_batch() override {
+    batch_owner_.store(std::thread::id());
+    std::unique_ptr<Batch> b = std::move(batch_);
+    if (!b || b->dones.empty()) return;
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    Batch* x = b.release();
+    if (cudaLaunchHostFunc(stream_, &CudaBlockCopier::batch_landed, x) != cudaSuccess) {
+      (void)cudaGetLastError();
+      // The copies are queued but nothing will say when they land: wait for them here.
+      const bool ok = cudaStreamSynchronize(stream_) == cudaSuccess;
+      (void)cudaGetLastError();
+      finish(x, ok);
+    }
+  }
 
  private:
   struct Pending {
     Done done;
     TaskRunner* runner;
+  };
+  struct Batch {
+    std::vector<Done> dones;
+    TaskRunner* runner = nullptr;
+    bool ordered = false;  // the copy stream waits for the compute stream's queued work
   };
   static void CUDART_CB landed(void* p) {
     auto* x = static_cast<Pending*>(p);
@@ -137,15 +166,37 @@ class CudaBlockCopier : public BlockCopier {
       delete x;
     });
   }
+  static void CUDART_CB batch_landed(void* p) { finish(static_cast<Batch*>(p), true); }
+  static void finish(Batch* x, bool ok) {
+    x->runner->post([x, ok] {
+      for (Done& d : x->dones) d(ok);
+      delete x;
+    });
+  }
+  // Behind everything the compute stream has queued so far: the engine does not wait for a
+  // step that samples nothing (a prompt chunk before the last), so a copy out could read a
+  // block a kernel in flight still writes, and a copy in overwrite one it still reads. (One
+  // event for all copies: a wait takes the event as recorded at the call, and a record by
+  // another thread in between only orders a copy later.)
+  bool order_after_compute() {
+    return cudaEventRecord(queued_, compute_) == cudaSuccess && cudaStreamWaitEvent(stream_, queued_, 0) == cudaSuccess;
+  }
   void copy(void* dst, const void* src, cudaMemcpyKind kind, Done done) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    if (batch_owner_.load() == std::this_thread::get_id() && batch_) {
+      Batch& b = *batch_;
+      const bool ordered = b.ordered || order_after_compute();
+      if (ordered && cudaMemcpyAsync(dst, src, static_cast<size_t>(block_bytes_), kind, stream_) == cudaSuccess) {
+        b.ordered = true;
+        b.dones.push_back(std::move(done));
+        return;
+      }
+      (void)cudaGetLastError();
+      completions_->post([done = std::move(done)] { done(false); });
+      return;
+    }
     auto* x = new Pending{std::move(done), completions_};
-    // Behind everything the compute stream has queued so far: the engine does not wait for a
-    // step that samples nothing (a prompt chunk before the last), so a copy out could read a
-    // block a kernel in flight still writes, and a copy in overwrite one it still reads. (One
-    // event for all copies: a wait takes the event as recorded at the call, and a record by
-    // another thread in between only orders a copy later.)
-    if (cudaEventRecord(queued_, compute_) != cudaSuccess || cudaStreamWaitEvent(stream_, queued_, 0) != cudaSuccess ||
+    if (!order_after_compute() ||
         cudaMemcpyAsync(dst, src, static_cast<size_t>(block_bytes_), kind, stream_) != cudaSuccess ||
         cudaLaunchHostFunc(stream_, &CudaBlockCopier::landed, x) != cudaSuccess) {
       (void)cudaGetLastError();
@@ -164,6 +215,10 @@ class CudaBlockCopier : public BlockCopier {
   cudaStream_t compute_;  // the engine's compute stream (the executor's)
   cudaStream_t stream_ = nullptr;
   cudaEvent_t queued_ = nullptr;
+  // The open batch (begin_batch), only ever touched by its owner thread; other threads read
+  // the owner to see that their copies are not in it.
+  std::atomic<std::thread::id> batch_owner_{};
+  std::unique_ptr<Batch> batch_;
 };
 
 }  // namespace

@@ -24,6 +24,30 @@ class BlockCopier {
   virtual void copy_out(int32_t block, void* dst, Done done) = 0;
   // Host memory at src -> L1 block; done() runs once the block holds them.
   virtual void copy_in(const void* src, int32_t block, Done done) = 0;
+  // Copies the calling thread starts between begin_batch() and end_batch() may share one
+  // completion: their done() callbacks may run only after end_batch(), so a thread must not
+  // wait for one of them inside its batch. Copies started by other threads meanwhile are
+  // not in it. Batches do not nest. The default copies one by one.
+  virtual void begin_batch() {}
+  virtual void end_batch() {}
+};
+
+// begin_batch() ... end_batch() for a scope (no-op for a null copier).
+class CopyBatch {
+ public:
+  explicit CopyBatch(BlockCopier* c) : c_(c) {
+    if (c_) c_->begin_batch();
+  }
+  ~CopyBatch() { close(); }
+  void close() {
+    if (c_) c_->end_batch();
+    c_ = nullptr;
+  }
+  CopyBatch(const CopyBatch&) = delete;
+  CopyBatch& operator=(const CopyBatch&) = delete;
+
+ private:
+  BlockCopier* c_;
 };
 
 // L1 in host memory: base points at block 0; blocks are block_bytes apart.

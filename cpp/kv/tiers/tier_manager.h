@@ -122,6 +122,8 @@ class TierManager {
   int32_t l2_room() const { return map_.l2_room(); }
   TierStats stats() const;
   int32_t in_flight() const;
+  // The L1 <-> L2 copier, for a CopyBatch around a run of demotes or fetches (block_copier.h).
+  BlockCopier* copier() { return copier_.get(); }
   int64_t block_bytes() const { return config_.block_bytes; }
   int64_t page_bytes() const { return page_bytes_; }
   bool has_l3() const { return l3_ != nullptr; }
