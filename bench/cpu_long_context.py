@@ -36,12 +36,24 @@ def text_ids(model, n):
 
 
 async def timed_stream(model, ids, new):
-    stamps, tokens = [], []
+    """Arrival times and tokens, and the tier statistics as of the first token (the end of the
+    prefill), so that the decode phase's copies can be told from the prefill's."""
+    stamps, tokens, after_prefill = [], [], None
     async for ev in model.stream_events(ids, max_new_tokens=new, ignore_eos=True, temperature=0.0):
         if ev.token_ids:
             stamps.append(time.perf_counter())
             tokens.extend(ev.token_ids)
-    return stamps, tokens
+            if after_prefill is None:
+                after_prefill = model.tier_stats()
+    return stamps, tokens, after_prefill
+
+
+def histogram_since(h, before):
+    """What a latency histogram gained since `before` (None: everything)."""
+    if before is None:
+        return h
+    return dict(h, count=h["count"] - before["count"], sum=h["sum"] - before["sum"],
+                counts=[a - b for a, b in zip(h["counts"], before["counts"])])
 
 
 def latency_summary(h):
@@ -63,7 +75,7 @@ def run(cfg, ids, new):
     m = K25Model(cfg)
     try:
         m.generate([ids[:64]], max_new_tokens=2, temperature=0.0)  # warm-up
-        stamps, tokens = asyncio.run(timed_stream(m, ids, new))
+        stamps, tokens, after_prefill = asyncio.run(timed_stream(m, ids, new))
         s, tiers = m.stats(), m.tier_stats()
         m_ratio = m.get_current_sparsity_ratio()
     finally:
@@ -78,6 +90,9 @@ def run(cfg, ids, new):
             "p99_ms": 1e3 * np.percentile(steps, 99), "cold_demotes": s.get("cold_demotes", 0),
             "preemptions": s["preemptions"], "l2_bytes_in": tiers["bytes_to_l2"] if tiers else 0,
             "offload_latency": latency_summary(tiers["offload_latency"]) if tiers else None,
+            "decode_offload_latency": latency_summary(histogram_since(
+                tiers["offload_latency"], after_prefill["offload_latency"] if after_prefill else None))
+            if tiers else None,
             "sparsity_ratio": m_ratio, "predictor": s["predictor"]}
 
 
@@ -134,10 +149,11 @@ def main():
         print(f"{name:>14}: decode {r['decode_tok_s']:6.2f} tok/s, step P50 {r['p50_ms']:7.1f} ms, "
               f"P99 {r['p99_ms']:7.1f} ms; cold demotes {r['cold_demotes']}, preemptions {r['preemptions']}, "
               f"skipped blocks {r['sparsity_ratio']:.2f}{tiers}")
-        if r["offload_latency"]:
-            o = r["offload_latency"]
-            print(f"{'':>14}  L1 -> L2 copies: {o['count']}, start to completion mean {1e3 * o['mean_s']:.3f} ms, "
-                  f"99% under {1e3 * o['p99_bound_s']:.3f} ms")
+        for phase, key in (("all", "offload_latency"), ("decode", "decode_offload_latency")):
+            o = r[key]
+            if o:
+                print(f"{'':>14}  L1 -> L2 copies ({phase}): {o['count']}, start to completion mean "
+                      f"{1e3 * o['mean_s']:.3f} ms, 99% under {1e3 * o['p99_bound_s']:.3f} ms")
         print(f"{'':>14}  slowest 1% of steps (ms@slot in block): "
               + ", ".join(f"{x['ms']:.2f}@{x['slot']}" for x in r["slow_steps"]))
     print(f"cold / resident: decode tok/s {res['decode_ratio']:.3f}, P99 {res['p99_ratio']:.3f}; "
