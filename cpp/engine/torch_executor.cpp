@@ -421,6 +421,9 @@ class TorchExecutor : public ModelExecutor {
     const cuda_glue::SparseScratch& x = sparse_->scratch;
     const int32_t S = meta.num_seqs(), H = layout_.num_kv_heads, bs = layout_.block_size;
     if (!x.host_reads.defined() || S > x.num_seqs) return false;
+    // A step that sampled nothing (prompt chunks only) was not waited for, so its copy of the
+    // counts may not have landed; its rows are prompt chunks anyway, except a 1-token chunk.
+    if (meta.logits_rows.empty()) return false;
     int32_t windowed = 0;
     for (int32_t w : model_->config().layer_sliding_window) windowed += w != 0;
     out->passes = layout_.num_layers * H;
@@ -450,7 +453,8 @@ class TorchExecutor : public ModelExecutor {
   }
   // Dynamic sparsity on CUDA with cold blocks: the block summaries get one row set per L2
   // slot after the pool's blocks and the graphs' scratch block (cuda_glue::select_blocks
-  // finds slot s at rows - num_slots + s); a block that goes cold has its rows copied there.
+  // finds slot s at row num_blocks_ + 1 + s, its pool_blocks + s); a block that goes cold has
+  // its rows copied there.
   void keep_cold_summaries(int32_t block, const void* cold_data) override {
 #ifdef K25_WITH_CUDA
     if (!sparse_ || !kv_.is_cuda() || cold_->device == nullptr) return;

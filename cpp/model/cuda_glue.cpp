@@ -130,6 +130,7 @@ class CudaBlockCopier : public BlockCopier {
   // A batch (a step's swap-outs, say: hundreds of blocks) waits for the compute stream once
   // and lands through one host callback instead of one per block.
   void begin_batch() override {
+    if (batch_) fail(ErrorCode::kInternal, "tier copy batches do not nest");
     batch_ = std::make_unique<Batch>();
     batch_->runner = completions_;
     batch_owner_.store(std::this_thread::get_id());
@@ -138,7 +139,8 @@ class CudaBlockCopier : public BlockCopier {
     batch_owner_.store(std::thread::id());
     std::unique_ptr<Batch> b = std::move(batch_);
     if (!b || b->dones.empty()) return;
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    // No device guard: the stream names its device, and nothing here may throw once the
+    // batch's copies are queued (a lost callback would leave its waiters waiting).
     Batch* x = b.release();
     if (cudaLaunchHostFunc(stream_, &CudaBlockCopier::batch_landed, x) != cudaSuccess) {
       (void)cudaGetLastError();

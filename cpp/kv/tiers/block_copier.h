@@ -8,6 +8,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <functional>
 
 #include "kv/tiers/task_runner.h"
@@ -38,7 +40,14 @@ class CopyBatch {
   explicit CopyBatch(BlockCopier* c) : c_(c) {
     if (c_) c_->begin_batch();
   }
-  ~CopyBatch() { close(); }
+  ~CopyBatch() {
+    // Also while an exception unwinds: the copies already queued must still report.
+    try {
+      close();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[KV_CACHE] closing a tier copy batch failed: %s\n", e.what());
+    }
+  }
   void close() {
     if (c_) c_->end_batch();
     c_ = nullptr;
