@@ -460,7 +460,7 @@ class TorchExecutor : public ModelExecutor {
     if (!sparse_ || !kv_.is_cuda() || cold_->device == nullptr) return;
     grow_cold_summaries();
     const int64_t slot = cold_slot(*cold_, cold_data);
-    const int64_t per = summary_rows_per_block();
+    const int64_t per = cuda_glue::block_summary_elems(layout_);
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());  // before the step that rewrites the block's rows
     at::Tensor& sm = sparse_->device_summaries;
@@ -683,16 +683,12 @@ class TorchExecutor : public ModelExecutor {
     std::vector<int32_t> rows;  // per sample, its logits row
   };
 
-  // Elements of one block's summaries (cuda_glue::make_block_summaries' layout).
-  int64_t summary_rows_per_block() const {
-    return static_cast<int64_t>(layout_.num_layers) * layout_.num_kv_heads * 2 * layout_.head_dim;
-  }
   // The summaries' rows for the L2 slots (keep_cold_summaries), once the L2 pool exists.
   void grow_cold_summaries() {
     if (!sparse_ || !kv_.is_cuda() || cold_->device == nullptr) return;
     const int64_t rows = static_cast<int64_t>(num_blocks_) + 1 + cold_->num_slots;
     at::Tensor& sm = sparse_->device_summaries;
-    if (sm.numel() >= rows * summary_rows_per_block()) return;
+    if (sm.numel() >= rows * cuda_glue::block_summary_elems(layout_)) return;
     if (!graphs_.empty()) fail(ErrorCode::kInternal, "the block summaries cannot grow under captured CUDA graphs");
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());  // ordered with every summary update

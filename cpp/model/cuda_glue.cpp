@@ -423,9 +423,13 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
   check_launch("paged_attention");
 }
 
+int64_t block_summary_elems(const KVLayout& layout) {
+  return static_cast<int64_t>(layout.num_layers) * layout.num_kv_heads * 2 * layout.head_dim;
+}
+
 at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType dtype,
                                 const at::Device& device) {
-  const int64_t n = num_blocks * layout.num_layers * layout.num_kv_heads * 2 * layout.head_dim;
+  const int64_t n = num_blocks * block_summary_elems(layout);
   return at::zeros({n}, at::TensorOptions().dtype(dtype).device(device));
 }
 
@@ -536,7 +540,7 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
     a.reads_stride = x.max_blocks;
   }
   if (b.cold.data != nullptr) {
-    const int64_t per_block = static_cast<int64_t>(layout.num_layers) * layout.num_kv_heads * 2 * layout.head_dim;
+    const int64_t per_block = block_summary_elems(layout);
     need(summaries.numel() >= (pool_blocks + b.cold.num_slots) * per_block && pool_blocks + b.cold.num_slots <= INT32_MAX,
          "block summaries without rows for the L2 slots (cold blocks)");
     a.cold_summary_base = static_cast<int32_t>(pool_blocks);

@@ -85,6 +85,8 @@ at::Tensor derived_split_counters(int32_t num_seqs, int32_t num_kv_heads, const 
 
 // Dynamic block sparsity on the device (cuda/block_sparsity.cu, docs/sparsity.md "CUDA").
 // Key summaries of every block: [num_blocks * layers * kv heads * 2 * head_dim] in the KV dtype.
+// Elements of one block's key summaries (min and max per layer, KV head and channel).
+int64_t block_summary_elems(const KVLayout& layout);
 at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType dtype,
                                 const at::Device& device);
 // Recomputes the summaries of `layer` of every block this step's tokens wrote.
