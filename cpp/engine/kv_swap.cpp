@@ -83,7 +83,9 @@ int32_t KVSwap::cold_room(int32_t want) {
 }
 
 const void* KVSwap::cold_data(uint64_t key) const {
-  const uint8_t* p = tiers_->l2_data(key);
+  // While this step's demotes are unsettled their slots are still landing, in device order
+  // before the step's kernels (demote_cold).
+  const uint8_t* p = tiers_->l2_data(key, /*in_flight=*/unsettled_ != nullptr);
   if (!p) fail(ErrorCode::kInternal, "cold block " + std::to_string(key) + " is not in L2");
   return p;
 }
@@ -98,7 +100,9 @@ struct KVSwap::StepCopies {
 TierCallback KVSwap::step_copy(const std::shared_ptr<StepCopies>& c) {
   ++c->pending;
   return [this, c](const TierResult& r) {
-    if (!r.ok) c->failed.store(true);
+    // Cancelled: the key was freed meanwhile (the request ended before a deferred demote's
+    // callback ran), so nobody reads the block: not a failure.
+    if (!r.ok && !r.cancelled) c->failed.store(true);
     std::lock_guard<std::mutex> lk(mu_);
     --c->pending;
     copied_cv_.notify_all();
@@ -124,9 +128,25 @@ void KVSwap::demote_cold(const StepPlan& plan) {
     ++counters_.cold_demotes;
   }
   batch.close();  // before waiting for its copies
-  // The step reads them in L2 and may reuse their L1 blocks: wait until they are there.
+  // The step reads them in L2 and may reuse their L1 blocks. On CUDA the compute stream waits
+  // for the copies on the device, and only the next step's start() waits for their callbacks
+  // (the blocks' state, which a fetch, promotion or demote of the same L1 block or key needs):
+  // a host wait here would put the whole completion path (host function, worker thread,
+  // wake-up) in front of this step. Elsewhere, wait until they are there.
+  BlockCopier* copier = tiers_->copier();
+  if (copier != nullptr && copier->order_compute_after_copies()) {
+    unsettled_ = copies;
+    return;
+  }
   // An L1 -> L2 copy is a memcpy (or a copy-stream transfer) that has no failure of its own.
   if (!wait_step_copies(*copies)) fail(ErrorCode::kInternal, "copying a cold block to L2 failed");
+}
+
+void KVSwap::settle_cold_demotes() {
+  if (!unsettled_) return;
+  const std::shared_ptr<StepCopies> c = std::move(unsettled_);
+  unsettled_.reset();
+  if (!wait_step_copies(*c)) fail(ErrorCode::kInternal, "copying a cold block to L2 failed");
 }
 
 void KVSwap::promote(const StepPlan& plan, const TierCallback& on_done) {
@@ -163,6 +183,7 @@ void KVSwap::finish_promotion(const TierResult& r, const Promotion& p) {
 }
 
 void KVSwap::start(const StepPlan& plan) {
+  settle_cold_demotes();  // before any transfer of this plan (one may reuse their blocks or keys)
   demote_cold(plan);
   auto on_done = [this](const TierResult& r) {
     {
@@ -224,7 +245,9 @@ void KVSwap::start(const StepPlan& plan) {
   if (swapped_blocks > 0 && plan.prefix_spills.empty()) {
     ewma(&copy_s_per_block_, (now_seconds() - t_copy) / static_cast<double>(swapped_blocks));
   }
-  // After every copy out: a promotion's block may be one this plan freed.
+  // After every copy out: a promotion's block may be one this plan freed, even by one of its
+  // own cold demotes (an exchange), whose state then must have settled (release_l1).
+  if (!plan.promotions.empty() || !plan.swap_ins.empty()) settle_cold_demotes();
   CopyBatch copies_in(tiers_->copier());  // nothing below waits for them
   promote(plan, on_done);
   // Fetches after the copies: a block freed by a swap-out may be a fetch's target now.

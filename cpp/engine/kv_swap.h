@@ -146,6 +146,9 @@ class KVSwap {
   TierCallback step_copy(const std::shared_ptr<StepCopies>& c);
   bool wait_step_copies(const StepCopies& c);  // false when one failed
   void demote_cold(const StepPlan& plan);
+  // Waits for the callbacks of the cold demotes an earlier step left to the device's ordering
+  // (demote_cold); fails the step if one of those copies failed.
+  void settle_cold_demotes();
   struct Promotion {
     int64_t seq;
     int32_t index;  // in the sequence's block table
@@ -182,6 +185,9 @@ class KVSwap {
   std::condition_variable copied_cv_;
   std::vector<TierResult> done_;
   int32_t copies_pending_ = 0;
+  // The latest step's cold demotes whose copies the compute stream waits for on the device
+  // and whose callbacks (the blocks' state) the next step's start() waits for; null: none.
+  std::shared_ptr<StepCopies> unsettled_;
 
   std::unique_ptr<TierManager> tiers_;  // last: destroyed (drained) first
 };

@@ -107,8 +107,10 @@ class CudaBlockCopier : public BlockCopier {
         completions_(completions), compute_(compute) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
-        cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming) != cudaSuccess) {
+        cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming) != cudaSuccess) {
       (void)cudaGetLastError();
+      if (queued_ != nullptr) (void)cudaEventDestroy(queued_);
       if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
       fail(ErrorCode::kResourceExhausted, "cannot create the KV tiers' CUDA copy stream");
     }
@@ -118,6 +120,7 @@ class CudaBlockCopier : public BlockCopier {
     (void)cudaStreamSynchronize(stream_);
     (void)cudaStreamDestroy(stream_);
     (void)cudaEventDestroy(queued_);
+    (void)cudaEventDestroy(copied_);
   }
   int64_t block_bytes() const override { return block_bytes_; }
   int32_t num_blocks() const override { return num_blocks_; }
@@ -149,6 +152,13 @@ class CudaBlockCopier : public BlockCopier {
       (void)cudaGetLastError();
       finish(x, ok);
     }
+  }
+  bool order_compute_after_copies() override {
+    if (cudaEventRecord(copied_, stream_) == cudaSuccess && cudaStreamWaitEvent(compute_, copied_, 0) == cudaSuccess) {
+      return true;
+    }
+    (void)cudaGetLastError();
+    return false;
   }
 
  private:
@@ -217,6 +227,7 @@ class CudaBlockCopier : public BlockCopier {
   cudaStream_t compute_;  // the engine's compute stream (the executor's)
   cudaStream_t stream_ = nullptr;
   cudaEvent_t queued_ = nullptr;
+  cudaEvent_t copied_ = nullptr;  // order_compute_after_copies (the engine thread's only)
   // The open batch (begin_batch), only ever touched by its owner thread; other threads read
   // the owner to see that their copies are not in it.
   std::atomic<std::thread::id> batch_owner_{};

@@ -150,3 +150,29 @@ def test_with_dynamic_sparsity_cold_blocks_are_ranked_by_the_summaries_they_left
         else:
             assert p["promotions"] > 0, "hot cold blocks came back"
 
+
+
+def test_the_next_request_after_a_cold_run_starts_cleanly(model_dir):
+    """A request that ends right after a step that demoted a block (its copy's callback may land
+    after the request freed the key) leaves nothing that fails the next request's steps: the
+    same prompt twice on one tiered model gives the same tokens, with cold blocks both times."""
+    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32")))
+    try:
+        prompt = prompt_for(m0, PROMPT, seed=11)
+        per_block = m0.kv_block_bytes
+    finally:
+        m0.close()
+    need = -(-(PROMPT + NEW_TOKENS) // BLOCK)
+    # No prefix caching: the second request computes (and demotes) everything again.
+    m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=need, enable_prefix_caching=False)
+    try:
+        first = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
+        demotes = m.stats()["cold_demotes"]
+        second = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
+        s = m.stats()
+    finally:
+        m.close()
+    assert first.finish_reason == second.finish_reason == "length"
+    assert second.token_ids == first.token_ids
+    assert demotes >= need - 12 and s["cold_demotes"] >= 2 * (need - 12)
+    assert s["requests_failed"] == 0

@@ -32,6 +32,10 @@ class BlockCopier {
   // not in it. Batches do not nest. The default copies one by one.
   virtual void begin_batch() {}
   virtual void end_batch() {}
+  // Makes the engine's compute stream wait, on the device, for every copy this copier has
+  // queued so far, so that a step may run before their done() callbacks: true where it did
+  // (CUDA), false where the caller must wait for done() (the CPU's copies run on threads).
+  virtual bool order_compute_after_copies() { return false; }
 };
 
 // begin_batch() ... end_batch() for a scope (no-op for a null copier).

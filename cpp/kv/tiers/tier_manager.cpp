@@ -301,9 +301,10 @@ uint64_t TierManager::demote(int32_t l1_block, TierCallback done, std::function<
   return mv->key;
 }
 
-const uint8_t* TierManager::l2_data(uint64_t key) const {
+const uint8_t* TierManager::l2_data(uint64_t key, bool in_flight) const {
   const std::optional<TierEntry> e = map_.entry(key);
-  if (!e || (e->state != BlockState::kInL2 && e->state != BlockState::kCopyingUp)) return nullptr;
+  const bool landing = in_flight && e && e->state == BlockState::kDemoting && e->via == Tier::kL2 && e->l2_slot >= 0;
+  if (!e || (e->state != BlockState::kInL2 && e->state != BlockState::kCopyingUp && !landing)) return nullptr;
   return l2_->slot(e->l2_slot);
 }
 

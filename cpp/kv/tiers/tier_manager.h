@@ -118,7 +118,9 @@ class TierManager {
   const CacheStateMap& map() const { return map_; }
   // The bytes of a block settled in L2 or being copied up from it (laid out as in L1), or
   // nullptr when it is neither.
-  const uint8_t* l2_data(uint64_t key) const;
+  // in_flight: also while the block's copy down to its L2 slot is in flight (a reader that the
+  // device orders after that copy, BlockCopier::order_compute_after_copies).
+  const uint8_t* l2_data(uint64_t key, bool in_flight = false) const;
   int32_t l2_room() const { return map_.l2_room(); }
   TierStats stats() const;
   int32_t in_flight() const;
