@@ -146,8 +146,8 @@ def main():
         p = r["predictor"]
         tiers = (f"; L1 hit rate {p['hit_rate']:.3f}, promotions {p['promotions']} ({p['exchanges']} exchanges)"
                  if r is not resident else "")
-        print(f"{name:>14}: decode {r['decode_tok_s']:6.2f} tok/s, step P50 {r['p50_ms']:7.1f} ms, "
-              f"P99 {r['p99_ms']:7.1f} ms; cold demotes {r['cold_demotes']}, preemptions {r['preemptions']}, "
+        print(f"{name:>14}: decode {r['decode_tok_s']:6.2f} tok/s, step P50 {r['p50_ms']:7.2f} ms, "
+              f"P99 {r['p99_ms']:7.2f} ms; cold demotes {r['cold_demotes']}, preemptions {r['preemptions']}, "
               f"skipped blocks {r['sparsity_ratio']:.2f}{tiers}")
         for phase, key in (("all", "offload_latency"), ("decode", "decode_offload_latency")):
             o = r[key]
@@ -156,8 +156,10 @@ def main():
                       f"{1e3 * o['mean_s']:.3f} ms, 99% under {1e3 * o['p99_bound_s']:.3f} ms")
         print(f"{'':>14}  slowest 1% of steps (ms@slot in block): "
               + ", ".join(f"{x['ms']:.2f}@{x['slot']}" for x in r["slow_steps"]))
-    print(f"cold / resident: decode tok/s {res['decode_ratio']:.3f}, P99 {res['p99_ratio']:.3f}; "
-          f"same greedy tokens: {same}")
+    print("cold / resident: " + "; ".join(
+        f"moves {mm}: decode tok/s {c['decode_tok_s'] / resident['decode_tok_s']:.3f}, "
+        f"P99 {c['p99_ms'] / resident['p99_ms']:.3f}" for c, mm in zip(colds, args.max_moves))
+        + f"; same greedy tokens: {same}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

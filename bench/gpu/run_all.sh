@@ -4,6 +4,7 @@
 #   bash bench/gpu/run_all.sh [-k expr]
 # K25_SKIP_TESTS=1 skips tests/cuda; K25_ATTN_BENCH=1, K25_SPARSE_BENCH=1, K25_BENCH=1,
 # K25_TIER_BENCH=1 and K25_PROBE=1 (carried probe/ binaries) run the benchmarks.
+# K25_EXTRA="command" runs a command of its own last, in this environment (output in $OUT/extra.log).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/k25-out}
@@ -73,4 +74,7 @@ fi
 if [ "${K25_BENCH:-0}" = "1" ]; then
   python3 bench/gpu/model_bench.py --json "$OUT/model_bench.json" 2>&1 | grep -v Warning | tee "$OUT/model_bench.log"
   K25_DISABLE_CUDA_GRAPHS=1 python3 bench/gpu/model_bench.py --batches 1,32 --no-reference --json "$OUT/model_bench_eager.json" 2>&1 | grep -E "decode|prefill" | sed "s/^/eager: /" | tee -a "$OUT/model_bench.log"
+fi
+if [ -n "${K25_EXTRA:-}" ]; then
+  bash -c "$K25_EXTRA" 2>&1 | grep -v Warn | tee "$OUT/extra.log"
 fi
