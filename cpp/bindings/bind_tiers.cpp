@@ -188,15 +188,17 @@ void bind_tiers(py::module_& m) {
            py::arg("free_watermark") = 0.1)
       .def("observe",
            [](BlockPredictor& p, int64_t seq, const std::vector<int32_t>& reads, const std::vector<bool>& cold,
-              int32_t passes, bool sparse) {
+              int32_t passes, bool sparse, int64_t step) {
              if (reads.size() != cold.size()) throw Error(ErrorCode::kInvalidArgument, "reads and cold differ in length");
              for (int32_t r : reads) {
                if (r < 0 || r > passes) throw Error(ErrorCode::kInvalidArgument, "reads must be in [0, passes]");
              }
              std::vector<uint8_t> c(cold.begin(), cold.end());
-             p.observe(seq, reads.data(), c.data(), static_cast<int32_t>(reads.size()), passes, sparse);
+             p.observe(seq, reads.data(), c.data(), static_cast<int32_t>(reads.size()), passes, sparse, step);
            },
-           py::arg("seq"), py::arg("reads"), py::arg("cold"), py::arg("passes"), py::arg("sparse") = true)
+           py::arg("seq"), py::arg("reads"), py::arg("cold"), py::arg("passes"), py::arg("sparse") = true,
+           py::arg("step") = INT64_MAX)
+      .def("begin_plan", &BlockPredictor::begin_plan, py::arg("step"))
       .def("order_for_demotion",
            [](const BlockPredictor& p, int64_t seq, std::vector<int32_t> positions) {
              p.order_for_demotion(seq, &positions);

@@ -36,6 +36,8 @@ struct Engine::StepRecord {
   std::vector<char> emits;
   std::vector<int> sample_of_seq;
   std::vector<int32_t> token_index;
+  BatchMeta meta;    // a pipelined step's, kept for the predictor's reads at its collection
+  int64_t plan = 0;  // and its plan's serial (BlockPredictor::begin_plan)
 };
 
 struct Engine::StepCounts {
@@ -436,16 +438,22 @@ void Engine::loop() {
 
 void Engine::observe_reads(const BatchMeta& meta, const std::vector<Sequence*>& seqs) {
   BlockReads reads;
-  if (!executor_->block_reads(meta, &reads)) return;
+  if (executor_->block_reads(meta, &reads)) observe_reads(meta, seqs, reads, plan_serial_);
+}
+
+// seqs[i] null: the sequence finished or was aborted since its (pipelined) step was launched.
+// step: the plan the step ran (BlockPredictor::begin_plan).
+void Engine::observe_reads(const BatchMeta& meta, const std::vector<Sequence*>& seqs, const BlockReads& reads,
+                           int64_t step) {
   std::vector<uint8_t> cold;
   for (size_t i = 0; i < seqs.size() && i < reads.reads.size(); ++i) {
     const std::vector<int32_t>& r = reads.reads[i];
-    if (r.empty()) continue;  // a prompt chunk: it reads every block and predicts nothing
+    if (r.empty() || seqs[i] == nullptr) continue;  // a prompt chunk: it reads every block and predicts nothing
     const int32_t* row = meta.block_tables.data() + static_cast<std::ptrdiff_t>(i) * meta.max_blocks_per_seq;
     cold.assign(r.size(), 0);
     for (size_t b = 0; b < r.size(); ++b) cold[b] = row[b] <= cold_block_id(0);
     predictor_->observe(seqs[i]->id, r.data(), cold.data(), static_cast<int32_t>(r.size()), reads.passes,
-                        reads.sparse[i] != 0);
+                        reads.sparse[i] != 0, step);
   }
 }
 
@@ -518,13 +526,14 @@ void Engine::gauges_locked() {
 // leaving it idle. Only steps that cannot change the plan by what they sample are
 // pipelined: every running sequence decodes one token (greedy or sampled, with or without
 // logprobs) without penalties (they read the token history), with no waiting sequence, no
-// swap, no preemption (its next block is free), no bans (min_new_tokens met), no scoring,
+// swap, no preemption (its next block is free, or it is longer than L1 and demotes one of
+// its own blocks for it: decode_step_fits), no bans (min_new_tokens met), no scoring,
 // and its pending token is not its last allowed one. A sequence that
 // stops on a sampled token (EOS, stop string) has had one more step launched for it; that
 // step's row is discarded and the blocks it wrote are freed with the rest (the device
 // runs steps in order, so a later step that reuses them runs after it).
 bool Engine::can_pipeline() const {
-  if (!pipeline_ || swap_ || !executor_->supports_async() || !scheduler_->decode_step_fits()) return false;
+  if (!pipeline_ || !executor_->supports_async()) return false;
   const std::vector<Sequence*>& run = scheduler_->running();
   if (static_cast<int32_t>(run.size()) > executor_->max_async_batch()) return false;
   for (const Sequence* s : run) {
@@ -534,7 +543,7 @@ bool Engine::can_pipeline() const {
     if (p.min_new_tokens > 0 && s->num_output_tokens() <= p.min_new_tokens) return false;
     if (s->num_output_tokens() >= p.max_new_tokens || s->num_tokens() >= s->max_total_tokens) return false;
   }
-  return true;
+  return scheduler_->decode_step_fits();  // last: it may make L2 room (ColdRoom evicts prefix copies)
 }
 
 void Engine::fail_step(const std::vector<Sequence*>& seqs, const std::string& error) {
@@ -570,6 +579,11 @@ void Engine::collect(std::unique_ptr<StepRecord> rec) {
   } catch (const std::exception& e) {
     return fail_step(seqs, std::string("model step failed: ") + e.what());
   }
+  if (predictor_) {
+    // Before the samples, which may finish a sequence (and end its predictor state).
+    BlockReads reads;
+    if (executor_->collected_block_reads(&reads)) observe_reads(rec->meta, seqs, reads, rec->plan);
+  }
   std::vector<RequestOutput> outs;
   StepCounts counts;
   process_samples(*rec, seqs, results, now_s(), &outs, &counts);
@@ -579,6 +593,7 @@ void Engine::collect(std::unique_ptr<StepRecord> rec) {
     // The collected step's selection statistics have landed with its outputs (CUDA: the
     // copy of the device's sums precedes the step's ids on its stream).
     stats_.sparsity_layers = executor_->sparsity_stats();
+    if (predictor_) stats_.predictor = predictor_->counters();  // with the reads observed above
   }
   for (RequestOutput& o : outs) emit(std::move(o));
 }
@@ -603,6 +618,7 @@ void Engine::step() {
     swap_->apply_completions();
     refresh_fetched_kv();
   }
+  if (predictor_) predictor_->begin_plan(++plan_serial_);
   StepPlan plan = scheduler_->schedule();
   for (size_t i = 0; i < plan.preempted.size(); ++i) {
     const bool swapped = std::any_of(plan.swap_outs.begin(), plan.swap_outs.end(),
@@ -756,6 +772,10 @@ void Engine::step() {
       seqs[i]->tokens.push_back(kPendingToken);
       seqs[i]->pending_row = samples[rec.sample_of_seq[i]].logits_row;
       rec.token_index[i] = seqs[i]->num_tokens() - 1;
+    }
+    if (predictor_) {
+      rec.meta = std::move(meta);  // its block tables tell cold reads from resident ones
+      rec.plan = plan_serial_;
     }
     previous = std::move(in_flight_);
     in_flight_ = std::make_unique<StepRecord>(std::move(rec));

@@ -93,6 +93,12 @@ class ModelExecutor {
   virtual void collect_async(std::vector<SampleResult>*) {
     fail(ErrorCode::kUnsupported, "this executor runs steps synchronously");
   }
+  // After collect_async: what the collected step's decode rows read, as block_reads gives it
+  // after execute(); false when this executor does not report it.
+  virtual bool collected_block_reads(BlockReads* out) const {
+    (void)out;
+    return false;
+  }
   // Dynamic sparsity statistics per layer (empty when off); called on the engine thread.
   virtual std::vector<LayerSparsityStats> sparsity_stats() const { return {}; }
   // The KV pool when it is in host memory (block b at base + b * kv_block_bytes()), for

@@ -39,6 +39,14 @@ Sequence* Scheduler::find(int64_t id) {
   return it == seqs_.end() ? nullptr : it->second.get();
 }
 
+// The L1 blocks a sequence holds: its resident ones and those its promotions are being
+// copied into (allocated, still cold in its table until the copy lands).
+int32_t Scheduler::l1_blocks_held(const Sequence& seq) const {
+  int32_t n = static_cast<int32_t>(seq.block_table.size()) - seq.num_cold;
+  for (uint8_t p : seq.promoting) n += p != 0;
+  return n;
+}
+
 int32_t Scheduler::blocks_missing(const Sequence& seq, int32_t num_new_tokens) const {
   int32_t need = blocks_for_tokens(seq.num_computed + num_new_tokens, config_.block_size);
   return std::max<int32_t>(0, need - static_cast<int32_t>(seq.block_table.size()));
@@ -52,7 +60,16 @@ bool Scheduler::decode_step_fits() const {
     if (s->swap != SwapState::kNone || s->num_tokens() - s->num_computed != 1) return false;
     missing += blocks_missing(*s, 1);
   }
-  return missing <= pool_->num_free();
+  if (missing <= pool_->num_free()) return true;
+  // One block short: schedule() gives it to a sequence longer than L1 itself by moving one
+  // of its own blocks to L2 (Phase 1), when that sequence is the lowest-ranked, i.e. the one
+  // it would otherwise preempt, and every better one got its block first.
+  if (!cold_room_ || missing != pool_->num_free() + 1) return false;
+  std::vector<Sequence*> order = running_;  // as schedule() sorts them; pick_victim takes the last
+  std::stable_sort(order.begin(), order.end(), ranks_before);
+  const Sequence* last = order.back();
+  return blocks_missing(*last, 1) == 1 && l1_blocks_held(*last) + 1 > pool_->num_total() &&
+         !cold_candidates(*last, 1).empty() && cold_room_(1) >= 1;
 }
 
 bool Scheduler::grow(Sequence* seq, int32_t num_new_tokens) {
@@ -93,7 +110,9 @@ void Scheduler::release_blocks(Sequence* seq, bool cache) {
 
 std::vector<int32_t> Scheduler::cold_candidates(const Sequence& seq, int32_t limit) const {
   // Never the first block (attention sinks; what sparsity always reads). The block this
-  // step writes into is never full and computed, so never a candidate.
+  // step writes into is never full and computed, so never a candidate. (A pipelined step in
+  // flight may still be writing the last token of a block counted full here: its demote's
+  // copy runs on the device after that step.)
   std::vector<int32_t> out;
   const int32_t full = std::min<int32_t>(seq.num_computed / config_.block_size,
                                          static_cast<int32_t>(seq.block_table.size()));
@@ -271,8 +290,7 @@ StepPlan Scheduler::schedule() {
     bool self_preempted = false;
     while (blocks_missing(*s, n) > pool_->num_free()) {
       Sequence* victim = pick_victim();  // never null: s itself qualifies
-      const int32_t resident = static_cast<int32_t>(s->block_table.size()) - s->num_cold;
-      if (victim == s && cold_room_ && resident + blocks_missing(*s, n) > pool_->num_total()) {
+      if (victim == s && cold_room_ && l1_blocks_held(*s) + blocks_missing(*s, n) > pool_->num_total()) {
         // Longer than L1 itself: rather than preempt itself, s moves some of its computed
         // blocks to L2 and goes on (a prompt chunk shrinks to what that can make room for).
         // A sequence that would fit L1 alone preempts itself as before (it is swapped out,

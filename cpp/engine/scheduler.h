@@ -146,6 +146,7 @@ class Scheduler {
   // The lowest-ranked running sequence that may be preempted (not swapping in).
   Sequence* pick_victim() const;
   int32_t blocks_missing(const Sequence& seq, int32_t num_new_tokens) const;
+  int32_t l1_blocks_held(const Sequence& seq) const;
   bool grow(Sequence* seq, int32_t num_new_tokens);
   // Frees a sequence's blocks (with cache: registering what it computed first).
   void release_blocks(Sequence* seq, bool cache);

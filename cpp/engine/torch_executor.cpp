@@ -283,6 +283,7 @@ class TorchExecutor : public ModelExecutor {
   }
   void* kv_host_base() override { return kv_.is_cpu() ? kv_.data_ptr() : nullptr; }
   bool configure_tiers(TierConfig* config) override {
+    tiers_ = true;
 #ifdef K25_WITH_CUDA
     if (!kv_.is_cuda()) return false;
     // L2 in pinned host memory, mapped: its allocation is also where the attention kernels
@@ -376,7 +377,21 @@ class TorchExecutor : public ModelExecutor {
   // device selection finds their summaries in rows past the pool's (keep_cold_summaries).
   bool supports_cold_blocks() const override { return fused_ && (kv_.is_cpu() || cold_->device != nullptr); }
   bool block_reads(const BatchMeta& meta, BlockReads* out) const override {
-    if (!kv_.is_cpu() && sparse_) return device_block_reads(meta, out);
+#ifdef K25_WITH_CUDA
+    if (!kv_.is_cpu() && sparse_) {
+      const at::Tensor& h = sparse_->scratch.host_reads;
+      return h.defined() && device_block_reads(meta, h.data_ptr<int32_t>(), out);
+    }
+#endif
+    return reads_of(meta, out);
+  }
+  bool collected_block_reads(BlockReads* out) const override {
+    if (!collected_reads_) return false;
+    *out = *collected_reads_;
+    return true;
+  }
+  // block_reads from the head tables of the CPU's selection (or every block without one).
+  bool reads_of(const BatchMeta& meta, BlockReads* out) const {
     const int32_t S = meta.num_seqs(), H = layout_.num_kv_heads, L = layout_.num_layers, bs = layout_.block_size;
     const int32_t MB = meta.max_blocks_per_seq;
     out->passes = L * H;
@@ -413,14 +428,14 @@ class TorchExecutor : public ModelExecutor {
     }
     return true;
   }
-  // The device selection's count of the step's reads (SparseScratch::reads): its host copy
-  // landed before the sampled ids this step waited for. Layers with a sliding window ran no
-  // selection: they read every block.
-  bool device_block_reads(const BatchMeta& meta, BlockReads* out) const {
+  // The device selection's count of the step's reads (SparseScratch::reads) at `counted`: its
+  // host copy landed before the sampled ids this step waited for. Layers with a sliding
+  // window ran no selection: they read every block.
+  bool device_block_reads(const BatchMeta& meta, const int32_t* counted, BlockReads* out) const {
 #ifdef K25_WITH_CUDA
     const cuda_glue::SparseScratch& x = sparse_->scratch;
     const int32_t S = meta.num_seqs(), H = layout_.num_kv_heads, bs = layout_.block_size;
-    if (!x.host_reads.defined() || S > x.num_seqs) return false;
+    if (S > x.num_seqs) return false;
     // A step that sampled nothing (prompt chunks only) was not waited for, so its copy of the
     // counts may not have landed; its rows are prompt chunks anyway, except a 1-token chunk.
     if (meta.logits_rows.empty()) return false;
@@ -429,7 +444,6 @@ class TorchExecutor : public ModelExecutor {
     out->passes = layout_.num_layers * H;
     out->reads.assign(S, {});
     out->sparse.assign(S, 0);
-    const int32_t* counted = x.host_reads.data_ptr<int32_t>();
     for (int32_t s = 0; s < S; ++s) {
       if (meta.query_start[s + 1] - meta.query_start[s] != 1) continue;  // decode rows only
       const int32_t nb = std::min((meta.context_lens[s] + bs - 1) / bs, x.max_blocks);
@@ -441,6 +455,7 @@ class TorchExecutor : public ModelExecutor {
     return true;
 #else
     (void)meta;
+    (void)counted;
     (void)out;
     return false;
 #endif
@@ -486,14 +501,18 @@ class TorchExecutor : public ModelExecutor {
       }
       all_greedy = all_greedy && plain_greedy(s);
     }
-    DecodeGraph& g = replay_graph(meta);
+    const int slot = next_slot_;
+    AsyncSlot& a = slots_[slot];
+    // With tiers, what the step read goes to the predictor when it is collected (made before
+    // the launch: nothing after it may throw).
+    a.meta.reset();
+    if (tiers_) a.meta = std::make_unique<BatchMeta>(meta);
+    DecodeGraph& g = replay_graph(meta, &a.reads_host);
     // The sampled ids are in last_ids_ (the graph's argmax, or the sampler's ids written
     // over them), where the next step's graph reads them on the device; they (or the
     // sampler's outputs) go down to this step's pinned slot, a copy ordered before the
     // next step overwrites them.
-    const int slot = next_slot_;
     next_slot_ ^= 1;
-    AsyncSlot& a = slots_[slot];
     a.rows.clear();
     for (const SampleRequest& s : samples) a.rows.push_back(s.logits_row);
     a.sampled = !all_greedy;
@@ -517,6 +536,8 @@ class TorchExecutor : public ModelExecutor {
       if (emulated_.empty()) fail(ErrorCode::kInternal, "collect_async without a launched step");
       *results = std::move(emulated_.front());
       emulated_.pop_front();
+      collected_reads_ = std::move(emulated_reads_.front());
+      emulated_reads_.pop_front();
       return;
     }
 #ifdef K25_WITH_CUDA
@@ -524,6 +545,14 @@ class TorchExecutor : public ModelExecutor {
     AsyncSlot& a = slots_[pending_.front()];
     pending_.pop_front();
     a.done.synchronize();
+    collected_reads_.reset();
+    if (a.meta) {
+      auto r = std::make_shared<BlockReads>();
+      const bool ok = !sparse_ ? reads_of(*a.meta, r.get())
+                               : a.reads_host.defined() &&
+                                     device_block_reads(*a.meta, a.reads_host.data_ptr<int32_t>(), r.get());
+      if (ok) collected_reads_ = std::move(r);
+    }
     results->clear();
     if (a.sampled) {
       to_results(cuda_glue::sample_read(a.outs.data_ptr<uint8_t>(), static_cast<int32_t>(a.rows.size()),
@@ -569,6 +598,9 @@ class TorchExecutor : public ModelExecutor {
     execute(m, samples, &results, {});
     emulated_ids_.assign(m.logits_rows.size(), 0);
     for (size_t i = 0; i < samples.size(); ++i) emulated_ids_[samples[i].logits_row] = results[i].token;
+    auto reads = std::make_shared<BlockReads>();
+    // (Every step's: this mode is for tests, and a CPU pool's tiers do not pass configure_tiers.)
+    emulated_reads_.push_back(block_reads(m, reads.get()) ? std::move(reads) : nullptr);
     emulated_.push_back(std::move(results));
   }
 
@@ -681,6 +713,8 @@ class TorchExecutor : public ModelExecutor {
     bool sampled = false;
     at::cuda::CUDAEvent done;
     std::vector<int32_t> rows;  // per sample, its logits row
+    at::Tensor reads_host;             // pinned: the step's selection read counts (copy_reads)
+    std::unique_ptr<BatchMeta> meta;   // with tiers: the step's, for collected_block_reads
   };
 
   // The summaries' rows for the L2 slots (keep_cold_summaries), once the L2 pool exists.
@@ -814,7 +848,24 @@ class TorchExecutor : public ModelExecutor {
 
   // Stages a decode-only step into its bucket's graph inputs and replays the graph (on the
   // current stream, without waiting for it).
-  DecodeGraph& replay_graph(const BatchMeta& meta) {
+  // Where a graph step's selection read counts go (copy_reads): pinned, the counts' shape;
+  // made before the replay, since nothing after a launch may throw. Graphs do not capture
+  // this copy, so that two steps in flight copy to two places (AsyncSlot::reads_host).
+  bool reads_buffer(at::Tensor* dst) {
+    if (dst == nullptr || !sparse_ || !sparse_->scratch.reads.defined()) return false;
+    const at::Tensor& reads = sparse_->scratch.reads;
+    if (!dst->defined() || dst->sizes() != reads.sizes()) {
+      *dst = at::zeros(reads.sizes(), reads.options().device(at::kCPU).pinned_memory(true));
+    }
+    return true;
+  }
+  // The counts of the graph step just replayed, behind it on the stream (a cudaMemcpyAsync).
+  void copy_reads(int32_t B, at::Tensor& dst) {
+    at::Tensor d = dst.narrow(0, 0, B);
+    cuda_glue::copy_to_host_async(sparse_->scratch.reads.narrow(0, 0, B), d);
+  }
+
+  DecodeGraph& replay_graph(const BatchMeta& meta, at::Tensor* reads_dst) {
     const int32_t B = meta.num_seqs();
     const int32_t bucket = bucket_for(B);  // graph_eligible: B is at most the largest bucket
     if (*std::max_element(meta.positions.begin(), meta.positions.end()) >= handle_->max_positions()) {
@@ -846,14 +897,16 @@ class TorchExecutor : public ModelExecutor {
       hs[r] = meta.slot_mapping[r];
     }
     stage_padding(g, bucket, B);
+    const bool reads = reads_buffer(reads_dst);
     upload(g);
     g.graph->replay();
+    if (reads) copy_reads(B, *reads_dst);
     return g;
   }
 
   void execute_graph(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
                      std::vector<SampleResult>* results) {
-    DecodeGraph& g = replay_graph(meta);
+    DecodeGraph& g = replay_graph(meta, sparse_ ? &sparse_->scratch.host_reads : nullptr);
     results->clear();
     results->resize(samples.size());
     bool all_greedy = true;
@@ -927,9 +980,12 @@ class TorchExecutor : public ModelExecutor {
   at::Tensor summaries_;                 // its key summaries (see ops/block_sparsity.h)
   std::vector<LayerSparsityStats> stats_;
   std::unique_ptr<ThreadPool> pool_;
+  bool tiers_ = false;                              // configure_tiers ran (a device pool with tiers)
   bool emulate_async_ = false;                      // K25_ASYNC_SCHEDULING=1 without graphs
   std::deque<std::vector<SampleResult>> emulated_;  // their results, oldest first
   std::vector<int32_t> emulated_ids_;               // the last one's ids by logits row
+  std::deque<std::shared_ptr<BlockReads>> emulated_reads_;  // their block reads (null: none)
+  std::shared_ptr<BlockReads> collected_reads_;   // the last collected step's (collected_block_reads)
 #ifdef K25_WITH_CUDA
   std::unique_ptr<c10::cuda::CUDAStream> stream_;
 #endif

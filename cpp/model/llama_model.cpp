@@ -332,8 +332,10 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   }
 #ifdef K25_WITH_CUDA
   if (sparse && cuda) cuda_glue::copy_to_host_async(sparse->layer_stats, sparse->host_stats);
-  if (sparse && cuda && sparse->scratch.reads.defined()) {
+  if (sparse && cuda && sparse->scratch.reads.defined() && !prepared) {
     // Lands before the sampled ids, which the host waits for (TorchExecutor::block_reads).
+    // A graph step's copy is the replay's (TorchExecutor::copy_reads), not the graph's, so
+    // that two steps in flight copy to two places.
     const int64_t S = db.context_lens.numel();
     at::Tensor host = sparse->scratch.host_reads.narrow(0, 0, S);
     cuda_glue::copy_to_host_async(sparse->scratch.reads.narrow(0, 0, S), host);

@@ -144,6 +144,9 @@ def test_with_dynamic_sparsity_cold_blocks_are_ranked_by_the_summaries_they_left
         assert p["reads_l1"] + p["reads_lower"] == kept > 0
         assert p["reads_lower"] > 0 and p["reads_l1"] > 0, "some kept blocks were cold, most resident"
         assert p["steps"] == NEW_TOKENS - 1  # every decode step observed with sparse reads
+        # ... though every decode step was pipelined (graphs), those that demote included: the
+        # predictor saw each one's reads when it was collected, from that step's own buffer.
+        assert s["pipelined_steps"] == NEW_TOKENS - 1
         if moves == 0:
             assert ratio == pytest.approx(want_ratio)
             assert p["promotions"] == 0

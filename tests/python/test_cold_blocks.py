@@ -7,6 +7,7 @@ a pool that holds everything: the tokens must be equal, nothing may be recompute
 every tier copy must be freed at the end.
 """
 import asyncio
+import os
 import threading
 import time
 
@@ -263,9 +264,9 @@ def test_a_failure_releasing_kv_costs_neither_the_output_nor_the_engine(default_
         model.close()
 
 
-@pytest.mark.parametrize("l1_blocks,prefix", [(24, False), (30, True)])
+@pytest.mark.parametrize("l1_blocks,prefix,piped", [(24, False, False), (30, True, False), (30, True, True)])
 def test_cold_blocks_promotions_and_swaps_together_give_the_all_resident_tokens(default_model, prompts, l1_blocks,
-                                                                               prefix):
+                                                                               prefix, piped):
     # Three requests (two sharing a prefix) on an L1 that none of the long ones fits next to
     # the others: preemption by swap, cold blocks, the predictor's promotions and (with
     # prefix caching) spilled prefix blocks all happen in one run. Oracle: the same batch on
@@ -281,8 +282,11 @@ def test_cold_blocks_promotions_and_swaps_together_give_the_all_resident_tokens(
                                                    temperature=0.0)]
     finally:
         roomy.close()
-    outs, s, tiers = run_closed(small_l1(default_model, l1_blocks=l1_blocks, l2_slots=120,
-                                         enable_prefix_caching=prefix, **EAGER, **SPARSE), [a, b, c])
+    # piped: decode steps pipelined (K25_ASYNC_SCHEDULING=1, below) between the others.
+    make = lambda: small_l1(default_model, l1_blocks=l1_blocks, l2_slots=120,  # noqa: E731
+                            enable_prefix_caching=prefix, **EAGER, **SPARSE)
+    outs, s, tiers = run_closed(pipelined(make) if piped else make(), [a, b, c])
+    assert (s["pipelined_steps"] > 0) == piped
     for i, (o, w) in enumerate(zip(outs, want)):
         assert o.token_ids == w, f"request {i} differs"
     assert s["preemptions"] > 0 and s["swap_outs"] == s["swap_ins"] > 0
@@ -291,3 +295,51 @@ def test_cold_blocks_promotions_and_swaps_together_give_the_all_resident_tokens(
     # What the tiers still hold is cached prefix blocks only.
     assert tiers["l2_blocks"] + tiers["l3_blocks"] == s["prefix_tier_blocks"]
     assert prefix or s["prefix_tier_blocks"] == 0
+
+
+def pipelined(fn):
+    """fn() with K25_ASYNC_SCHEDULING=1 while it builds its model: the CPU executor then runs
+    the engine's pipelined decode (each launched step at once, its results held until
+    collected; test_async_scheduling.py)."""
+    old = os.environ.get("K25_ASYNC_SCHEDULING")
+    os.environ["K25_ASYNC_SCHEDULING"] = "1"
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("K25_ASYNC_SCHEDULING")
+        else:
+            os.environ["K25_ASYNC_SCHEDULING"] = old
+
+
+def test_pipelined_decode_with_cold_blocks_gives_the_tokens_and_observes_every_step(default_model, prompts,
+                                                                                    reference):
+    # Decode steps with tiers are pipelined too, the steps that open a block by demoting
+    # one included (Scheduler::decode_step_fits); the predictor sees each launched step's reads
+    # when it is collected: every decode step's, once.
+    model = pipelined(lambda: small_l1(default_model, l1_blocks=12, l2_slots=40))
+    (out,), s, _ = run_closed(model, [prompts[0]])
+    assert out.token_ids == reference[0]
+    c = default_model.model_config
+    passes = c["num_layers"] * c["num_kv_heads"]
+    n = len(prompts[0])
+    blocks = sum(-(-(n + i) // BLOCK) for i in range(1, NEW_TOKENS))
+    assert s["predictor"]["reads_l1"] + s["predictor"]["reads_lower"] == passes * blocks
+    # Every decode step, also the one that opens a block at position 608 (on the full L1 it
+    # demotes one to get it); only the prompt's steps ran unpipelined.
+    assert n % BLOCK + NEW_TOKENS - 1 > BLOCK
+    assert s["pipelined_steps"] == NEW_TOKENS - 1
+    assert s["cold_demotes"] >= 27 and s["preemptions"] == 0
+
+
+def test_pipelined_decode_with_sparsity_and_promotions_gives_the_all_resident_tokens(default_model, prompts):
+    want = all_resident_sparse_tokens(default_model, prompts[0], **SPARSE)
+    model = pipelined(lambda: small_l1(default_model, l1_blocks=12, l2_slots=40, **EAGER, **SPARSE))
+    (out,), s, tiers = run_closed(model, [prompts[0]])
+    assert out.token_ids == want
+    p = s["predictor"]
+    # Every decode step, also one that opens a block while a promotion's copy is still on its
+    # way (its L1 block counts as the sequence's: Scheduler::l1_blocks_held).
+    assert s["pipelined_steps"] == NEW_TOKENS - 1
+    assert p["exchanges"] > 0 and s["cold_promotions"] > 0 and 0 < p["hit_rate"] < 1
+    assert s["preemptions"] == 0 and s["blocks_used"] == 0 and tiers["l2_blocks"] == 0

@@ -135,6 +135,24 @@ def test_promoted_blocks_are_counted_and_watched_for_a_read():
     assert p.heat(9, 0) == 1.0 and p.decide(9, [1], [], 5) == []
 
 
+def test_a_promotion_waits_for_the_reads_of_the_step_it_was_planned_with():
+    # Pipelined decode observes step N after planning N + 1: a promotion of plan N + 1 is not
+    # judged by step N's reads (which ran before it), but by step N + 1's.
+    p = _C.BlockPredictor(decay=0.0, promote_heat=0.5, margin=0.25)
+    p.begin_plan(1)
+    p.observe(9, [4, 4, 4, 4], [False, True, False, True], passes=4, step=1)
+    p.begin_plan(2)
+    p.moved(9, 1, -1)
+    p.observe(9, [4, 4, 4, 4], [False, True, False, True], passes=4, step=1)  # step 1 read it: too early
+    assert p.counters["promotions_read"] == 0
+    p.observe(9, [4, 0, 4, 4], [False, False, False, True], passes=4, step=2)  # step 2 did not
+    assert p.counters["promotions_read"] == 0
+    p.begin_plan(3)
+    p.moved(9, 3, -1)
+    p.observe(9, [4, 0, 4, 4], [False, False, False, False], passes=4, step=3)  # planned with 3, read by 3
+    assert p.counters["promotions"] == 2 and p.counters["promotions_read"] == 1
+
+
 def test_watermark_keeps_a_share_of_l1_free():
     p = _C.BlockPredictor(free_watermark=0.1)
     assert p.free_blocks_above_watermark(10, 100) == 0

@@ -26,6 +26,7 @@ class BlockPool;
 class KVSwap;
 class BlockPredictor;
 struct BatchMeta;
+struct BlockReads;
 struct Sequence;
 struct StepPlan;
 struct SampleResult;
@@ -203,6 +204,9 @@ class Engine {
   std::unique_ptr<BlockPredictor> predictor_;  // with cold blocks; engine thread only
   // After a step ran: what its attention read, for the predictor.
   void observe_reads(const BatchMeta& meta, const std::vector<Sequence*>& seqs);
+  void observe_reads(const BatchMeta& meta, const std::vector<Sequence*>& seqs, const BlockReads& reads,
+                     int64_t step);
+  int64_t plan_serial_ = 0;  // steps planned with a predictor (BlockPredictor::begin_plan)
 
   mutable std::mutex mu_;  // guards inbox_, aborts_, stop_, stats_ snapshot
   std::condition_variable cv_;

@@ -12,7 +12,7 @@ struct PredictorCounters {
   int64_t reads_lower = 0;       // ... served from L2 (cold blocks read in place: misses)
   int64_t promotions = 0;        // cold blocks whose copy back to L1 started
   int64_t exchanges = 0;         // of those, with a colder resident block demoted for it
-  int64_t promotions_read = 0;   // promoted blocks read by the next observed step
+  int64_t promotions_read = 0;   // promoted blocks read by the step planned with them
   double hit_rate() const {
     const int64_t n = reads_l1 + reads_lower;
     return n > 0 ? static_cast<double>(reads_l1) / static_cast<double>(n) : 0.0;

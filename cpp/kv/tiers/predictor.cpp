@@ -26,7 +26,7 @@ BlockPredictor::BlockPredictor(const PredictorConfig& c) : config_(c) {
 }
 
 void BlockPredictor::observe(int64_t seq, const int32_t* reads, const uint8_t* cold, int32_t num_blocks,
-                             int32_t passes, bool sparse) {
+                             int32_t passes, bool sparse, int64_t step) {
   if (num_blocks <= 0 || passes <= 0) return;
   for (int32_t b = 0; b < num_blocks; ++b) {
     (cold[b] ? counters_.reads_lower : counters_.reads_l1) += reads[b];
@@ -36,10 +36,16 @@ void BlockPredictor::observe(int64_t seq, const int32_t* reads, const uint8_t* c
     s.heat.resize(num_blocks, 1.0f);  // unknown: as hot as can be (a new block is read by every pass)
     s.last_read.resize(num_blocks, -1);
   }
-  for (int32_t p : s.watched) {
-    if (p < num_blocks && reads[p] > 0) ++counters_.promotions_read;
+  // Promotions planned with this step or before: did it read them? Later ones wait.
+  size_t kept = 0;
+  for (const auto& [p, planned] : s.watched) {
+    if (planned > step) {
+      s.watched[kept++] = {p, planned};
+    } else if (p < num_blocks && reads[p] > 0) {
+      ++counters_.promotions_read;
+    }
   }
-  s.watched.clear();
+  s.watched.resize(kept);
   if (!sparse) return;
   ++counters_.steps;
   ++s.observations;
@@ -99,7 +105,7 @@ std::vector<BlockPredictor::Move> BlockPredictor::decide(int64_t seq, const std:
 void BlockPredictor::moved(int64_t seq, const Move& m) {
   ++counters_.promotions;
   if (m.demote >= 0) ++counters_.exchanges;
-  seqs_[seq].watched.push_back(m.promote);
+  seqs_[seq].watched.push_back({m.promote, plan_step_});
 }
 
 void BlockPredictor::forget(int64_t seq) { seqs_.erase(seq); }

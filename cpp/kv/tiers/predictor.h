@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "k25/predictor_stats.h"
@@ -48,9 +49,14 @@ class BlockPredictor {
   // One decode step of one sequence: reads[b] of `passes` attention passes read block
   // position b (b < num_blocks); cold[b] != 0 when that block was read outside L1. Heat
   // changes only when sparse is true (a dense pass reads everything and says nothing about
-  // the next step); hits and misses are counted either way.
+  // the next step); hits and misses are counted either way. step: the plan the step ran
+  // (begin_plan); a pipelined step is observed after the next plan, whose promotions it
+  // cannot have read, so those stay watched for the step they were planned with.
   void observe(int64_t seq, const int32_t* reads, const uint8_t* cold, int32_t num_blocks, int32_t passes,
-               bool sparse);
+               bool sparse, int64_t step = INT64_MAX);
+  // The plan being made is step `step`'s: the moves it carries out are watched from that
+  // step's reads on.
+  void begin_plan(int64_t step) { plan_step_ = step; }
   // Sorts candidate positions into demotion order (coldest first).
   void order_for_demotion(int64_t seq, std::vector<int32_t>* positions) const;
 
@@ -75,13 +81,14 @@ class BlockPredictor {
   struct SeqState {
     std::vector<float> heat;
     std::vector<int64_t> last_read;  // observation count at the last read, -1: never
-    std::vector<int32_t> watched;    // promoted positions not yet observed
+    std::vector<std::pair<int32_t, int64_t>> watched;  // promoted positions not yet observed, and their plan
     int64_t observations = 0;
   };
   bool colder(const SeqState* s, int32_t a, int32_t b) const;
 
   PredictorConfig config_;
   PredictorCounters counters_;
+  int64_t plan_step_ = 0;  // begin_plan's
   std::unordered_map<int64_t, SeqState> seqs_;
 };
 
