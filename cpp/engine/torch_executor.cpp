@@ -846,8 +846,6 @@ class TorchExecutor : public ModelExecutor {
     g.uploaded.record(*stream_);
   }
 
-  // Stages a decode-only step into its bucket's graph inputs and replays the graph (on the
-  // current stream, without waiting for it).
   // Where a graph step's selection read counts go (copy_reads): pinned, the counts' shape;
   // made before the replay, since nothing after a launch may throw. Graphs do not capture
   // this copy, so that two steps in flight copy to two places (AsyncSlot::reads_host).
@@ -865,6 +863,9 @@ class TorchExecutor : public ModelExecutor {
     cuda_glue::copy_to_host_async(sparse_->scratch.reads.narrow(0, 0, B), d);
   }
 
+  // Stages a decode-only step into its bucket's graph inputs and replays the graph (on the
+  // current stream, without waiting for it); with tiers and sparsity, the step's read counts
+  // follow it to reads_dst.
   DecodeGraph& replay_graph(const BatchMeta& meta, at::Tensor* reads_dst) {
     const int32_t B = meta.num_seqs();
     const int32_t bucket = bucket_for(B);  // graph_eligible: B is at most the largest bucket
