@@ -1,10 +1,12 @@
 """Where a cold run's slow decode steps spend their time (issue #6's P99): one tiered run of
-the default model (sparse, graphs, batch 1) under torch.profiler, then per decode step
-(one cudaGraphLaunch to the next) its wall time on the engine thread, the CUDA runtime calls made in it and the
-host time between them, and the GPU's busy time. Steps that demote a block (a device ->
-pinned copy of the block's bytes) are compared with the others, call by call.
+the default model (sparse, graphs, batch 1) under torch.profiler, then per decode step (one
+cudaGraphLaunch to the next on the engine thread) its wall time, the CUDA runtime calls made
+in it and the host time between them, and the GPU's busy time and its kernels by name.
+Steps that demote a block (a device -> pinned copy of the block's bytes) are compared with
+the others, call by call. --resident: an all-resident run instead; --dense: sparsity off.
 
     python3 bench/gpu/profile_cold_step.py [--tokens 7600] [--new 160] [--l1-fraction 0.75] [--max-moves 0]
+                                           [--resident] [--dense]
 """
 import argparse
 import asyncio
@@ -40,12 +42,13 @@ def main():
     ap.add_argument("--l1-fraction", type=float, default=0.75)
     ap.add_argument("--max-moves", type=int, default=0)
     ap.add_argument("--resident", action="store_true", help="all-resident run instead (the reference)")
+    ap.add_argument("--dense", action="store_true", help="dynamic sparsity off")
     ap.add_argument("--trace", default="/tmp/k25_cold_trace.json")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from k25 import K25Config, K25Model, _C
     base = dict(device="cuda", dtype="bfloat16", max_seq_len=8192, prefill_chunk_size=512,
-                max_num_batched_tokens=512, block_size=16, enable_dynamic_sparsity=True)
+                max_num_batched_tokens=512, block_size=16, enable_dynamic_sparsity=not args.dense)
     probe = K25Model(K25Config(**base))
     try:
         ids = text_ids(probe, args.tokens)
@@ -68,7 +71,8 @@ def main():
     finally:
         m.close()
     steps_ms = 1e3 * np.diff(np.array(stamps))
-    print(f"{'resident' if args.resident else f'L1 {args.l1_fraction:.0%}'}, {args.tokens} + {args.new}: "
+    print(f"{'resident' if args.resident else f'L1 {args.l1_fraction:.0%}'}{', dense' if args.dense else ''}, "
+          f"{args.tokens} + {args.new}: "
           f"profiled decode step P50 {np.percentile(steps_ms, 50):.2f} ms, P99 {np.percentile(steps_ms, 99):.2f} ms")
     analyze([e for e in json.load(open(args.trace))["traceEvents"] if e.get("ph") == "X"], per_block)
 
@@ -99,7 +103,10 @@ def analyze(ev, per_block):
         for e in ev:
             if e.get("cat") == "cpu_op" and t0 <= e["ts"] < t1:
                 ops[e["name"]] += e["dur"]
-        rows.append({"ops": ops, "wall": t1 - t0, "calls": by, "n_calls": len(calls), "host_gap": (t1 - t0) - sum(by.values()),
+        kernels = collections.defaultdict(float)
+        for e in g:
+            kernels[e["name"][:60]] += e["dur"]
+        rows.append({"ops": ops, "kernels": kernels, "wall": t1 - t0, "calls": by, "n_calls": len(calls), "host_gap": (t1 - t0) - sum(by.values()),
                      "gpu_busy": busy_us(g), "demote": bool(down), "down_bytes": sum(e["args"]["bytes"] for e in down),
                      "other": len(other_threads)})
     # A step is staged (schedule, demote, upload) at the end of the interval before its graph
@@ -128,6 +135,12 @@ def analyze(ev, per_block):
                 ops[k] += v
         for k, v in ops.most_common(8):  # nested ops count in each of their parents
             print(f"    op {k:<33} {v / n:8.1f} us a step")
+        kernels = collections.Counter()
+        for r in sel:
+            for k, v in r["kernels"].items():
+                kernels[k] += v
+        for k, v in kernels.most_common(10):  # GPU time by kernel (and copy) name
+            print(f"    gpu {k:<60} {v / n:8.1f} us a step")
     slow = sorted(rows, key=lambda r: r["wall"], reverse=True)[:5]
     print("\nslowest traced steps:")
     for r in slow:
