@@ -70,6 +70,29 @@ def latency_summary(h):
     return {"count": total, "mean_s": h["sum"] / total, "p99_bound_s": p99}
 
 
+def workload(base, tokens, new, l1_fraction):
+    """This benchmark's prompt and pools for `base` (K25Config keywords): ids, per_block (KV
+    bytes of a block), need (blocks of prompt + new tokens), l1 (blocks of the tiered run's L1),
+    resident (a config whose pool holds everything) and cold(max_moves) (the tiered config)."""
+    from types import SimpleNamespace
+    from k25 import K25Config, K25Model, _C
+    probe = K25Model(K25Config(**base))
+    try:
+        ids = text_ids(probe, tokens)
+        per_block = probe.kv_block_bytes
+    finally:
+        probe.close()
+    need = -(-(tokens + new) // 16)
+    l1 = max(40, int(need * l1_fraction))
+    page = _C.kv_page_bytes(per_block)
+
+    def cold(max_moves):
+        return K25Config(**base, kv_cache_bytes=l1 * per_block, cache_mode="hierarchical", enable_async_offload=True,
+                         l2_bytes=(need + 4) * page, predictor_max_moves=max_moves)
+    return SimpleNamespace(ids=ids, per_block=per_block, need=need, l1=l1,
+                           resident=K25Config(**base, kv_cache_bytes=(need + 4) * per_block), cold=cold)
+
+
 def run(cfg, ids, new):
     from k25 import K25Model
     m = K25Model(cfg)
@@ -109,25 +132,15 @@ def main():
     ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
     ap.add_argument("--json")
     args = ap.parse_args()
-    from k25 import K25Config, K25Model, _C
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     base = dict(num_threads=args.threads, device=args.device, dtype=dtype,
                 max_seq_len=max(args.tokens + args.new + 8, 8192),
                 prefill_chunk_size=512, max_num_batched_tokens=512, block_size=16,
                 enable_dynamic_sparsity=args.sparse)
-    probe = K25Model(K25Config(**base))
-    try:
-        ids = text_ids(probe, args.tokens)
-        per_block = probe.kv_block_bytes
-    finally:
-        probe.close()
-    need = -(-(args.tokens + args.new) // 16)
-    l1 = max(40, int(need * args.l1_fraction))
-    page = _C.kv_page_bytes(per_block)
-    resident = run(K25Config(**base, kv_cache_bytes=(need + 4) * per_block), ids, args.new)
-    colds = [run(K25Config(**base, kv_cache_bytes=l1 * per_block, cache_mode="hierarchical",
-                           enable_async_offload=True, l2_bytes=(need + 4) * page, predictor_max_moves=mm),
-                 ids, args.new) for mm in args.max_moves]
+    w = workload(base, args.tokens, args.new, args.l1_fraction)
+    ids, per_block, need, l1 = w.ids, w.per_block, w.need, w.l1
+    resident = run(w.resident, ids, args.new)
+    colds = [run(w.cold(mm), ids, args.new) for mm in args.max_moves]
     cold = colds[0]
     same = all(resident["tokens"] == c["tokens"] for c in colds)
     res = {"date": time.strftime("%Y-%m-%d"), "context": args.tokens, "new": args.new, "blocks_needed": need,

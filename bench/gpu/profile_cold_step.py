@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from cpu_long_context import text_ids, timed_stream  # noqa: E402
+from cpu_long_context import timed_stream, workload  # noqa: E402
 
 
 def busy_us(events):
@@ -46,23 +46,12 @@ def main():
     ap.add_argument("--trace", default="/tmp/k25_cold_trace.json")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
-    from k25 import K25Config, K25Model, _C
+    from k25 import K25Model
     base = dict(device="cuda", dtype="bfloat16", max_seq_len=8192, prefill_chunk_size=512,
                 max_num_batched_tokens=512, block_size=16, enable_dynamic_sparsity=not args.dense)
-    probe = K25Model(K25Config(**base))
-    try:
-        ids = text_ids(probe, args.tokens)
-        per_block = probe.kv_block_bytes
-    finally:
-        probe.close()
-    need = -(-(args.tokens + args.new) // 16)
-    l1 = max(40, int(need * args.l1_fraction))
-    if args.resident:
-        cfg = K25Config(**base, kv_cache_bytes=(need + 4) * per_block)
-    else:
-        cfg = K25Config(**base, kv_cache_bytes=l1 * per_block, cache_mode="hierarchical", enable_async_offload=True,
-                        l2_bytes=(need + 4) * _C.kv_page_bytes(per_block), predictor_max_moves=args.max_moves)
-    m = K25Model(cfg)
+    w = workload(base, args.tokens, args.new, args.l1_fraction)  # cpu_long_context's pools
+    ids, per_block = w.ids, w.per_block
+    m = K25Model(w.resident if args.resident else w.cold(args.max_moves))
     try:
         m.generate([ids[:64]], max_new_tokens=2, temperature=0.0)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

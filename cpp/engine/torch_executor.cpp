@@ -378,12 +378,15 @@ class TorchExecutor : public ModelExecutor {
   bool supports_cold_blocks() const override { return fused_ && (kv_.is_cpu() || cold_->device != nullptr); }
   bool block_reads(const BatchMeta& meta, BlockReads* out) const override {
 #ifdef K25_WITH_CUDA
-    if (!kv_.is_cpu() && sparse_) {
-      const at::Tensor& h = sparse_->scratch.host_reads;
-      return h.defined() && device_block_reads(meta, h.data_ptr<int32_t>(), out);
-    }
+    if (sparse_) return reads_counted(meta, sparse_->scratch.host_reads, out);
 #endif
     return reads_of(meta, out);
+  }
+  // block_reads for a step whose device selection counted its reads into `counts` (pinned;
+  // undefined: none were counted), or without a device selection, reads_of.
+  bool reads_counted(const BatchMeta& meta, const at::Tensor& counts, BlockReads* out) const {
+    if (kv_.is_cpu() || !sparse_) return reads_of(meta, out);
+    return counts.defined() && device_block_reads(meta, counts.data_ptr<int32_t>(), out);
   }
   bool collected_block_reads(BlockReads* out) const override {
     if (!collected_reads_) return false;
@@ -548,10 +551,7 @@ class TorchExecutor : public ModelExecutor {
     collected_reads_.reset();
     if (a.meta) {
       auto r = std::make_shared<BlockReads>();
-      const bool ok = !sparse_ ? reads_of(*a.meta, r.get())
-                               : a.reads_host.defined() &&
-                                     device_block_reads(*a.meta, a.reads_host.data_ptr<int32_t>(), r.get());
-      if (ok) collected_reads_ = std::move(r);
+      if (reads_counted(*a.meta, a.reads_host, r.get())) collected_reads_ = std::move(r);
     }
     results->clear();
     if (a.sampled) {
