@@ -350,8 +350,11 @@ class TorchExecutor : public ModelExecutor {
       c10::cuda::CUDAGuard guard(model_->device());
       c10::cuda::CUDAStreamGuard sg(engine_stream());
       const auto i32 = at::TensorOptions().dtype(at::kInt);
+      // Pinned and asynchronous: a pageable upload synchronizes the stream, i.e. makes the host
+      // wait for a pipelined step in flight (the caching host allocator keeps the pinned
+      // buffers until their copies are done).
       auto up = [&](const std::vector<int32_t>& v) {
-        return at::tensor(at::ArrayRef<int32_t>(v), i32).to(model_->device());
+        return at::tensor(at::ArrayRef<int32_t>(v), i32).pin_memory().to(model_->device(), /*non_blocking=*/true);
       };
       cuda_glue::DeviceBatch b;
       b.query_start = up(runs.query_start);
