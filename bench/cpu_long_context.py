@@ -15,6 +15,10 @@ cold run then reads only the selected cold blocks in L2. --max-moves runs the ti
 per value of predictor_max_moves (the predictor's promotions per step; 0: it only orders
 demotions) and prints each run's L1 hit rate (decode block reads served by L1).
 
+--l3 PATH (CPU): the tiered run's L2 gets only --l2-slots slots (two of them staging for L3)
+and an L3 file at PATH holds the rest: cold blocks past L2 live in L3, and every step reads
+their layers back while it runs (docs/offload.md "Cold blocks in L3").
+
 --device cuda: L1 is device memory and L2 pinned host memory, which the attention kernels
 read in place over the bus (cold blocks on CUDA, docs/offload.md); decode steps run as CUDA
 graphs in both runs (K25_DISABLE_CUDA_GRAPHS=1: eager in both).
@@ -70,10 +74,11 @@ def latency_summary(h):
     return {"count": total, "mean_s": h["sum"] / total, "p99_bound_s": p99}
 
 
-def workload(base, tokens, new, l1_fraction):
+def workload(base, tokens, new, l1_fraction, l3_path=None, l2_slots=8):
     """This benchmark's prompt and pools for `base` (K25Config keywords): ids, per_block (KV
     bytes of a block), need (blocks of prompt + new tokens), l1 (blocks of the tiered run's L1),
-    resident (a config whose pool holds everything) and cold(max_moves) (the tiered config)."""
+    resident (a config whose pool holds everything) and cold(max_moves) (the tiered config:
+    L2 for every cold block, or with l3_path l2_slots of L2 and an L3 file for the rest)."""
     from types import SimpleNamespace
     from k25 import K25Config, K25Model, _C
     probe = K25Model(K25Config(**base))
@@ -87,8 +92,10 @@ def workload(base, tokens, new, l1_fraction):
     page = _C.kv_page_bytes(per_block)
 
     def cold(max_moves):
+        tiers = (dict(l2_bytes=l2_slots * page, l3_path=l3_path, l3_bytes=(need + 4) * page) if l3_path
+                 else dict(l2_bytes=(need + 4) * page))
         return K25Config(**base, kv_cache_bytes=l1 * per_block, cache_mode="hierarchical", enable_async_offload=True,
-                         l2_bytes=(need + 4) * page, predictor_max_moves=max_moves)
+                         predictor_max_moves=max_moves, **tiers)
     return SimpleNamespace(ids=ids, per_block=per_block, need=need, l1=l1,
                            resident=K25Config(**base, kv_cache_bytes=(need + 4) * per_block), cold=cold)
 
@@ -116,7 +123,10 @@ def run(cfg, ids, new):
             "decode_offload_latency": latency_summary(histogram_since(
                 tiers["offload_latency"], after_prefill["offload_latency"] if after_prefill else None))
             if tiers else None,
-            "sparsity_ratio": m_ratio, "predictor": s["predictor"]}
+            "sparsity_ratio": m_ratio, "predictor": s["predictor"],
+            "l3_cold_blocks": tiers["offloads_to_l3"] if tiers else 0,
+            "l3_slice_reads": tiers["l3_slice_reads"] if tiers else 0,
+            "l3_bytes_read": tiers["bytes_from_l3"] if tiers else 0}
 
 
 def main():
@@ -128,6 +138,8 @@ def main():
     ap.add_argument("--sparse", action="store_true", help="dynamic sparsity on in both runs")
     ap.add_argument("--max-moves", type=int, nargs="*", default=[2],
                     help="predictor_max_moves of the tiered run(s): one tiered run per value (0: demotion order only)")
+    ap.add_argument("--l3", help="an L3 file for the tiered run (CPU): cold blocks past --l2-slots go there")
+    ap.add_argument("--l2-slots", type=int, default=8, help="with --l3: the tiered run's L2 slots")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
     ap.add_argument("--json")
@@ -137,7 +149,7 @@ def main():
                 max_seq_len=max(args.tokens + args.new + 8, 8192),
                 prefill_chunk_size=512, max_num_batched_tokens=512, block_size=16,
                 enable_dynamic_sparsity=args.sparse)
-    w = workload(base, args.tokens, args.new, args.l1_fraction)
+    w = workload(base, args.tokens, args.new, args.l1_fraction, args.l3, args.l2_slots)
     ids, per_block, need, l1 = w.ids, w.per_block, w.need, w.l1
     resident = run(w.resident, ids, args.new)
     colds = [run(w.cold(mm), ids, args.new) for mm in args.max_moves]
@@ -145,7 +157,8 @@ def main():
     same = all(resident["tokens"] == c["tokens"] for c in colds)
     res = {"date": time.strftime("%Y-%m-%d"), "context": args.tokens, "new": args.new, "blocks_needed": need,
            "sparse": args.sparse, "device": args.device, "dtype": dtype,
-           "l1_blocks": l1, "threads": args.threads, "same_tokens": same,
+           "l1_blocks": l1, "threads": args.threads, "same_tokens": same, "l3": bool(args.l3),
+           "l2_slots": args.l2_slots if args.l3 else need + 4,
            "resident": {k: v for k, v in resident.items() if k != "tokens"},
            "cold": {k: v for k, v in cold.items() if k != "tokens"},
            "cold_runs": [dict({k: v for k, v in c.items() if k != "tokens"}, max_moves=mm)
@@ -153,7 +166,9 @@ def main():
            "decode_ratio": cold["decode_tok_s"] / resident["decode_tok_s"],
            "p99_ratio": cold["p99_ms"] / resident["p99_ms"]}
     print(f"context {args.tokens} + {args.new} new tokens = {need} blocks of {per_block} bytes; "
-          f"L1 of {l1} blocks ({l1 / need:.0%}) in the tiered run, {args.device} {dtype}, {args.threads} threads")
+          f"L1 of {l1} blocks ({l1 / need:.0%}) in the tiered run"
+          + (f", L2 of {args.l2_slots} slots and L3 at {args.l3}" if args.l3 else "")
+          + f", {args.device} {dtype}, {args.threads} threads")
     runs = [("all resident", resident)] + [(f"cold, moves {mm}", c) for c, mm in zip(colds, args.max_moves)]
     for name, r in runs:
         p = r["predictor"]
@@ -167,6 +182,9 @@ def main():
             if o:
                 print(f"{'':>14}  L1 -> L2 copies ({phase}): {o['count']}, start to completion mean "
                       f"{1e3 * o['mean_s']:.3f} ms, 99% under {1e3 * o['p99_bound_s']:.3f} ms")
+        if r.get("l3_cold_blocks"):
+            print(f"{'':>14}  cold blocks in L3: {r['l3_cold_blocks']}, layer reads {r['l3_slice_reads']} "
+                  f"({r['l3_bytes_read'] / 2**20:.0f} MiB in all)")
         print(f"{'':>14}  slowest 1% of steps (ms@slot in block): "
               + ", ".join(f"{x['ms']:.2f}@{x['slot']}" for x in r["slow_steps"]))
     print("cold / resident: " + "; ".join(

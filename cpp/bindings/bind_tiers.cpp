@@ -57,6 +57,7 @@ py::dict tier_stats_dict(const TierStats& s) {
   d["fetches"] = s.fetches;
   d["fetches_from_l2"] = s.fetches_from_l2;
   d["fetches_from_l3"] = s.fetches_from_l3;
+  d["l3_slice_reads"] = s.l3_slice_reads;
   d["cancelled"] = s.cancelled;
   d["refused"] = s.refused;
   d["failures"] = s.failures();

@@ -80,12 +80,15 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
         [this](int64_t id, const std::vector<int32_t>& blocks, const std::string& reason) {
           record_kv_event(id, blocks, reason.c_str(), true);
         },
-        [this](TierConfig* tc) { return executor_->configure_tiers(tc); });
+        [this](TierConfig* tc) { return executor_->configure_tiers(tc); },
+        executor_->supports_cold_blocks() ? executor_->cold_l3_slices() : 0);
     if (executor_->supports_cold_blocks()) {
       // A sequence longer than L1 keeps running with some of its blocks in L2 (use (a) of
       // the tiers, docs/offload.md).
       KVSwap* swap = swap_.get();
       scheduler_->set_cold_room([swap](int32_t want) { return swap->cold_room(want); });
+      // Promotions copy up from L2 only: a cold block in L3 stays there.
+      if (swap_->l3_cold()) scheduler_->set_cold_promotable([swap](uint64_t key) { return swap->cold_l2_data(key) != nullptr; });
       max_seq_blocks_ = swap_->max_sequence_blocks();
       PredictorConfig pc;
       pc.decay = config_.predictor_decay;
@@ -187,13 +190,15 @@ std::unique_ptr<Sequence> Engine::make_sequence(RequestSpec spec) const {
   const int64_t max_total = std::min<int64_t>(P + p.max_new_tokens, config_.max_seq_len);
   const int32_t blocks = blocks_for_tokens(max_total, config_.block_size);
   if (blocks > max_seq_blocks_) {
+    const bool l3 = swap_ && swap_->l3_cold();
     const std::string room = max_seq_blocks_ > config_.num_kv_blocks
-                                 ? "the KV pool and L2 hold " + std::to_string(max_seq_blocks_)
+                                 ? (l3 ? "the KV pool, L2 and L3 hold " : "the KV pool and L2 hold ") + std::to_string(max_seq_blocks_)
                                  : "the KV pool holds " + std::to_string(config_.num_kv_blocks);
     fail(ErrorCode::kResourceExhausted,
          "the request needs up to " + std::to_string(max_total) + " tokens of KV (" + std::to_string(blocks) +
              " blocks) but " + room + " blocks of " + std::to_string(config_.block_size) +
-             " tokens; raise kv_cache_bytes (or l2_bytes with cache_mode='hierarchical') or lower max_new_tokens");
+             " tokens; raise kv_cache_bytes (or l2_bytes" + (l3 ? " or l3_bytes" : "") +
+             " with cache_mode='hierarchical') or lower max_new_tokens");
   }
 
   auto seq = std::make_unique<Sequence>();
@@ -534,6 +539,7 @@ void Engine::gauges_locked() {
 // runs steps in order, so a later step that reuses them runs after it).
 bool Engine::can_pipeline() const {
   if (!pipeline_ || !executor_->supports_async()) return false;
+  if (swap_ && swap_->l3_cold()) return false;  // a step's L3 reads run inside execute()
   const std::vector<Sequence*>& run = scheduler_->running();
   if (static_cast<int32_t>(run.size()) > executor_->max_async_batch()) return false;
   for (const Sequence* s : run) {
@@ -605,6 +611,9 @@ void Engine::add_counts_locked(const StepCounts& counts) {
   gauges_locked();
 }
 
+// Steps a request may lose to its cold blocks in L3 (each one recomputes it) before it fails.
+constexpr int32_t kMaxColdTierFaults = 3;
+
 void Engine::step() {
   const double t0 = now_s();
   const int64_t preempt_before = scheduler_->num_preemptions();
@@ -637,7 +646,8 @@ void Engine::step() {
     // Device-side summaries of the blocks that just went cold (their L2 slots are known now).
     for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
       const uint64_t key = d.seq->cold_keys.at(static_cast<size_t>(d.index));
-      if (key != 0) executor_->keep_cold_summaries(d.block, swap_->cold_data(key));
+      const void* data = key != 0 ? swap_->cold_l2_data(key) : nullptr;  // (never in L3 on CUDA)
+      if (data) executor_->keep_cold_summaries(d.block, data);
     }
   }
   for (const ScheduledSeq& s : plan.seqs) {
@@ -679,6 +689,8 @@ void Engine::step() {
   rec.sample_of_seq.assign(plan.seqs.size(), -1);
   rec.token_index.assign(plan.seqs.size(), -1);
   std::vector<Sequence*> seqs;
+  std::vector<std::pair<int32_t, uint64_t>> cold_l3;  // (entry of meta.cold_blocks, key)
+  std::vector<std::pair<size_t, int32_t>> cold_l3_seq;  // its (sequence in the plan, block index)
   int64_t prefill_tokens = 0, decode_tokens = 0;
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const ScheduledSeq& s = plan.seqs[i];
@@ -735,12 +747,21 @@ void Engine::step() {
     std::copy(seq->block_table.begin(), seq->block_table.end(),
               meta.block_tables.begin() + static_cast<std::ptrdiff_t>(i) * max_blocks);
     if (seq->num_cold > 0) {
-      // Cold blocks are read where they lie in L2: entry j of meta.cold_blocks.
+      // Cold blocks are read where they lie in L2: entry j of meta.cold_blocks; those in L3
+      // layer by layer while the step runs (cold_l3 below).
       int32_t* row = meta.block_tables.data() + static_cast<std::ptrdiff_t>(i) * max_blocks;
       for (size_t b = 0; b < seq->block_table.size(); ++b) {
         if (row[b] != kColdBlock) continue;
-        row[b] = cold_block_id(static_cast<int32_t>(meta.cold_blocks.size()));
-        meta.cold_blocks.push_back(swap_->cold_data(seq->cold_keys.at(b)));
+        const int32_t j = static_cast<int32_t>(meta.cold_blocks.size());
+        row[b] = cold_block_id(j);
+        const uint64_t key = seq->cold_keys.at(b);
+        const void* data = swap_->cold_l2_data(key);
+        if (!data && !swap_->l3_cold()) fail(ErrorCode::kInternal, "cold block " + std::to_string(key) + " is not in L2");
+        if (!data) {
+          cold_l3.emplace_back(j, key);
+          cold_l3_seq.emplace_back(i, static_cast<int32_t>(b));
+        }
+        meta.cold_blocks.push_back(data);
         if (b < seq->cold_summaries.size() && !seq->cold_summaries[b].empty()) {
           meta.cold_summaries.push_back(seq->cold_summaries[b].data());
         }
@@ -755,6 +776,12 @@ void Engine::step() {
     }
   }
   if (!meta.prev_rows.empty()) meta.prev_rows.resize(meta.num_tokens(), -1);
+  std::unique_ptr<ColdL3Reads> l3_reads;
+  if (!cold_l3.empty()) {
+    if (pipelined) fail(ErrorCode::kInternal, "a pipelined step with cold blocks in L3");
+    l3_reads = swap_->read_cold_l3(meta.cold_blocks, cold_l3);
+    meta.cold_layers = l3_reads.get();
+  }
 
   StepCounts counts;
   std::unique_ptr<StepRecord> previous;  // pipelined: the step to collect while this one runs
@@ -790,6 +817,18 @@ void Engine::step() {
       return fail_step(seqs, std::string("model step failed: ") + e.what());
     }
     const double t_done = now_s();
+    // Cold blocks in L3 that could not be read back intact (or written: lost): the step read
+    // zeros for them, so each such sequence drops this step's result and recomputes.
+    std::vector<bool> spoiled(seqs.size(), false);
+    std::vector<std::string> spoiled_why(seqs.size());
+    if (l3_reads) {
+      for (const auto& [e, why] : l3_reads->finish()) {
+        const size_t i = cold_l3_seq[e].first;
+        if (!spoiled[i]) spoiled_why[i] = why;
+        spoiled[i] = true;
+      }
+      meta.cold_layers = nullptr;
+    }
     if (predictor_) observe_reads(meta, seqs);
     // What recomputing costs, for the swap-or-recompute choice (prompt steps).
     if (swap_ && prefill_tokens > 0) swap_->observe_compute(prefill_tokens + decode_tokens, t_done - t_exec);
@@ -800,6 +839,27 @@ void Engine::step() {
       }
     }
     scheduler_->complete_step(plan);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (!spoiled[i]) continue;
+      Sequence* seq = seqs[i];
+      seqs[i] = nullptr;  // its sample (if any) is not used
+      if (++seq->cold_tier_faults > kMaxColdTierFaults) {
+        // A tier that keeps failing (a full or failing disk): the request ends with the
+        // reason rather than recomputing for ever.
+        record_kv_event(seq->id, seq->block_table, spoiled_why[i].c_str(), true);
+        finish(seq, static_cast<int>(FinishReason::kError),
+               "KV cache tier L3 failed " + std::to_string(seq->cold_tier_faults) + " times for this request (" +
+                   spoiled_why[i] + ")", &outs);
+        scheduler_->release(seq->id);
+        ++counts.failed;
+        continue;
+      }
+      std::vector<int32_t> blocks;
+      std::vector<uint64_t> keys;
+      scheduler_->recompute(seq, &blocks, &keys);
+      swap_->free_cold_keys(keys);
+      record_kv_event(seq->id, blocks, spoiled_why[i].c_str(), true);
+    }
     process_samples(rec, seqs, results, t_done, &outs, &counts);
   }
   const double t1 = now_s();

@@ -16,6 +16,16 @@ namespace k25 {
 
 struct TierConfig;
 
+// Cold blocks in L3 (the CPU backend; docs/offload.md): entries of BatchMeta::cold_blocks
+// whose KV is in the L3 file are read one layer at a time while the step runs. layer(l)
+// waits for layer l's reads and returns the cold-block list for that layer (an L3 entry's
+// pointer is then good for layer l's K and V only, until the next call), and starts the
+// next layer's reads.
+class ColdLayerSource {
+ public:
+  virtual ~ColdLayerSource() = default;
+  virtual const void* const* layer(int32_t layer) = 0;
+};
 
 struct BatchMeta {
   // Per token (T = num_tokens). Sequences are laid out one after another.
@@ -40,6 +50,9 @@ struct BatchMeta {
   // ModelExecutor::supports_cold_blocks().
   std::vector<const void*> cold_blocks;
   std::vector<const float*> cold_summaries;  // with dynamic sparsity: [j] for cold_blocks[j]
+  // Not null when some cold blocks are in L3: the forward asks it for each layer's list
+  // (cold_blocks' L3 entries are null). Not owned; CPU only.
+  ColdLayerSource* cold_layers = nullptr;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_seqs() const { return static_cast<int32_t>(context_lens.size()); }
@@ -118,6 +131,9 @@ class ModelExecutor {
   // Whether steps may name cold blocks (BatchMeta::cold_blocks): the attention reads them in
   // host memory.
   virtual bool supports_cold_blocks() const { return false; }
+  // Cold blocks in L3 as well (read layer by layer through BatchMeta::cold_layers): how many
+  // equal slices a block has, one per layer; 0 where the executor cannot (CUDA).
+  virtual int32_t cold_l3_slices() const { return 0; }
   // After execute(meta, ...): which blocks that step's decode rows' attention read
   // (BlockReads; prompt chunks read every block and are left empty); false when this
   // executor does not report it.

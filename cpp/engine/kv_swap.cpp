@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <unordered_set>
 
 #include "k25/status.h"
@@ -30,14 +32,136 @@ TierConfig tier_config(const EngineConfig& c, int64_t block_bytes) {
 
 KVSwap::KVSwap(const EngineConfig& config, void* l1_base, int64_t block_bytes, Scheduler* scheduler,
                BlockPool* pool, std::function<void()> wake, EventSink events,
-               const std::function<bool(TierConfig*)>& configure)
+               const std::function<bool(TierConfig*)>& configure, int32_t l3_slices)
     : config_(config), scheduler_(scheduler), pool_(pool), wake_(std::move(wake)), events_(std::move(events)) {
   TierConfig tc = tier_config(config, block_bytes);
   if (!l1_base && !(configure && configure(&tc))) {
     fail(ErrorCode::kUnsupported, "cache_mode='hierarchical' needs the KV pool in host memory or a device copy "
                                   "path; this executor has neither");
   }
+  // Cold blocks in L3: each page also gets a checksum per layer, so that a step can read and
+  // check one layer of it.
+  l3_cold_ = l3_slices > 0 && !tc.l3_path.empty() && block_bytes % l3_slices == 0;
+  if (l3_cold_) tc.l3_slices = l3_slices;
+  l3_slices_ = l3_cold_ ? l3_slices : 0;
   tiers_ = std::make_unique<TierManager>(tc, config.num_kv_blocks, l1_base);
+}
+
+ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std::vector<Entry> entries,
+                         int32_t num_layers)
+    : tiers_(tiers),
+      list_(std::move(list)),
+      entries_(std::move(entries)),
+      num_layers_(num_layers),
+      slice_bytes_(tiers->l3_slice_bytes()),
+      failed_(entries_.size()) {
+  if (slice_bytes_ <= 0 || num_layers_ <= 0) fail(ErrorCode::kInternal, "cold L3 reads without slices");
+  // Room for the widest aligned span of a slice (TierManager::l3_slice_span).
+  constexpr int64_t kAlign = 4096;
+  stride_ = (slice_bytes_ + kAlign - 1) / kAlign * kAlign + kAlign;
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, static_cast<int64_t>(entries_.size())) * stride_);
+  for (uint8_t*& b : buf_) {
+    b = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
+    if (!b) fail(ErrorCode::kResourceExhausted, "no memory for cold L3 read buffers");
+  }
+  zeros_ = static_cast<uint8_t*>(std::calloc(1, static_cast<size_t>(slice_bytes_)));
+  if (!zeros_) fail(ErrorCode::kResourceExhausted, "no memory for cold L3 read buffers");
+  for (size_t e = 0; e < entries_.size(); ++e) failed_[e] = entries_[e].lost;
+}
+
+ColdL3Reads::~ColdL3Reads() {
+  wait_idle(0);
+  wait_idle(1);
+  std::free(buf_[0]);
+  std::free(buf_[1]);
+  std::free(zeros_);
+}
+
+void ColdL3Reads::wait_idle(int b) {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return pending_[b] == 0; });
+}
+
+void ColdL3Reads::issue(int32_t layer) {
+  const int b = layer % 2;
+  wait_idle(b);  // its last layer's reads (done already: that layer was asked for)
+  buf_layer_[b] = layer;
+  const TierManager::SliceSpan sp = tiers_->l3_slice_span(layer);
+  for (size_t e = 0; e < entries_.size(); ++e) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!failed_[e].empty()) continue;  // one bad slice spoils the block for this step
+      ++pending_[b];
+    }
+    uint8_t* dst = buf_[b] + static_cast<int64_t>(e) * stride_;
+    try {
+      tiers_->read_l3_slice(entries_[e].key, layer, dst, [this, b, e, dst, sp](const TierResult& r) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!r.ok) {
+          if (failed_[e].empty()) failed_[e] = tier_fault_name(r.fault);
+          std::memset(dst, 0, static_cast<size_t>(sp.bytes));
+        }
+        --pending_[b];
+        cv_.notify_all();
+      });
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(mu_);
+      --pending_[b];
+      throw;
+    }
+  }
+}
+
+const void* const* ColdL3Reads::layer(int32_t layer) {
+  if (layer < 0 || layer >= num_layers_) fail(ErrorCode::kInternal, "cold L3 reads: no such layer");
+  const int b = layer % 2;
+  if (buf_layer_[b] != layer) issue(layer);
+  wait_idle(b);
+  if (layer + 1 < num_layers_) issue(layer + 1);  // the other buffer: the layer before is done with
+  // Each entry's pointer, placed so that the kernels' offset of this layer (KVLayout::
+  // k_in_block) lands on the slice read for it.
+  const int64_t back = static_cast<int64_t>(layer) * slice_bytes_;
+  const int64_t data = tiers_->l3_slice_span(layer).data_offset;
+  std::lock_guard<std::mutex> lk(mu_);
+  for (size_t e = 0; e < entries_.size(); ++e) {
+    const uint8_t* at = failed_[e].empty() ? buf_[b] + static_cast<int64_t>(e) * stride_ + data : zeros_;
+    list_[static_cast<size_t>(entries_[e].list_index)] =
+        reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(at) - static_cast<uintptr_t>(back));
+  }
+  return list_.data();
+}
+
+std::vector<std::pair<size_t, std::string>> ColdL3Reads::finish() {
+  wait_idle(0);
+  wait_idle(1);
+  std::vector<std::pair<size_t, std::string>> out;
+  std::lock_guard<std::mutex> lk(mu_);
+  for (size_t e = 0; e < entries_.size(); ++e) {
+    if (!failed_[e].empty()) out.emplace_back(e, failed_[e]);
+  }
+  return out;
+}
+
+std::unique_ptr<ColdL3Reads> KVSwap::read_cold_l3(const std::vector<const void*>& list,
+                                                  const std::vector<std::pair<int32_t, uint64_t>>& entries) const {
+  if (!l3_cold_) fail(ErrorCode::kInternal, "cold blocks in L3 without L3 cold support");
+  std::vector<ColdL3Reads::Entry> es;
+  for (const auto& [j, key] : entries) {
+    auto it = cold_lost_.find(key);
+    es.push_back({j, key, it == cold_lost_.end() ? std::string() : it->second});
+  }
+  return std::make_unique<ColdL3Reads>(tiers_.get(), list, std::move(es), l3_slices_);
+}
+
+void KVSwap::free_cold_key(uint64_t key) {
+  cold_lost_.erase(key);
+  tiers_->free(key);
+}
+
+void KVSwap::free_cold_keys(const std::vector<uint64_t>& keys) {
+  for (uint64_t k : keys) {
+    if (k != 0) free_cold_key(k);
+  }
 }
 
 KVSwap::~KVSwap() { tiers_.reset(); }
@@ -77,15 +201,24 @@ uint64_t KVSwap::demote_counted(int32_t block, const TierCallback& on_done) {
 }
 
 int32_t KVSwap::cold_room(int32_t want) {
-  while (tiers_->l2_room() < want && evict_oldest_prefix()) {
+  auto room = [&]() -> int64_t {
+    int64_t n = tiers_->l2_room();
+    if (l3_cold_) n += tiers_->map().num_l3_pages() - tiers_->map().counts().l3_pages_used;
+    return n;
+  };
+  while (room() < want && evict_oldest_prefix()) {
   }
-  return tiers_->l2_room();
+  return static_cast<int32_t>(std::min<int64_t>(room(), INT32_MAX));
+}
+
+const void* KVSwap::cold_l2_data(uint64_t key) const {
+  // While this step's demotes are unsettled their slots are still landing, in device order
+  // before the step's kernels (demote_cold).
+  return tiers_->l2_data(key, /*in_flight=*/unsettled_ != nullptr);
 }
 
 const void* KVSwap::cold_data(uint64_t key) const {
-  // While this step's demotes are unsettled their slots are still landing, in device order
-  // before the step's kernels (demote_cold).
-  const uint8_t* p = tiers_->l2_data(key, /*in_flight=*/unsettled_ != nullptr);
+  const void* p = cold_l2_data(key);
   if (!p) fail(ErrorCode::kInternal, "cold block " + std::to_string(key) + " is not in L2");
   return p;
 }
@@ -116,14 +249,31 @@ bool KVSwap::wait_step_copies(const StepCopies& c) {
 }
 
 void KVSwap::demote_cold(const StepPlan& plan) {
-  for (uint64_t key : plan.cold_freed) tiers_->free(key);
+  for (uint64_t key : plan.cold_freed) free_cold_key(key);
   if (plan.cold_demotes.empty()) return;
   // Before anything else of this plan takes an L2 slot: the scheduler counted the room.
   auto copies = std::make_shared<StepCopies>();
   CopyBatch batch(tiers_->copier());
   for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
-    const uint64_t key = tiers_->demote(d.block, step_copy(copies), {}, /*allow_l3=*/false);
-    if (key == 0) fail(ErrorCode::kInternal, "no L2 slot for a cold block although the plan counted one");
+    TierCallback done = step_copy(copies);
+    if (l3_cold_) {
+      // A page that could not be written (no space, I/O error) is not a failed step: the
+      // sequence reads zeros for it this step and recomputes (the engine, ColdL3Reads).
+      done = [this, done](const TierResult& r) {
+        if (r.ok || r.cancelled || r.tier != Tier::kL3) return done(r);
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          cold_lost_new_.emplace_back(r.key, tier_fault_name(r.fault));
+        }
+        TierResult settled = r;
+        settled.ok = true;
+        done(settled);
+      };
+    }
+    // Where the executor reads cold blocks in L3 too, the page is written before the step
+    // reads it back, layer by layer (wait_step_copies waits for `done`, the write's end).
+    const uint64_t key = tiers_->demote(d.block, done, {}, /*allow_l3=*/l3_cold_);
+    if (key == 0) fail(ErrorCode::kInternal, "no tier room for a cold block although the plan counted one");
     d.seq->cold_keys.at(static_cast<size_t>(d.index)) = key;
     ++counters_.cold_demotes;
   }
@@ -140,6 +290,9 @@ void KVSwap::demote_cold(const StepPlan& plan) {
   }
   // An L1 -> L2 copy is a memcpy (or a copy-stream transfer) that has no failure of its own.
   if (!wait_step_copies(*copies)) fail(ErrorCode::kInternal, "copying a cold block to L2 failed");
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& [key, why] : cold_lost_new_) cold_lost_[key] = std::move(why);
+  cold_lost_new_.clear();
 }
 
 void KVSwap::settle_cold_demotes() {
@@ -464,7 +617,7 @@ void KVSwap::on_finish(Sequence* s) {
   if (fail_next_finish_.exchange(false)) fail(ErrorCode::kInternal, "injected failure releasing a request's tier copies");
   fetch_started_.erase(s->id);
   for (uint64_t& key : s->cold_keys) {
-    if (key != 0) tiers_->free(key);
+    if (key != 0) free_cold_key(key);
     key = 0;  // the scheduler drops the entries when it releases the blocks
   }
   for (uint64_t key : s->swap_keys) drop_key(key);

@@ -12,9 +12,13 @@
 //     its num_computed comes back. A failed fetch (checksum, short read, ...) is logged
 //     as a KV event with the fault as reason; the sequence recomputes from that block on.
 //   - cold blocks (a sequence longer than L1): blocks the plan released from a running
-//     sequence are copied to L2 (never L3) before the step reuses them; the sequence keeps
-//     their keys and the attention reads them in L2 (cold_data) until the sequence ends or
-//     is preempted.
+//     sequence are copied to L2 before the step reuses them; the sequence keeps their keys
+//     and the attention reads them in L2 (cold_l2_data) until the sequence ends or is
+//     preempted. Where the executor can read them layer by layer (the CPU backend,
+//     cold_l3_slices), a cold block goes to L3 when L2 is full; start() waits until its page
+//     is written, and each step reads its layers back while it runs (read_cold_l3). A page
+//     that cannot be written or read back intact makes its sequence recompute (the engine
+//     drops that step's result for it).
 //   - promotions (the predictor's, StepPlan::promotions): cold blocks copied back into the
 //     L1 blocks the plan gave them (TierManager::copy_up, after the plan's copies out: an
 //     exchange's colder block leaves first). Nothing waits: until the copy lands the
@@ -42,6 +46,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine/executor.h"
 #include "engine/scheduler.h"
 #include "kv/block_pool.h"
 #include "kv/tiers/tier_manager.h"
@@ -60,14 +65,52 @@ struct SwapCounters {
   int64_t cold_promotions = 0; // cold blocks fetched back to L1 (the predictor's)
 };
 
+// One step's reads of cold blocks in L3, layer by layer (BatchMeta::cold_layers): layer l's
+// slice of every such block is read into one of two buffers while the layer before runs.
+class ColdL3Reads : public ColdLayerSource {
+ public:
+  struct Entry {
+    int32_t list_index;  // in BatchMeta::cold_blocks
+    uint64_t key;
+    std::string lost;    // not empty: the copy is gone already (why), nothing to read
+  };
+  ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std::vector<Entry> entries, int32_t num_layers);
+  ~ColdL3Reads() override;  // waits for the reads in flight
+  ColdL3Reads(const ColdL3Reads&) = delete;
+  ColdL3Reads& operator=(const ColdL3Reads&) = delete;
+  const void* const* layer(int32_t layer) override;
+  // Waits for the reads in flight. The entries whose bytes could not be had (index into
+  // the entries, and why: the fault's evict_reason); the step read zeros in their place.
+  std::vector<std::pair<size_t, std::string>> finish();
+
+ private:
+  void issue(int32_t layer);
+  void wait_idle(int b);
+
+  TierManager* tiers_;
+  std::vector<const void*> list_;
+  std::vector<Entry> entries_;
+  int32_t num_layers_;
+  int64_t slice_bytes_, stride_;  // stride_: one entry's room in a buffer
+  uint8_t* buf_[2] = {nullptr, nullptr};
+  uint8_t* zeros_ = nullptr;      // a slice of zeros, for entries without bytes
+  int32_t buf_layer_[2] = {-1, -1};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int32_t pending_[2] = {0, 0};
+  std::vector<std::string> failed_;  // per entry: the first fault, or empty
+};
+
 class KVSwap {
  public:
   using EventSink = std::function<void(int64_t seq_id, const std::vector<int32_t>& blocks, const std::string& reason)>;
 
   // l1_base: the pool in host memory, or null with `configure` supplying the L2 allocator
   // and the copier (ModelExecutor::configure_tiers, CUDA).
+  // l3_slices: the executor's cold_l3_slices() (0: cold blocks stay in L2).
   KVSwap(const EngineConfig& config, void* l1_base, int64_t block_bytes, Scheduler* scheduler, BlockPool* pool,
-         std::function<void()> wake, EventSink events, const std::function<bool(TierConfig*)>& configure = {});
+         std::function<void()> wake, EventSink events, const std::function<bool(TierConfig*)>& configure = {},
+         int32_t l3_slices = 0);
   ~KVSwap();  // waits for transfers in flight
 
   // After schedule(), before the step runs.
@@ -97,13 +140,28 @@ class KVSwap {
                         uint64_t parent, std::vector<uint64_t>* hashes) const;
   int32_t num_prefix_blocks() const { return static_cast<int32_t>(prefix_.size()); }
 
-  // Scheduler::ColdRoom: L2 slots free for cold blocks, after dropping the oldest cached
-  // prefix copies while fewer than `want` are.
+  // Scheduler::ColdRoom: L2 slots (and with l3_cold(), L3 pages) free for cold blocks,
+  // after dropping the oldest cached prefix copies while fewer than `want` are.
   int32_t cold_room(int32_t want);
   // Where a cold block's KV lies in L2 (the L1 block layout); kInternal when it is not there.
   const void* cold_data(uint64_t key) const;
-  // The most blocks one sequence may have: L1's and L2's resident slots.
-  int32_t max_sequence_blocks() const { return config_.num_kv_blocks + tiers_->map().l2_capacity(); }
+  // The same, or null when it is not in L2 (in L3, or lost).
+  const void* cold_l2_data(uint64_t key) const;
+  // Cold blocks may go to L3 (read layer by layer by read_cold_l3).
+  bool l3_cold() const { return l3_cold_; }
+  // The step's reads of its cold blocks in L3: entries (index in `list`, key). `list` is
+  // BatchMeta::cold_blocks (the L3 entries null).
+  std::unique_ptr<ColdL3Reads> read_cold_l3(const std::vector<const void*>& list,
+                                            const std::vector<std::pair<int32_t, uint64_t>>& entries) const;
+  // Frees cold copies the engine took from a sequence (Scheduler::recompute).
+  void free_cold_keys(const std::vector<uint64_t>& keys);
+  // The most blocks one sequence may have: L1's and L2's resident slots, and L3's pages
+  // with l3_cold().
+  int32_t max_sequence_blocks() const {
+    const int64_t n = config_.num_kv_blocks + int64_t{tiers_->map().l2_capacity()} +
+                      (l3_cold_ ? tiers_->map().num_l3_pages() : 0);
+    return static_cast<int32_t>(std::min<int64_t>(n, INT32_MAX));
+  }
 
   // Sequences whose fetched KV landed since the last call: tokens [first_token, end_token)
   // of each are back in L1 (the engine rebuilds what derives from the keys, e.g. the
@@ -146,6 +204,7 @@ class KVSwap {
   TierCallback step_copy(const std::shared_ptr<StepCopies>& c);
   bool wait_step_copies(const StepCopies& c);  // false when one failed
   void demote_cold(const StepPlan& plan);
+  void free_cold_key(uint64_t key);
   // Waits for the callbacks of the cold demotes an earlier step left to the device's ordering
   // (demote_cold); fails the step if one of those copies failed.
   void settle_cold_demotes();
@@ -188,6 +247,13 @@ class KVSwap {
   // The latest step's cold demotes whose copies the compute stream waits for on the device
   // and whose callbacks (the blocks' state) the next step's start() waits for; null: none.
   std::shared_ptr<StepCopies> unsettled_;
+
+  bool l3_cold_ = false;
+  int32_t l3_slices_ = 0;
+  // Cold blocks whose copy to L3 failed (no space, I/O error): key -> evict_reason, until
+  // the key is freed. cold_lost_new_ takes them from the tier threads (under mu_).
+  std::unordered_map<uint64_t, std::string> cold_lost_;
+  std::vector<std::pair<uint64_t, std::string>> cold_lost_new_;
 
   std::unique_ptr<TierManager> tiers_;  // last: destroyed (drained) first
 };

@@ -154,6 +154,7 @@ void Scheduler::plan_promotions(StepPlan* plan) {
     for (int32_t i = 0; i < static_cast<int32_t>(s->block_table.size()); ++i) {
       if (s->block_table[i] != kColdBlock) continue;
       if (i < static_cast<int32_t>(s->promoting.size()) && s->promoting[i]) continue;  // on its way already
+      if (cold_promotable_ && !cold_promotable_(s->cold_keys.at(static_cast<size_t>(i)))) continue;
       // Not a block this plan demoted: its copy is not even out yet.
       const bool just_demoted = std::any_of(plan->cold_demotes.begin(), plan->cold_demotes.end(),
                                             [&](const StepPlan::ColdDemote& d) { return d.seq == s && d.index == i; });
@@ -226,6 +227,16 @@ void Scheduler::preempt(Sequence* seq, StepPlan* plan) {
   ++seq->num_preemptions;
   ++num_preemptions_;
   waiting_.push_back(seq);
+}
+
+void Scheduler::recompute(Sequence* seq, std::vector<int32_t>* blocks, std::vector<uint64_t>* cold_keys) {
+  // Only for a sequence with cold blocks, which preempt() never swaps out.
+  if (seq->num_cold == 0) fail(ErrorCode::kInternal, "recompute() of a sequence without cold blocks");
+  StepPlan plan;
+  preempt(seq, &plan);
+  *blocks = std::move(plan.preempted_blocks.front());
+  *cold_keys = std::move(plan.cold_freed);
+  sort_queues();
 }
 
 Sequence* Scheduler::pick_victim() const {

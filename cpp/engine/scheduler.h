@@ -116,6 +116,12 @@ class Scheduler {
   using ColdRoom = std::function<int32_t(int32_t want)>;
   void set_cold_room(ColdRoom f) { cold_room_ = std::move(f); }
   bool cold_blocks_enabled() const { return static_cast<bool>(cold_room_); }
+  // Whether a cold block (by tier key) may be promoted; unset: every one.
+  void set_cold_promotable(std::function<bool(uint64_t key)> f) { cold_promotable_ = std::move(f); }
+  // Outside a plan: a running sequence drops its KV and waits to recompute it, as a
+  // preemption by recompute does (a cold block in L3 it could not read back). Its blocks
+  // (for the KV event) and its cold copies' keys (for the engine to free) are returned.
+  void recompute(Sequence* seq, std::vector<int32_t>* blocks, std::vector<uint64_t>* cold_keys);
   // With cold blocks: the predictor that orders demotions and decides promotions (owned by
   // the engine; null: oldest first, no promotions).
   void set_predictor(BlockPredictor* p) { predictor_ = p; }
@@ -165,6 +171,7 @@ class Scheduler {
   int64_t prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0, prefix_tier_hit_tokens_ = 0;
   TierPrefixLookup tier_lookup_;
   ColdRoom cold_room_;
+  std::function<bool(uint64_t)> cold_promotable_;
   BlockPredictor* predictor_ = nullptr;
 };
 

@@ -78,6 +78,8 @@ struct Sequence {
   // Cold entries whose copy back to L1 (a predictor promotion) is running: 1 until KVSwap
   // puts the block in the table or gives up.
   std::vector<uint8_t> promoting;
+  // Steps whose cold blocks in L3 could not be written or read back (each made it recompute).
+  int32_t cold_tier_faults = 0;
   bool want_prompt_logits = false;
   // Tokens from this index on are computed one per step, as decodes are (>= 0): scoring
   // a text the way generation would compute it (teacher-forced decoding).

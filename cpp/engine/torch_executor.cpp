@@ -379,6 +379,8 @@ class TorchExecutor : public ModelExecutor {
   // On CUDA (the L2 pool mapped), the device kernels read them in place over the bus, and the
   // device selection finds their summaries in rows past the pool's (keep_cold_summaries).
   bool supports_cold_blocks() const override { return fused_ && (kv_.is_cpu() || cold_->device != nullptr); }
+  // The CPU fused kernels read an L3 block's layer from a buffer the ColdLayerSource filled.
+  int32_t cold_l3_slices() const override { return fused_ && kv_.is_cpu() ? layout_.num_layers : 0; }
   bool block_reads(const BatchMeta& meta, BlockReads* out) const override {
 #ifdef K25_WITH_CUDA
     if (sparse_) return reads_counted(meta, sparse_->scratch.host_reads, out);

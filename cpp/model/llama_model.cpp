@@ -201,6 +201,7 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
     ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_blocks.data());
     ab.cold_summaries = sparse ? meta.cold_summaries.data() : nullptr;
     if (cuda) cold_tables = cold_slot_tables(meta, cold);
+    if (cuda && meta.cold_layers) fail(ErrorCode::kUnsupported, "cold KV blocks in L3 are read by the CPU backend only");
   }
 #ifdef K25_WITH_CUDA
   cuda_glue::DeviceBatch db;
@@ -271,6 +272,8 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
       cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
                          rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), kv.data_ptr<float>(), layout, l);
       float* q = qkv.data_ptr<float>();
+      // Cold blocks in L3: this layer's K and V of each, read while the layers before ran.
+      if (meta.cold_layers) ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_layers->layer(l));
       if (sparse) {
         // Summaries follow every write (prefill too); selection is for decodes of layers
         // without a sliding window.

@@ -123,6 +123,13 @@ void FileTier::read_page(int64_t page, void* buf, AsyncFile::Done done) {
   file_->read(page_offset(page), buf, static_cast<size_t>(page_bytes_), std::move(done));
 }
 
+void FileTier::read_range(int64_t page, int64_t offset, void* buf, int64_t bytes, AsyncFile::Done done) {
+  if (offset < 0 || bytes <= 0 || offset + bytes > page_bytes_ || offset % 4096 != 0 || bytes % 4096 != 0) {
+    fail(ErrorCode::kInternal, "L3: a page range must be whole 4096-byte units inside the page");
+  }
+  file_->read(page_offset(page) + offset, buf, static_cast<size_t>(bytes), std::move(done));
+}
+
 }  // namespace k25
 
 namespace k25 {

@@ -52,6 +52,8 @@ class FileTier {
   // One page from / to a page-aligned buffer of page_bytes().
   void write_page(int64_t page, const void* buf, AsyncFile::Done done);
   void read_page(int64_t page, void* buf, AsyncFile::Done done);
+  // Part of a page: `bytes` from `offset` within it (both multiples of 4096) into an aligned buffer.
+  void read_range(int64_t page, int64_t offset, void* buf, int64_t bytes, AsyncFile::Done done);
 
  private:
   std::string path_;

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "kv/tiers/crc32c.h"
 #include "kv/tiers/page_format.h"
 
 namespace k25 {
@@ -29,6 +30,13 @@ int32_t staging_for(const TierConfig& c, int32_t slots) {
   if (c.l3_path.empty()) return 0;
   if (c.l2_staging_slots < 1) fail(ErrorCode::kInvalidArgument, "tiers: L3 needs at least one L2 staging slot");
   return std::min(c.l2_staging_slots, slots);
+}
+
+int64_t checked_slices(const TierConfig& c) {
+  if (c.l3_slices < 0 || (c.l3_slices > 0 && c.block_bytes % c.l3_slices != 0)) {
+    fail(ErrorCode::kInvalidArgument, "tiers: l3_slices must divide block_bytes");
+  }
+  return c.l3_slices;
 }
 
 std::unique_ptr<TaskRunner> make_copy_runner(const TierConfig& c) {
@@ -81,6 +89,7 @@ const char* tier_op_name(TierOp op) {
     case TierOp::kSpill: return "spill";
     case TierOp::kFetch: return "fetch";
     case TierOp::kCopyUp: return "copy_up";
+    case TierOp::kRead: return "read";
   }
   return "unknown";
 }
@@ -97,7 +106,9 @@ TierManager::TierManager(const TierConfig& config, int32_t num_l1_blocks, void* 
       copier_(config.make_copier
                   ? config.make_copier(copy_runner_.get())
                   : std::make_unique<HostBlockCopier>(l1_base, config.block_bytes, num_l1_blocks, copy_runner_.get())),
-      map_(num_l1_blocks, l2_->num_slots(), staging_for(config, l2_->num_slots()), l3_ ? l3_->num_pages() : 0) {}
+      map_(num_l1_blocks, l2_->num_slots(), staging_for(config, l2_->num_slots()), l3_ ? l3_->num_pages() : 0) {
+  checked_slices(config_);
+}
 
 TierManager::~TierManager() {
   // Shutdown waits for every transfer: workers still hold pointers into L1, L2 and the file.
@@ -188,6 +199,14 @@ void TierManager::complete(const TierMove& mv, TierOp op, TierFault fault, const
 void TierManager::write_to_l3(const TierMove& mv, TierOp op, Clock::time_point t0, TierCallback done) {
   uint8_t* slot = l2_->slot(mv.l2_slot);
   seal_page(slot, config_.block_bytes, mv.key);
+  if (config_.l3_slices > 0) {
+    // The bytes written, slice by slice (read_l3_slice checks one without the page's trailer).
+    const int64_t n = l3_slice_bytes();
+    std::vector<uint32_t> crcs(static_cast<size_t>(config_.l3_slices));
+    for (int32_t i = 0; i < config_.l3_slices; ++i) crcs[i] = crc32c(slot + i * n, static_cast<size_t>(n));
+    std::lock_guard<std::mutex> lk(mu_);
+    slice_crcs_[mv.key] = std::move(crcs);
+  }
   l3_->write_page(mv.l3_page, slot, [this, mv, op, t0, done = std::move(done)](IoOutcome o) {
     const TierFault fault = write_fault(o, page_bytes_);
     if (fault == TierFault::kNone) {
@@ -344,7 +363,82 @@ void TierManager::copy_up(uint64_t key, int32_t l1_block, TierCallback done) {
   start(mv, TierOp::kCopyUp, t0, std::move(done));
 }
 
-void TierManager::free(uint64_t key) { map_.free(key); }
+TierManager::SliceSpan TierManager::l3_slice_span(int32_t slice) const {
+  const int64_t n = l3_slice_bytes();
+  if (n <= 0 || slice < 0 || slice >= config_.l3_slices) fail(ErrorCode::kInternal, "tiers: no such L3 slice");
+  // O_DIRECT wants offsets and sizes in whole 4096-byte units (the page is a multiple of them).
+  constexpr int64_t kAlign = 4096;
+  const int64_t begin = slice * n, end = begin + n;
+  SliceSpan sp;
+  sp.offset = begin / kAlign * kAlign;
+  sp.bytes = (end + kAlign - 1) / kAlign * kAlign - sp.offset;
+  sp.data_offset = begin - sp.offset;
+  return sp;
+}
+
+void TierManager::read_l3_slice(uint64_t key, int32_t slice, void* buf, TierCallback done) {
+  const SliceSpan sp = l3_slice_span(slice);
+  const std::optional<TierEntry> e = map_.entry(key);
+  if (!l3_ || !e || e->state != BlockState::kInL3 || e->l3_page < 0) {
+    fail(ErrorCode::kInternal, "tiers: reading a slice of key " + std::to_string(key) + ", which is not settled in L3");
+  }
+  uint32_t want = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = slice_crcs_.find(key);
+    if (it == slice_crcs_.end()) fail(ErrorCode::kInternal, "tiers: no slice checksums for key " + std::to_string(key));
+    want = it->second[static_cast<size_t>(slice)];
+  }
+  begin_op();
+  const int64_t page = e->l3_page;
+  l3_->read_range(page, sp.offset, buf, sp.bytes, [this, key, page, slice, sp, want, buf, done = std::move(done)](IoOutcome o) {
+    TierFault fault = read_fault(o, sp.bytes);
+    std::string detail;
+    if (fault != TierFault::kNone) {
+      detail = io_detail(o, sp.bytes);
+    } else if (crc32c(static_cast<const uint8_t*>(buf) + sp.data_offset, static_cast<size_t>(l3_slice_bytes())) != want) {
+      fault = TierFault::kChecksum;
+      detail = "slice " + std::to_string(slice);
+    }
+    TierResult r;
+    r.key = key;
+    r.op = TierOp::kRead;
+    r.tier = Tier::kL3;
+    r.ok = fault == TierFault::kNone;
+    r.fault = fault;
+    if (!r.ok) {
+      r.code = tier_fault_code(fault);
+      r.message = "KV read of slice " + std::to_string(slice) + " of key " + std::to_string(key) +
+                  " in L3 failed: " + tier_fault_name(fault) + (detail.empty() ? "" : " (" + detail + ")");
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (r.ok) {
+        ++stats_.l3_slice_reads;
+        stats_.bytes_from_l3 += sp.bytes;
+      } else {
+        ++stats_.faults[static_cast<int>(fault)];
+      }
+    }
+    if (!r.ok) {
+      tier_log(log_, "[KV_CACHE] key=" + std::to_string(key) + " op=read tier=L3 l3_page=" + std::to_string(page) +
+                         " slice=" + std::to_string(slice) + " evict_reason=" + tier_fault_name(fault) +
+                         (detail.empty() ? "" : " detail=\"" + detail + "\""));
+    }
+    if (done) done(r);
+    std::lock_guard<std::mutex> lk(mu_);
+    --in_flight_;
+    idle_cv_.notify_all();
+  });
+}
+
+void TierManager::free(uint64_t key) {
+  if (config_.l3_slices > 0) {
+    std::lock_guard<std::mutex> lk(mu_);
+    slice_crcs_.erase(key);
+  }
+  map_.free(key);
+}
 
 void TierManager::drain() {
   if (manual_) {

@@ -35,6 +35,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "kv/tiers/block_copier.h"
 #include "kv/tiers/cache_state_map.h"
@@ -57,6 +59,10 @@ struct TierConfig {
   int32_t io_queue_depth = 32;
   int32_t copy_threads = 1;     // L1 <-> L2 memcpy threads (CPU)
   bool manual = false;          // tests: transfers wait for run_pending()
+  // > 0: every page written to L3 also gets a CRC32C of each of this many equal slices of
+  // its block bytes (kept in host memory by key), so that read_l3_slice() can read and check
+  // one slice (one layer's K and V: cold blocks in L3) without the whole page.
+  int32_t l3_slices = 0;
   // Where L1 is not host memory (CUDA): L2's memory (pinned) and the L1 <-> L2 copier (a
   // copy stream), made by the executor that owns L1. Unset: mmap'd L2 and memcpy from the
   // l1_base given to TierManager.
@@ -64,7 +70,7 @@ struct TierConfig {
   std::function<std::unique_ptr<BlockCopier>(TaskRunner* completions)> make_copier;
 };
 
-enum class TierOp : uint8_t { kDemote, kSpill, kFetch, kCopyUp };
+enum class TierOp : uint8_t { kDemote, kSpill, kFetch, kCopyUp, kRead };
 const char* tier_op_name(TierOp op);
 
 struct TierResult {
@@ -106,6 +112,18 @@ class TierManager {
   // `done` runs with ok) while the L2 copy stays, readable through l2_data(); afterwards the
   // block is in L2 as before (counted as a fetch from L2).
   void copy_up(uint64_t key, int32_t l1_block, TierCallback done);
+  // Where slice `slice` of a page lies for read_l3_slice: the aligned span of the page that
+  // is read (offset in the page, bytes) and where the slice's bytes start in that span.
+  struct SliceSpan {
+    int64_t offset = 0, bytes = 0, data_offset = 0;
+  };
+  SliceSpan l3_slice_span(int32_t slice) const;
+  int64_t l3_slice_bytes() const { return config_.l3_slices > 0 ? config_.block_bytes / config_.l3_slices : 0; }
+  // Reads slice `slice` of a block settled in L3 (state unchanged: the page stays where it
+  // is) into `buf` (4096-aligned, l3_slice_span(slice).bytes long) and checks it against the
+  // slice's CRC32C: a short read or a mismatch is a fault, counted and logged like a fetch's
+  // (op=read). The caller must not free the key before `done` runs. Needs l3_slices > 0.
+  void read_l3_slice(uint64_t key, int32_t slice, void* buf, TierCallback done);
   // Forgets the copy: at once when settled, at the end of its transfer when in flight.
   void free(uint64_t key);
   // Waits until no transfer is in flight (manual mode: runs them all).
@@ -170,6 +188,7 @@ class TierManager {
   int32_t in_flight_ = 0;
   TierStats stats_;
   int32_t corrupt_next_ = 0;  // tests
+  std::unordered_map<uint64_t, std::vector<uint32_t>> slice_crcs_;  // l3_slices > 0: by key (mu_)
   std::mutex wait_mu_;
   std::deque<Waiting> waiting_;  // L3 transfers without a staging slot yet, oldest first
 };

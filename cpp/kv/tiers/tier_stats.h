@@ -46,6 +46,7 @@ struct TierStats {
   int64_t fetches = 0;          // blocks back in L1
   int64_t fetches_from_l2 = 0;  // hits in L2
   int64_t fetches_from_l3 = 0;  // hits in L3
+  int64_t l3_slice_reads = 0;   // slices read in place from L3 pages (cold blocks in L3)
   int64_t cancelled = 0;        // transfers whose block was freed in flight
   int64_t refused = 0;          // demote/spill/fetch calls that found no room (nothing started)
   std::array<int64_t, kNumTierFaults> faults{};  // by TierFault
