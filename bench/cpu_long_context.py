@@ -15,9 +15,10 @@ cold run then reads only the selected cold blocks in L2. --max-moves runs the ti
 per value of predictor_max_moves (the predictor's promotions per step; 0: it only orders
 demotions) and prints each run's L1 hit rate (decode block reads served by L1).
 
---l3 PATH (CPU): the tiered run's L2 gets only --l2-slots slots (two of them staging for L3)
-and an L3 file at PATH holds the rest: cold blocks past L2 live in L3, and every step reads
-their layers back while it runs (docs/offload.md "Cold blocks in L3").
+--l3 PATH: the tiered run's L2 gets only --l2-slots slots (two of them staging for L3) and an
+L3 file at PATH holds the rest: cold blocks past L2 live in L3, and every step reads their
+layers back while it runs (docs/offload.md "Cold blocks in L3"; on CUDA those steps are eager,
+so compare with K25_DISABLE_CUDA_GRAPHS=1 for the same greedy tokens in bf16).
 
 --device cuda: L1 is device memory and L2 pinned host memory, which the attention kernels
 read in place over the bus (cold blocks on CUDA, docs/offload.md); decode steps run as CUDA
@@ -138,7 +139,7 @@ def main():
     ap.add_argument("--sparse", action="store_true", help="dynamic sparsity on in both runs")
     ap.add_argument("--max-moves", type=int, nargs="*", default=[2],
                     help="predictor_max_moves of the tiered run(s): one tiered run per value (0: demotion order only)")
-    ap.add_argument("--l3", help="an L3 file for the tiered run (CPU): cold blocks past --l2-slots go there")
+    ap.add_argument("--l3", help="an L3 file for the tiered run: cold blocks past --l2-slots go there")
     ap.add_argument("--l2-slots", type=int, default=8, help="with --l3: the tiered run's L2 slots")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on CUDA")

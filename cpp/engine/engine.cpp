@@ -81,14 +81,15 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
           record_kv_event(id, blocks, reason.c_str(), true);
         },
         [this](TierConfig* tc) { return executor_->configure_tiers(tc); },
-        executor_->supports_cold_blocks() ? executor_->cold_l3_slices() : 0);
+        executor_->cold_l3_slices());  // (used only if supports_cold_blocks(), known once the tiers exist)
     if (executor_->supports_cold_blocks()) {
       // A sequence longer than L1 keeps running with some of its blocks in L2 (use (a) of
       // the tiers, docs/offload.md).
       KVSwap* swap = swap_.get();
       scheduler_->set_cold_room([swap](int32_t want) { return swap->cold_room(want); });
       // Promotions copy up from L2 only: a cold block in L3 stays there.
-      if (swap_->l3_cold()) scheduler_->set_cold_promotable([swap](uint64_t key) { return swap->cold_l2_data(key) != nullptr; });
+      cold_l3_ = swap_->l3_cold();
+      if (cold_l3_) scheduler_->set_cold_promotable([swap](uint64_t key) { return swap->cold_l2_data(key) != nullptr; });
       max_seq_blocks_ = swap_->max_sequence_blocks();
       PredictorConfig pc;
       pc.decay = config_.predictor_decay;
@@ -190,7 +191,7 @@ std::unique_ptr<Sequence> Engine::make_sequence(RequestSpec spec) const {
   const int64_t max_total = std::min<int64_t>(P + p.max_new_tokens, config_.max_seq_len);
   const int32_t blocks = blocks_for_tokens(max_total, config_.block_size);
   if (blocks > max_seq_blocks_) {
-    const bool l3 = swap_ && swap_->l3_cold();
+    const bool l3 = cold_l3_;
     const std::string room = max_seq_blocks_ > config_.num_kv_blocks
                                  ? (l3 ? "the KV pool, L2 and L3 hold " : "the KV pool and L2 hold ") + std::to_string(max_seq_blocks_)
                                  : "the KV pool holds " + std::to_string(config_.num_kv_blocks);
@@ -539,7 +540,8 @@ void Engine::gauges_locked() {
 // runs steps in order, so a later step that reuses them runs after it).
 bool Engine::can_pipeline() const {
   if (!pipeline_ || !executor_->supports_async()) return false;
-  if (swap_ && swap_->l3_cold()) return false;  // a step's L3 reads run inside execute()
+  // A step's cold reads from L3 run inside execute(), layer by layer.
+  if (cold_l3_ && swap_->l3_cold_in_use(scheduler_->running())) return false;
   const std::vector<Sequence*>& run = scheduler_->running();
   if (static_cast<int32_t>(run.size()) > executor_->max_async_batch()) return false;
   for (const Sequence* s : run) {
@@ -756,7 +758,7 @@ void Engine::step() {
         row[b] = cold_block_id(j);
         const uint64_t key = seq->cold_keys.at(b);
         const void* data = swap_->cold_l2_data(key);
-        if (!data && !swap_->l3_cold()) fail(ErrorCode::kInternal, "cold block " + std::to_string(key) + " is not in L2");
+        if (!data && !cold_l3_) fail(ErrorCode::kInternal, "cold block " + std::to_string(key) + " is not in L2");
         if (!data) {
           cold_l3.emplace_back(j, key);
           cold_l3_seq.emplace_back(i, static_cast<int32_t>(b));
@@ -779,7 +781,9 @@ void Engine::step() {
   std::unique_ptr<ColdL3Reads> l3_reads;
   if (!cold_l3.empty()) {
     if (pipelined) fail(ErrorCode::kInternal, "a pipelined step with cold blocks in L3");
-    l3_reads = swap_->read_cold_l3(meta.cold_blocks, cold_l3);
+    std::function<ColdStage(int64_t)> stage;
+    if (executor_->stages_cold_blocks()) stage = [this](int64_t bytes) { return executor_->cold_stage(bytes); };
+    l3_reads = swap_->read_cold_l3(meta.cold_blocks, cold_l3, stage);
     meta.cold_layers = l3_reads.get();
   }
 

@@ -21,10 +21,29 @@ struct TierConfig;
 // waits for layer l's reads and returns the cold-block list for that layer (an L3 entry's
 // pointer is then good for layer l's K and V only, until the next call), and starts the
 // next layer's reads.
+//
+// On CUDA the kernels read every cold block of a step from one staging region per layer
+// instead (layer_region): entry j of the cold list, in L2 or L3, is copied or read into it,
+// and `device` is placed so that entry j's layer-l bytes lie at device + j * stride plus
+// layer l's offset in a block (the kernels' own arithmetic). Before asking for layer l the
+// caller makes sure the device is done reading layer l - 1's region, which is refilled.
 class ColdLayerSource {
  public:
+  struct Region {
+    const void* device = nullptr;
+    int64_t stride = 0;  // bytes between entries
+    int32_t count = 0;
+  };
   virtual ~ColdLayerSource() = default;
   virtual const void* const* layer(int32_t layer) = 0;
+  virtual Region layer_region(int32_t layer) = 0;
+};
+
+// Two staging buffers for ColdLayerSource::layer_region: pinned host memory the device can
+// address (host and device pointers of each). Empty: none (the CPU backend).
+struct ColdStage {
+  uint8_t* host[2] = {nullptr, nullptr};
+  const void* device[2] = {nullptr, nullptr};
 };
 
 struct BatchMeta {
@@ -134,6 +153,15 @@ class ModelExecutor {
   // Cold blocks in L3 as well (read layer by layer through BatchMeta::cold_layers): how many
   // equal slices a block has, one per layer; 0 where the executor cannot (CUDA).
   virtual int32_t cold_l3_slices() const { return 0; }
+  // Staging buffers of at least `bytes` each for a step's cold blocks (CUDA; valid until the
+  // next call, which may only come once the device is done with the step that used them).
+  // Whether steps with cold blocks in L3 read them through cold_stage's buffers
+  // (ColdLayerSource::layer_region) rather than by host pointer (layer).
+  virtual bool stages_cold_blocks() const { return false; }
+  virtual ColdStage cold_stage(int64_t bytes) {
+    (void)bytes;
+    return {};
+  }
   // After execute(meta, ...): which blocks that step's decode rows' attention read
   // (BlockReads; prompt chunks read every block and are left empty); false when this
   // executor does not report it.

@@ -48,7 +48,7 @@ KVSwap::KVSwap(const EngineConfig& config, void* l1_base, int64_t block_bytes, S
 }
 
 ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std::vector<Entry> entries,
-                         int32_t num_layers)
+                         int32_t num_layers, const std::function<ColdStage(int64_t bytes)>& stage)
     : tiers_(tiers),
       list_(std::move(list)),
       entries_(std::move(entries)),
@@ -59,10 +59,22 @@ ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std:
   // Room for the widest aligned span of a slice (TierManager::l3_slice_span).
   constexpr int64_t kAlign = 4096;
   stride_ = (slice_bytes_ + kAlign - 1) / kAlign * kAlign + kAlign;
-  const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, static_cast<int64_t>(entries_.size())) * stride_);
-  for (uint8_t*& b : buf_) {
-    b = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
-    if (!b) fail(ErrorCode::kResourceExhausted, "no memory for cold L3 read buffers");
+  // Staged: a slot per entry of the whole list (position j), else per L3 entry.
+  const size_t slots = stage ? list_.size() : entries_.size();
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, static_cast<int64_t>(slots)) * stride_);
+  if (stage) {
+    stage_ = stage(static_cast<int64_t>(bytes));
+    if (!stage_.host[0] || !stage_.host[1] || !stage_.device[0] || !stage_.device[1]) {
+      fail(ErrorCode::kResourceExhausted, "no staging memory for cold blocks in L3");
+    }
+    staged_ = true;
+    buf_[0] = stage_.host[0];
+    buf_[1] = stage_.host[1];
+  } else {
+    for (uint8_t*& b : buf_) {
+      b = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
+      if (!b) fail(ErrorCode::kResourceExhausted, "no memory for cold L3 read buffers");
+    }
   }
   zeros_ = static_cast<uint8_t*>(std::calloc(1, static_cast<size_t>(slice_bytes_)));
   if (!zeros_) fail(ErrorCode::kResourceExhausted, "no memory for cold L3 read buffers");
@@ -72,9 +84,16 @@ ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std:
 ColdL3Reads::~ColdL3Reads() {
   wait_idle(0);
   wait_idle(1);
-  std::free(buf_[0]);
-  std::free(buf_[1]);
+  if (!staged_) {
+    std::free(buf_[0]);
+    std::free(buf_[1]);
+  }
   std::free(zeros_);
+}
+
+uint8_t* ColdL3Reads::slot(int b, size_t e) const {
+  const size_t at = staged_ ? static_cast<size_t>(entries_[e].list_index) : e;
+  return buf_[b] + static_cast<int64_t>(at) * stride_;
 }
 
 void ColdL3Reads::wait_idle(int b) {
@@ -87,13 +106,28 @@ void ColdL3Reads::issue(int32_t layer) {
   wait_idle(b);  // its last layer's reads (done already: that layer was asked for)
   buf_layer_[b] = layer;
   const TierManager::SliceSpan sp = tiers_->l3_slice_span(layer);
+  if (staged_) {
+    // The L2 entries: their layer slice copied by the host, where an L3 read would put it.
+    std::vector<bool> in_l3(list_.size(), false);
+    for (const Entry& en : entries_) in_l3[static_cast<size_t>(en.list_index)] = true;
+    for (size_t j = 0; j < list_.size(); ++j) {
+      if (in_l3[j]) continue;
+      if (!list_[j]) fail(ErrorCode::kInternal, "a staged cold entry without its bytes");
+      std::memcpy(buf_[b] + static_cast<int64_t>(j) * stride_ + sp.data_offset,
+                  static_cast<const uint8_t*>(list_[j]) + static_cast<int64_t>(layer) * slice_bytes_,
+                  static_cast<size_t>(slice_bytes_));
+    }
+  }
   for (size_t e = 0; e < entries_.size(); ++e) {
+    uint8_t* dst = slot(b, e);
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (!failed_[e].empty()) continue;  // one bad slice spoils the block for this step
+      if (!failed_[e].empty()) {  // one bad slice spoils the block for this step
+        if (staged_) std::memset(dst, 0, static_cast<size_t>(sp.bytes));
+        continue;
+      }
       ++pending_[b];
     }
-    uint8_t* dst = buf_[b] + static_cast<int64_t>(e) * stride_;
     try {
       tiers_->read_l3_slice(entries_[e].key, layer, dst, [this, b, e, dst, sp](const TierResult& r) {
         std::lock_guard<std::mutex> lk(mu_);
@@ -112,19 +146,37 @@ void ColdL3Reads::issue(int32_t layer) {
   }
 }
 
-const void* const* ColdL3Reads::layer(int32_t layer) {
+int ColdL3Reads::ready(int32_t layer) {
   if (layer < 0 || layer >= num_layers_) fail(ErrorCode::kInternal, "cold L3 reads: no such layer");
   const int b = layer % 2;
   if (buf_layer_[b] != layer) issue(layer);
   wait_idle(b);
   if (layer + 1 < num_layers_) issue(layer + 1);  // the other buffer: the layer before is done with
+  return b;
+}
+
+ColdLayerSource::Region ColdL3Reads::layer_region(int32_t layer) {
+  if (!staged_) fail(ErrorCode::kInternal, "cold L3 reads: layer_region without staging buffers");
+  const int b = ready(layer);
+  // Entry j's slice lies at buffer + j * stride_ + data_offset; the kernels add layer * slice.
+  const int64_t shift = tiers_->l3_slice_span(layer).data_offset - static_cast<int64_t>(layer) * slice_bytes_;
+  Region r;
+  r.device = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(stage_.device[b]) + static_cast<uintptr_t>(shift));
+  r.stride = stride_;
+  r.count = static_cast<int32_t>(list_.size());
+  return r;
+}
+
+const void* const* ColdL3Reads::layer(int32_t layer) {
+  if (staged_) fail(ErrorCode::kInternal, "cold L3 reads: staged reads are read through layer_region");
+  const int b = ready(layer);
   // Each entry's pointer, placed so that the kernels' offset of this layer (KVLayout::
   // k_in_block) lands on the slice read for it.
   const int64_t back = static_cast<int64_t>(layer) * slice_bytes_;
   const int64_t data = tiers_->l3_slice_span(layer).data_offset;
   std::lock_guard<std::mutex> lk(mu_);
   for (size_t e = 0; e < entries_.size(); ++e) {
-    const uint8_t* at = failed_[e].empty() ? buf_[b] + static_cast<int64_t>(e) * stride_ + data : zeros_;
+    const uint8_t* at = failed_[e].empty() ? slot(b, e) + data : zeros_;
     list_[static_cast<size_t>(entries_[e].list_index)] =
         reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(at) - static_cast<uintptr_t>(back));
   }
@@ -142,15 +194,33 @@ std::vector<std::pair<size_t, std::string>> ColdL3Reads::finish() {
   return out;
 }
 
+bool KVSwap::l3_cold_in_use(const std::vector<Sequence*>& running) const {
+  if (!l3_cold_) return false;
+  // A step demotes at most one block of a sequence for its next token, plus one for each of
+  // its exchanges (predictor_max_moves): while L2 has room for all of them, none goes to L3.
+  const int64_t demotes = static_cast<int64_t>(running.size()) * (1 + std::max(0, config_.predictor_max_moves));
+  if (tiers_->l2_room() < demotes) return true;
+  for (const Sequence* s : running) {
+    if (s->num_cold == 0) continue;
+    for (uint64_t k : s->cold_keys) {
+      if (k != 0 && !cold_l2_data(k)) return true;
+    }
+  }
+  return false;
+}
+
 std::unique_ptr<ColdL3Reads> KVSwap::read_cold_l3(const std::vector<const void*>& list,
-                                                  const std::vector<std::pair<int32_t, uint64_t>>& entries) const {
+                                                  const std::vector<std::pair<int32_t, uint64_t>>& entries,
+                                                  const std::function<ColdStage(int64_t bytes)>& stage) {
   if (!l3_cold_) fail(ErrorCode::kInternal, "cold blocks in L3 without L3 cold support");
+  // Staged, the host copies the L2 entries: this step's demotes must have landed there.
+  if (stage) settle_cold_demotes();
   std::vector<ColdL3Reads::Entry> es;
   for (const auto& [j, key] : entries) {
     auto it = cold_lost_.find(key);
     es.push_back({j, key, it == cold_lost_.end() ? std::string() : it->second});
   }
-  return std::make_unique<ColdL3Reads>(tiers_.get(), list, std::move(es), l3_slices_);
+  return std::make_unique<ColdL3Reads>(tiers_.get(), list, std::move(es), l3_slices_, stage);
 }
 
 void KVSwap::free_cold_key(uint64_t key) {
@@ -284,7 +354,13 @@ void KVSwap::demote_cold(const StepPlan& plan) {
   // a host wait here would put the whole completion path (host function, worker thread,
   // wake-up) in front of this step. Elsewhere, wait until they are there.
   BlockCopier* copier = tiers_->copier();
-  if (copier != nullptr && copier->order_compute_after_copies()) {
+  // A block that went to L3 is read back from the file by this step: its write must be done.
+  bool to_l3 = false;
+  for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
+    const std::optional<TierEntry> e = tiers_->map().entry(d.seq->cold_keys.at(static_cast<size_t>(d.index)));
+    to_l3 = to_l3 || (e && e->via == Tier::kL3);
+  }
+  if (copier != nullptr && copier->order_compute_after_copies() && !to_l3) {
     unsettled_ = copies;
     return;
   }

@@ -74,11 +74,15 @@ class ColdL3Reads : public ColdLayerSource {
     uint64_t key;
     std::string lost;    // not empty: the copy is gone already (why), nothing to read
   };
-  ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std::vector<Entry> entries, int32_t num_layers);
+  // stage: null, or where the staging buffers come from (ColdStage; then every entry of
+  // `list`, L2 ones copied by the host, goes through them: layer_region).
+  ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std::vector<Entry> entries, int32_t num_layers,
+              const std::function<ColdStage(int64_t bytes)>& stage = {});
   ~ColdL3Reads() override;  // waits for the reads in flight
   ColdL3Reads(const ColdL3Reads&) = delete;
   ColdL3Reads& operator=(const ColdL3Reads&) = delete;
   const void* const* layer(int32_t layer) override;
+  Region layer_region(int32_t layer) override;
   // Waits for the reads in flight. The entries whose bytes could not be had (index into
   // the entries, and why: the fault's evict_reason); the step read zeros in their place.
   std::vector<std::pair<size_t, std::string>> finish();
@@ -86,6 +90,9 @@ class ColdL3Reads : public ColdLayerSource {
  private:
   void issue(int32_t layer);
   void wait_idle(int b);
+  // Waits for `layer`'s reads (issuing them first if need be), then starts the next layer's.
+  int ready(int32_t layer);
+  uint8_t* slot(int b, size_t e) const;
 
   TierManager* tiers_;
   std::vector<const void*> list_;
@@ -93,6 +100,8 @@ class ColdL3Reads : public ColdLayerSource {
   int32_t num_layers_;
   int64_t slice_bytes_, stride_;  // stride_: one entry's room in a buffer
   uint8_t* buf_[2] = {nullptr, nullptr};
+  ColdStage stage_;               // staged: buf_ are its host buffers (not owned)
+  bool staged_ = false;
   uint8_t* zeros_ = nullptr;      // a slice of zeros, for entries without bytes
   int32_t buf_layer_[2] = {-1, -1};
   std::mutex mu_;
@@ -151,8 +160,13 @@ class KVSwap {
   bool l3_cold() const { return l3_cold_; }
   // The step's reads of its cold blocks in L3: entries (index in `list`, key). `list` is
   // BatchMeta::cold_blocks (the L3 entries null).
+  // With `stage` (CUDA), every cold entry goes through its buffers (ColdL3Reads).
   std::unique_ptr<ColdL3Reads> read_cold_l3(const std::vector<const void*>& list,
-                                            const std::vector<std::pair<int32_t, uint64_t>>& entries) const;
+                                            const std::vector<std::pair<int32_t, uint64_t>>& entries,
+                                            const std::function<ColdStage(int64_t bytes)>& stage = {});
+  // Whether a step now could read (or, demoting, put) a cold block in L3: some running
+  // sequence has one there, or L2 has fewer free slots than the step could demote.
+  bool l3_cold_in_use(const std::vector<Sequence*>& running) const;
   // Frees cold copies the engine took from a sequence (Scheduler::recompute).
   void free_cold_keys(const std::vector<uint64_t>& keys);
   // The most blocks one sequence may have: L1's and L2's resident slots, and L3's pages

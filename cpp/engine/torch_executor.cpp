@@ -231,6 +231,7 @@ class TorchExecutor : public ModelExecutor {
   ~TorchExecutor() override {
     // Steps launched without waiting may still be writing the KV pool and staging buffers.
     if (stream_) stream_->synchronize();
+    release_stage();
   }
 #endif
 
@@ -379,8 +380,43 @@ class TorchExecutor : public ModelExecutor {
   // On CUDA (the L2 pool mapped), the device kernels read them in place over the bus, and the
   // device selection finds their summaries in rows past the pool's (keep_cold_summaries).
   bool supports_cold_blocks() const override { return fused_ && (kv_.is_cpu() || cold_->device != nullptr); }
-  // The CPU fused kernels read an L3 block's layer from a buffer the ColdLayerSource filled.
-  int32_t cold_l3_slices() const override { return fused_ && kv_.is_cpu() ? layout_.num_layers : 0; }
+  // The CPU fused kernels read an L3 block's layer from a buffer the ColdLayerSource filled;
+  // on CUDA every cold block of such a step is staged a layer at a time in mapped pinned
+  // memory (cold_stage). Not with the device selection, which ranks cold blocks by summary
+  // rows it keeps per L2 slot.
+  int32_t cold_l3_slices() const override { return fused_ && (kv_.is_cpu() || !sparse_) ? layout_.num_layers : 0; }
+  bool stages_cold_blocks() const override { return kv_.is_cuda(); }
+  ColdStage cold_stage(int64_t bytes) override {
+    ColdStage st;
+#ifdef K25_WITH_CUDA
+    if (!kv_.is_cuda()) return st;
+    // The last step that read these buffers may still be running (a step that samples
+    // nothing is not waited for).
+    c10::cuda::CUDAGuard guard(kv_.device());
+    engine_stream().synchronize();
+    if (bytes > stage_bytes_) {
+      const int64_t want = std::max<int64_t>(bytes, 2 * stage_bytes_);
+      release_stage();
+      HostAllocator pinned = cuda_glue::pinned_allocator();
+      stage_bytes_ = want;  // (what release_stage gives back)
+      for (int i = 0; i < 2; ++i) {
+        stage_host_[i] = static_cast<uint8_t*>(pinned.allocate(static_cast<size_t>(want)));
+        stage_dev_[i] = stage_host_[i] ? cuda_glue::device_address(stage_host_[i]) : nullptr;
+        if (!stage_dev_[i]) {
+          release_stage();
+          return st;  // ColdL3Reads reports it
+        }
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      st.host[i] = stage_host_[i];
+      st.device[i] = stage_dev_[i];
+    }
+#else
+    (void)bytes;
+#endif
+    return st;
+  }
   bool block_reads(const BatchMeta& meta, BlockReads* out) const override {
 #ifdef K25_WITH_CUDA
     if (sparse_) return reads_counted(meta, sparse_->scratch.host_reads, out);
@@ -742,7 +778,9 @@ class TorchExecutor : public ModelExecutor {
 
   bool graph_eligible(const BatchMeta& meta, const std::vector<LogitsCopy>& copies) const {
     // Cold blocks: the graphs' batches carry the L2 pool (graph_for), when there is one.
+    // Cold blocks in L3 are read layer by layer on the host, between the layers' kernels: eager.
     return meta.is_decode_only() && copies.empty() && (meta.cold_blocks.empty() || cold_->device != nullptr) &&
+           meta.cold_layers == nullptr &&
            meta.num_seqs() <= kBuckets[7] &&
            meta.max_blocks_per_seq <= graph_blocks() &&
            static_cast<int32_t>(meta.logits_rows.size()) == meta.num_seqs();
@@ -976,6 +1014,21 @@ class TorchExecutor : public ModelExecutor {
   const LlamaModel* model_;
   // Where cold blocks lie for the CUDA kernels: the L2 pool's allocation (configure_tiers).
   std::shared_ptr<ColdRegion> cold_ = std::make_shared<ColdRegion>();
+  // Staging for steps with cold blocks in L3 (cold_stage): two pinned, mapped buffers.
+  uint8_t* stage_host_[2] = {nullptr, nullptr};
+  const void* stage_dev_[2] = {nullptr, nullptr};
+  int64_t stage_bytes_ = 0;
+  void release_stage() {
+#ifdef K25_WITH_CUDA
+    HostAllocator pinned = cuda_glue::pinned_allocator();
+    for (int i = 0; i < 2; ++i) {
+      if (stage_host_[i]) pinned.release(stage_host_[i], static_cast<size_t>(stage_bytes_));
+      stage_host_[i] = nullptr;
+      stage_dev_[i] = nullptr;
+    }
+#endif
+    stage_bytes_ = 0;
+  }
   bool fused_;
   int32_t num_blocks_ = 0;
   KVLayout layout_;

@@ -715,4 +715,40 @@ void argmax_rows_into(const at::Tensor& logits, at::Tensor& out) {
   check_launch("argmax_rows");
 }
 
+HostFence::HostFence() {
+  for (void*& e : ev_) {
+    cudaEvent_t ev = nullptr;
+    if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+      (void)cudaGetLastError();
+      for (void* made : ev_) {
+        if (made) (void)cudaEventDestroy(static_cast<cudaEvent_t>(made));
+      }
+      fail(ErrorCode::kInternal, "HostFence: cudaEventCreate failed");
+    }
+    e = ev;
+  }
+}
+
+HostFence::~HostFence() {
+  for (void* e : ev_) {
+    if (e) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  }
+}
+
+void HostFence::record(int i) {
+  if (cudaEventRecord(static_cast<cudaEvent_t>(ev_[i]), stream()) != cudaSuccess) {
+    (void)cudaGetLastError();
+    fail(ErrorCode::kInternal, "HostFence: cudaEventRecord failed");
+  }
+  recorded_[i] = true;
+}
+
+void HostFence::wait(int i) {
+  if (!recorded_[i]) return;
+  if (cudaEventSynchronize(static_cast<cudaEvent_t>(ev_[i])) != cudaSuccess) {
+    (void)cudaGetLastError();
+    fail(ErrorCode::kInternal, "HostFence: cudaEventSynchronize failed");
+  }
+}
+
 }  // namespace k25::cuda_glue

@@ -182,4 +182,21 @@ void argmax_rows_into(const at::Tensor& logits, at::Tensor& out);  // out: int32
 // an id outside [0, vocab) becomes 0).
 void take_previous_ids(at::Tensor& ids, const at::Tensor& prev_rows, const at::Tensor& last_ids, int32_t vocab);
 
+// Two events on the current stream, for a host that refills a buffer the device reads: the
+// host records one after the kernels that read buffer i and waits on it before refilling i
+// (cold blocks in L3 staged a layer at a time). Throws kInternal when an event call fails.
+class HostFence {
+ public:
+  HostFence();
+  ~HostFence();
+  HostFence(const HostFence&) = delete;
+  HostFence& operator=(const HostFence&) = delete;
+  void record(int i);
+  void wait(int i);  // no-op before the first record(i)
+
+ private:
+  void* ev_[2] = {nullptr, nullptr};
+  bool recorded_[2] = {false, false};
+};
+
 }  // namespace k25::cuda_glue

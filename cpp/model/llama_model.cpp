@@ -200,8 +200,12 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
     }
     ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_blocks.data());
     ab.cold_summaries = sparse ? meta.cold_summaries.data() : nullptr;
-    if (cuda) cold_tables = cold_slot_tables(meta, cold);
-    if (cuda && meta.cold_layers) fail(ErrorCode::kUnsupported, "cold KV blocks in L3 are read by the CPU backend only");
+    // Staged (cold blocks in L3 on CUDA): the tables keep entry ids, and each layer's launch
+    // gets that layer's staging region as its cold pool (below).
+    if (cuda && !meta.cold_layers) cold_tables = cold_slot_tables(meta, cold);
+    if (cuda && meta.cold_layers && (sparse || prepared)) {
+      fail(ErrorCode::kUnsupported, "cold KV blocks in L3 on CUDA: eager steps without dynamic sparsity only");
+    }
   }
 #ifdef K25_WITH_CUDA
   cuda_glue::DeviceBatch db;
@@ -231,6 +235,8 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   }
   // The step's block reads, counted by the selections of every layer (SparseScratch::reads).
   if (sparse && cuda && sparse->scratch.reads.defined()) sparse->scratch.reads.zero_();
+  std::unique_ptr<cuda_glue::HostFence> fence;
+  if (cuda && meta.cold_layers) fence = std::make_unique<cuda_glue::HostFence>();
 #endif
 
   // The fused kernels of this device.
@@ -259,6 +265,13 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
 #ifdef K25_WITH_CUDA
       cuda_glue::rope_write_kv(qkv, positions, slots, Hq, rope_cos_, rope_sin_, kv, layout, l);
       if (sparse) cuda_glue::update_block_summaries(kv, layout, l, sparse->device_summaries, db);
+      if (meta.cold_layers) {
+        // The device is done with layer l - 1's staging buffer before it is refilled (with
+        // layer l + 1's slices, while this layer runs).
+        if (l > 0) fence->wait((l - 1) % 2);
+        const ColdLayerSource::Region r = meta.cold_layers->layer_region(l);
+        db.cold = {r.device, r.stride, r.count};
+      }
       if (sparse && window == 0) {
         const cuda_glue::DeviceBatch kept = cuda_glue::select_blocks(
             qkv, layout, l, sparse->device_summaries, kv.numel() / layout.block_elems(), db, Hq, scale,
@@ -267,6 +280,7 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
       } else {
         cuda_glue::paged_attention(qkv, attn, kv, layout, l, db, Hq, scale, window);
       }
+      if (meta.cold_layers) fence->record(l % 2);
 #endif
     } else if (fused) {
       cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,

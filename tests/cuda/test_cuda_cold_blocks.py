@@ -10,7 +10,7 @@ selection ranks cold blocks by the summaries they took to L2.
 """
 import pytest
 
-from k25 import K25Config, K25Model, _C
+from k25 import K25Config, K25Model, _C, errors
 
 from oracles import write_random_checkpoint
 from test_cuda_model import BF16_NEAR_TIE, prompt_for
@@ -179,3 +179,43 @@ def test_the_next_request_after_a_cold_run_starts_cleanly(model_dir):
     assert second.token_ids == first.token_ids
     assert demotes >= need - 12 and s["cold_demotes"] >= 2 * (need - 12)
     assert s["requests_failed"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_with_a_small_l2_cold_blocks_go_to_l3_and_each_step_stages_them_a_layer_at_a_time(model_dir, dtype,
+                                                                                          tmp_path):
+    """L2 of 4 slots (2 of them staging for L3): most cold blocks go to the L3 file. A step with
+    cold blocks in L3 runs eagerly: before each layer's attention the host has read that
+    layer's slice of every L3 block (and copied every L2 one) into mapped pinned memory, and
+    the kernels read the blocks there; tokens as the all-resident run's. Without L3 the same
+    request is refused, and with dynamic sparsity (whose device selection keeps summary rows
+    per L2 slot) cold blocks stay in L2."""
+    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, dtype)))
+    try:
+        prompt = prompt_for(m0, PROMPT, seed=12)
+    finally:
+        m0.close()
+    (want,), per_block = reference(model_dir, dtype, [prompt])
+    need = -(-(PROMPT + NEW_TOKENS) // BLOCK)  # 39 blocks
+    page = _C.kv_page_bytes(per_block)
+    l3 = dict(l3_path=str(tmp_path / "l3.bin"), l3_bytes=need * page)
+    m = small_l1(model_dir, dtype, per_block, l1_blocks=12, l2_slots=4, **l3)
+    try:
+        got = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)[0]
+        s = m.stats()
+        tiers = m.tier_stats()
+    finally:
+        m.close()
+    same_tokens(got, want, dtype)
+    assert s["preemptions"] == 0 and s["prefill_tokens"] == PROMPT
+    assert tiers["offloads_to_l3"] >= need - 12 - 2
+    assert tiers["l3_slice_reads"] >= tiers["offloads_to_l3"] and tiers["failures"] == 0
+    assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
+    for kw, match in ((dict(), "the KV pool and L2 hold 16 blocks"),
+                      (dict(l3, enable_dynamic_sparsity=True, sparsity_min_context=256), "the KV pool and L2 hold 14")):
+        m = small_l1(model_dir, dtype, per_block, l1_blocks=12, l2_slots=4, **kw)
+        try:
+            with pytest.raises(errors.ResourceExhaustedError, match=match):
+                m.generate([prompt], max_new_tokens=NEW_TOKENS)
+        finally:
+            m.close()

@@ -169,3 +169,18 @@ def test_a_disk_that_keeps_failing_ends_the_request_with_a_clear_error(default_m
     assert "L3 failed 4 times for this request (no_space)" in error
     assert int(events) == 4 and int(faults) >= 4
     assert short_reason == "length" and int(short_len) == 4
+
+
+def test_decode_is_pipelined_only_while_no_cold_block_is_in_l3(default_model, prompts, reference, tmp_path):
+    # Pipelined decode (K25_ASYNC_SCHEDULING=1: the CPU executor emulates the launches) and an
+    # L3 configured for cold blocks: a step that reads (or could demote to) L3 runs inside
+    # execute(), so with most cold blocks in L3 no decode step is pipelined; with L2 room for
+    # every cold block the same L3 configuration pipelines them all.
+    from test_cold_blocks import pipelined
+    outs, s, tiers, _ = run(pipelined(lambda: with_l3(default_model, tmp_path)), [prompts[0]])
+    assert outs[0].token_ids == reference[0]
+    assert tiers["l3_slice_reads"] > 0 and s["pipelined_steps"] == 0
+    outs, s, tiers, _ = run(pipelined(lambda: with_l3(default_model, tmp_path, l2_slots=40)), [prompts[0]])
+    assert outs[0].token_ids == reference[0]
+    assert tiers["l3_slice_reads"] == 0 and s["cold_demotes"] >= 27
+    assert s["pipelined_steps"] == NEW_TOKENS - 1

@@ -197,7 +197,8 @@ class Engine {
   std::vector<int32_t> eos_token_ids_;
   size_t max_stop_len_cap_ = 0;
   int32_t vocab_size_ = 0;
-  int32_t max_seq_blocks_ = 0;  // most KV blocks one request may need (L1, plus L2 with cold blocks)
+  int32_t max_seq_blocks_ = 0;  // most KV blocks one request may need (L1, plus L2 (and L3) with cold blocks)
+  bool cold_l3_ = false;        // cold blocks may go to L3 (KVSwap::l3_cold, with cold blocks on)
 
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<Scheduler> scheduler_;
