@@ -648,7 +648,7 @@ void Engine::step() {
     // Device-side summaries of the blocks that just went cold (their L2 slots are known now).
     for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
       const uint64_t key = d.seq->cold_keys.at(static_cast<size_t>(d.index));
-      const void* data = key != 0 ? swap_->cold_l2_data(key) : nullptr;  // (never in L3 on CUDA)
+      const void* data = key != 0 ? swap_->cold_l2_data(key) : nullptr;  // (L3 ones: no device summaries)
       if (data) executor_->keep_cold_summaries(d.block, data);
     }
   }
@@ -783,7 +783,12 @@ void Engine::step() {
     if (pipelined) fail(ErrorCode::kInternal, "a pipelined step with cold blocks in L3");
     std::function<ColdStage(int64_t)> stage;
     if (executor_->stages_cold_blocks()) stage = [this](int64_t bytes) { return executor_->cold_stage(bytes); };
-    l3_reads = swap_->read_cold_l3(meta.cold_blocks, cold_l3, stage);
+    try {
+      l3_reads = swap_->read_cold_l3(meta.cold_blocks, cold_l3, stage);
+    } catch (const std::exception& e) {  // e.g. no memory for the buffers: this step's requests fail
+      if (in_flight_) collect_in_flight();
+      return fail_step(seqs, std::string("model step failed: ") + e.what());
+    }
     meta.cold_layers = l3_reads.get();
   }
 
@@ -817,7 +822,9 @@ void Engine::step() {
       executor_->execute(meta, samples, &results, copies);
       if (results.size() != samples.size()) fail(ErrorCode::kInternal, "executor returned wrong result count");
     } catch (const std::exception& e) {
-      // The step's sequences fail; the engine and every other request carry on.
+      // The step's sequences fail; the engine and every other request carry on. The L3 reads
+      // still in flight end first: failing frees the keys they read.
+      l3_reads.reset();
       return fail_step(seqs, std::string("model step failed: ") + e.what());
     }
     const double t_done = now_s();
@@ -842,7 +849,9 @@ void Engine::step() {
         s.seq->prefill_time_s += t_done - t0;
       }
     }
-    scheduler_->complete_step(plan);
+    // Before complete_step: a spoiled step's blocks must not count as computed (nor be offered
+    // to the prefix cache: their KV derives from the zeros read in place of the bad block).
+    std::vector<int64_t> failed_ids;  // released after complete_step, which still walks the plan
     for (size_t i = 0; i < seqs.size(); ++i) {
       if (!spoiled[i]) continue;
       Sequence* seq = seqs[i];
@@ -854,7 +863,7 @@ void Engine::step() {
         finish(seq, static_cast<int>(FinishReason::kError),
                "KV cache tier L3 failed " + std::to_string(seq->cold_tier_faults) + " times for this request (" +
                    spoiled_why[i] + ")", &outs);
-        scheduler_->release(seq->id);
+        failed_ids.push_back(seq->id);
         ++counts.failed;
         continue;
       }
@@ -864,6 +873,8 @@ void Engine::step() {
       swap_->free_cold_keys(keys);
       record_kv_event(seq->id, blocks, spoiled_why[i].c_str(), true);
     }
+    scheduler_->complete_step(plan);  // skips the sequences above (no longer running)
+    for (int64_t id : failed_ids) scheduler_->release(id);
     process_samples(rec, seqs, results, t_done, &outs, &counts);
   }
   const double t1 = now_s();

@@ -71,13 +71,17 @@ ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std:
     buf_[0] = stage_.host[0];
     buf_[1] = stage_.host[1];
   } else {
-    for (uint8_t*& b : buf_) {
-      b = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
-      if (!b) fail(ErrorCode::kResourceExhausted, "no memory for cold L3 read buffers");
-    }
+    for (uint8_t*& b : buf_) b = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
   }
   zeros_ = static_cast<uint8_t*>(std::calloc(1, static_cast<size_t>(slice_bytes_)));
-  if (!zeros_) fail(ErrorCode::kResourceExhausted, "no memory for cold L3 read buffers");
+  if (!buf_[0] || !buf_[1] || !zeros_) {
+    if (!staged_) {
+      std::free(buf_[0]);
+      std::free(buf_[1]);
+    }
+    std::free(zeros_);
+    fail(ErrorCode::kResourceExhausted, "no memory for cold L3 read buffers");
+  }
   for (size_t e = 0; e < entries_.size(); ++e) failed_[e] = entries_[e].lost;
 }
 

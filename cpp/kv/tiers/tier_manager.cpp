@@ -133,6 +133,11 @@ void TierManager::complete(const TierMove& mv, TierOp op, TierFault fault, const
                            Clock::time_point t0, const TierCallback& done) {
   const bool ok = fault == TierFault::kNone;
   const TierFinish f = map_.finish(mv.key, ok);
+  if (f.cancelled && config_.l3_slices > 0) {
+    // Freed in flight: free() has run, and a write may have added slice checksums since.
+    std::lock_guard<std::mutex> lk(mu_);
+    slice_crcs_.erase(mv.key);
+  }
   TierResult r;
   r.key = mv.key;
   r.op = op;
