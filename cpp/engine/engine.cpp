@@ -191,14 +191,13 @@ std::unique_ptr<Sequence> Engine::make_sequence(RequestSpec spec) const {
   const int64_t max_total = std::min<int64_t>(P + p.max_new_tokens, config_.max_seq_len);
   const int32_t blocks = blocks_for_tokens(max_total, config_.block_size);
   if (blocks > max_seq_blocks_) {
-    const bool l3 = cold_l3_;
     const std::string room = max_seq_blocks_ > config_.num_kv_blocks
-                                 ? (l3 ? "the KV pool, L2 and L3 hold " : "the KV pool and L2 hold ") + std::to_string(max_seq_blocks_)
+                                 ? (cold_l3_ ? "the KV pool, L2 and L3 hold " : "the KV pool and L2 hold ") + std::to_string(max_seq_blocks_)
                                  : "the KV pool holds " + std::to_string(config_.num_kv_blocks);
     fail(ErrorCode::kResourceExhausted,
          "the request needs up to " + std::to_string(max_total) + " tokens of KV (" + std::to_string(blocks) +
              " blocks) but " + room + " blocks of " + std::to_string(config_.block_size) +
-             " tokens; raise kv_cache_bytes (or l2_bytes" + (l3 ? " or l3_bytes" : "") +
+              " tokens; raise kv_cache_bytes (or l2_bytes" + (cold_l3_ ? " or l3_bytes" : "") +
              " with cache_mode='hierarchical') or lower max_new_tokens");
   }
 

@@ -41,9 +41,7 @@ KVSwap::KVSwap(const EngineConfig& config, void* l1_base, int64_t block_bytes, S
   }
   // Cold blocks in L3: each page also gets a checksum per layer, so that a step can read and
   // check one layer of it.
-  l3_cold_ = l3_slices > 0 && !tc.l3_path.empty() && block_bytes % l3_slices == 0;
-  if (l3_cold_) tc.l3_slices = l3_slices;
-  l3_slices_ = l3_cold_ ? l3_slices : 0;
+  if (l3_slices > 0 && !tc.l3_path.empty() && block_bytes % l3_slices == 0) l3_slices_ = tc.l3_slices = l3_slices;
   tiers_ = std::make_unique<TierManager>(tc, config.num_kv_blocks, l1_base);
 }
 
@@ -68,6 +66,13 @@ ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std:
       fail(ErrorCode::kResourceExhausted, "no staging memory for cold blocks in L3");
     }
     staged_ = true;
+    std::vector<bool> in_l3(list_.size(), false);
+    for (const Entry& en : entries_) in_l3[static_cast<size_t>(en.list_index)] = true;
+    for (size_t j = 0; j < list_.size(); ++j) {
+      if (in_l3[j]) continue;
+      if (!list_[j]) fail(ErrorCode::kInternal, "a staged cold entry without its bytes");
+      staged_l2_.push_back(j);
+    }
     buf_[0] = stage_.host[0];
     buf_[1] = stage_.host[1];
   } else {
@@ -110,17 +115,11 @@ void ColdL3Reads::issue(int32_t layer) {
   wait_idle(b);  // its last layer's reads (done already: that layer was asked for)
   buf_layer_[b] = layer;
   const TierManager::SliceSpan sp = tiers_->l3_slice_span(layer);
-  if (staged_) {
-    // The L2 entries: their layer slice copied by the host, where an L3 read would put it.
-    std::vector<bool> in_l3(list_.size(), false);
-    for (const Entry& en : entries_) in_l3[static_cast<size_t>(en.list_index)] = true;
-    for (size_t j = 0; j < list_.size(); ++j) {
-      if (in_l3[j]) continue;
-      if (!list_[j]) fail(ErrorCode::kInternal, "a staged cold entry without its bytes");
-      std::memcpy(buf_[b] + static_cast<int64_t>(j) * stride_ + sp.data_offset,
-                  static_cast<const uint8_t*>(list_[j]) + static_cast<int64_t>(layer) * slice_bytes_,
-                  static_cast<size_t>(slice_bytes_));
-    }
+  // Staged, the L2 entries: their layer slice copied by the host, where an L3 read would put it.
+  for (size_t j : staged_l2_) {
+    std::memcpy(buf_[b] + static_cast<int64_t>(j) * stride_ + sp.data_offset,
+                static_cast<const uint8_t*>(list_[j]) + static_cast<int64_t>(layer) * slice_bytes_,
+                static_cast<size_t>(slice_bytes_));
   }
   for (size_t e = 0; e < entries_.size(); ++e) {
     uint8_t* dst = slot(b, e);
@@ -199,7 +198,7 @@ std::vector<std::pair<size_t, std::string>> ColdL3Reads::finish() {
 }
 
 bool KVSwap::l3_cold_in_use(const std::vector<Sequence*>& running) const {
-  if (!l3_cold_) return false;
+  if (!l3_cold()) return false;
   // A step demotes at most one block of a sequence for its next token, plus one for each of
   // its exchanges (predictor_max_moves): while L2 has room for all of them, none goes to L3.
   const int64_t demotes = static_cast<int64_t>(running.size()) * (1 + std::max(0, config_.predictor_max_moves));
@@ -216,7 +215,7 @@ bool KVSwap::l3_cold_in_use(const std::vector<Sequence*>& running) const {
 std::unique_ptr<ColdL3Reads> KVSwap::read_cold_l3(const std::vector<const void*>& list,
                                                   const std::vector<std::pair<int32_t, uint64_t>>& entries,
                                                   const std::function<ColdStage(int64_t bytes)>& stage) {
-  if (!l3_cold_) fail(ErrorCode::kInternal, "cold blocks in L3 without L3 cold support");
+  if (!l3_cold()) fail(ErrorCode::kInternal, "cold blocks in L3 without L3 cold support");
   // Staged, the host copies the L2 entries: this step's demotes must have landed there.
   if (stage) settle_cold_demotes();
   std::vector<ColdL3Reads::Entry> es;
@@ -277,7 +276,7 @@ uint64_t KVSwap::demote_counted(int32_t block, const TierCallback& on_done) {
 int32_t KVSwap::cold_room(int32_t want) {
   auto room = [&]() -> int64_t {
     int64_t n = tiers_->l2_room();
-    if (l3_cold_) n += tiers_->map().num_l3_pages() - tiers_->map().counts().l3_pages_used;
+    if (l3_cold()) n += tiers_->map().l3_room();
     return n;
   };
   while (room() < want && evict_oldest_prefix()) {
@@ -289,12 +288,6 @@ const void* KVSwap::cold_l2_data(uint64_t key) const {
   // While this step's demotes are unsettled their slots are still landing, in device order
   // before the step's kernels (demote_cold).
   return tiers_->l2_data(key, /*in_flight=*/unsettled_ != nullptr);
-}
-
-const void* KVSwap::cold_data(uint64_t key) const {
-  const void* p = cold_l2_data(key);
-  if (!p) fail(ErrorCode::kInternal, "cold block " + std::to_string(key) + " is not in L2");
-  return p;
 }
 
 // Transfers a step waits for before it runs (cold demotes): step_copy() makes
@@ -330,7 +323,7 @@ void KVSwap::demote_cold(const StepPlan& plan) {
   CopyBatch batch(tiers_->copier());
   for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
     TierCallback done = step_copy(copies);
-    if (l3_cold_) {
+    if (l3_cold()) {
       // A page that could not be written (no space, I/O error) is not a failed step: the
       // sequence reads zeros for it this step and recomputes (the engine, ColdL3Reads).
       done = [this, done](const TierResult& r) {
@@ -346,7 +339,7 @@ void KVSwap::demote_cold(const StepPlan& plan) {
     }
     // Where the executor reads cold blocks in L3 too, the page is written before the step
     // reads it back, layer by layer (wait_step_copies waits for `done`, the write's end).
-    const uint64_t key = tiers_->demote(d.block, done, {}, /*allow_l3=*/l3_cold_);
+    const uint64_t key = tiers_->demote(d.block, done, {}, /*allow_l3=*/l3_cold());
     if (key == 0) fail(ErrorCode::kInternal, "no tier room for a cold block although the plan counted one");
     d.seq->cold_keys.at(static_cast<size_t>(d.index)) = key;
     ++counters_.cold_demotes;

@@ -102,6 +102,7 @@ class ColdL3Reads : public ColdLayerSource {
   uint8_t* buf_[2] = {nullptr, nullptr};
   ColdStage stage_;               // staged: buf_ are its host buffers (not owned)
   bool staged_ = false;
+  std::vector<size_t> staged_l2_;  // staged: the entries of list_ in L2 (copied by the host)
   uint8_t* zeros_ = nullptr;      // a slice of zeros, for entries without bytes
   int32_t buf_layer_[2] = {-1, -1};
   std::mutex mu_;
@@ -152,12 +153,11 @@ class KVSwap {
   // Scheduler::ColdRoom: L2 slots (and with l3_cold(), L3 pages) free for cold blocks,
   // after dropping the oldest cached prefix copies while fewer than `want` are.
   int32_t cold_room(int32_t want);
-  // Where a cold block's KV lies in L2 (the L1 block layout); kInternal when it is not there.
-  const void* cold_data(uint64_t key) const;
-  // The same, or null when it is not in L2 (in L3, or lost).
+  // Where a cold block's KV lies in L2 (the L1 block layout), or null when it is not in L2
+  // (in L3, or lost).
   const void* cold_l2_data(uint64_t key) const;
   // Cold blocks may go to L3 (read layer by layer by read_cold_l3).
-  bool l3_cold() const { return l3_cold_; }
+  bool l3_cold() const { return l3_slices_ > 0; }
   // The step's reads of its cold blocks in L3: entries (index in `list`, key). `list` is
   // BatchMeta::cold_blocks (the L3 entries null).
   // With `stage` (CUDA), every cold entry goes through its buffers (ColdL3Reads).
@@ -173,7 +173,7 @@ class KVSwap {
   // with l3_cold().
   int32_t max_sequence_blocks() const {
     const int64_t n = config_.num_kv_blocks + int64_t{tiers_->map().l2_capacity()} +
-                      (l3_cold_ ? tiers_->map().num_l3_pages() : 0);
+                      (l3_cold() ? tiers_->map().num_l3_pages() : 0);
     return static_cast<int32_t>(std::min<int64_t>(n, INT32_MAX));
   }
 
@@ -262,8 +262,7 @@ class KVSwap {
   // and whose callbacks (the blocks' state) the next step's start() waits for; null: none.
   std::shared_ptr<StepCopies> unsettled_;
 
-  bool l3_cold_ = false;
-  int32_t l3_slices_ = 0;
+  int32_t l3_slices_ = 0;  // > 0: cold blocks may go to L3 (one slice a layer)
   // Cold blocks whose copy to L3 failed (no space, I/O error): key -> evict_reason, until
   // the key is freed. cold_lost_new_ takes them from the tier threads (under mu_).
   std::unordered_map<uint64_t, std::string> cold_lost_;

@@ -33,6 +33,15 @@ def common(model_dir, dtype):
                 max_num_batched_tokens=96, max_batch_size=4)
 
 
+def make_prompts(model_dir, dtype, specs):
+    """Prompts of the checkpoint's vocabulary, one per (length, seed), and its KV block bytes."""
+    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, dtype)))
+    try:
+        return [prompt_for(m0, n, seed=seed) for n, seed in specs], m0.kv_block_bytes
+    finally:
+        m0.close()
+
+
 def reference(model_dir, dtype, prompts):
     plain = K25Model(K25Config(kv_cache_bytes=1 << 28, **common(model_dir, dtype)))
     try:
@@ -67,11 +76,7 @@ def test_a_sequence_three_times_longer_than_the_device_pool_reads_cold_blocks_in
     """l1_blocks=8: with prompt chunks of 4 blocks, a block the previous step wrote is demoted
     at the start of the next step, which the host does not wait for (no sampling): the copy
     must wait for that step's kernels on the device."""
-    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, dtype)))
-    try:
-        prompt = prompt_for(m0, PROMPT, seed=7)
-    finally:
-        m0.close()
+    (prompt,), _ = make_prompts(model_dir, dtype, [(PROMPT, 7)])
     (want,), per_block = reference(model_dir, dtype, [prompt])
     need = -(-(PROMPT + NEW_TOKENS) // BLOCK)  # 39 blocks
     m = small_l1(model_dir, dtype, per_block, l1_blocks=l1_blocks, l2_slots=need)
@@ -90,11 +95,7 @@ def test_a_sequence_three_times_longer_than_the_device_pool_reads_cold_blocks_in
 
 
 def test_two_long_sequences_on_the_gpu_share_the_pool_by_preemption_and_cold_blocks(model_dir):
-    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32")))
-    try:
-        prompts = [prompt_for(m0, PROMPT, seed=8), prompt_for(m0, 300, seed=9)]
-    finally:
-        m0.close()
+    prompts, _ = make_prompts(model_dir, "float32", [(PROMPT, 8), (300, 9)])
     want, per_block = reference(model_dir, "float32", prompts)
     m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=80)
     try:
@@ -159,12 +160,7 @@ def test_the_next_request_after_a_cold_run_starts_cleanly(model_dir):
     """A request that ends right after a step that demoted a block (its copy's callback may land
     after the request freed the key) leaves nothing that fails the next request's steps: the
     same prompt twice on one tiered model gives the same tokens, with cold blocks both times."""
-    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32")))
-    try:
-        prompt = prompt_for(m0, PROMPT, seed=11)
-        per_block = m0.kv_block_bytes
-    finally:
-        m0.close()
+    (prompt,), per_block = make_prompts(model_dir, "float32", [(PROMPT, 11)])
     need = -(-(PROMPT + NEW_TOKENS) // BLOCK)
     # No prefix caching: the second request computes (and demotes) everything again.
     m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=need, enable_prefix_caching=False)
@@ -190,11 +186,7 @@ def test_with_a_small_l2_cold_blocks_go_to_l3_and_each_step_stages_them_a_layer_
     the kernels read the blocks there; tokens as the all-resident run's. Without L3 the same
     request is refused, and with dynamic sparsity (whose device selection keeps summary rows
     per L2 slot) cold blocks stay in L2."""
-    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, dtype)))
-    try:
-        prompt = prompt_for(m0, PROMPT, seed=12)
-    finally:
-        m0.close()
+    (prompt,), _ = make_prompts(model_dir, dtype, [(PROMPT, 12)])
     (want,), per_block = reference(model_dir, dtype, [prompt])
     need = -(-(PROMPT + NEW_TOKENS) // BLOCK)  # 39 blocks
     page = _C.kv_page_bytes(per_block)

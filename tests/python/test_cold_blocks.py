@@ -21,11 +21,15 @@ NEW_TOKENS = 20
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def prompts(default_model):
-    tok = default_model.tokenizer
+def long_prompts(tok):
+    """A 600- and a 300-token text (test_cold_l3.py uses them too)."""
     text = long_text()
     return [tok.encode(text[3000:12000])[:600], tok.encode(text[20000:26000])[:300]]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model):
+    return long_prompts(default_model.tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 
 from k25 import K25Config, K25Model, _C, errors
 
-from oracles import long_text
+from test_cold_blocks import long_prompts, pipelined
 
 NEW_TOKENS = 20
 BLOCK = 16
@@ -24,9 +24,7 @@ L2_SLOTS = 4  # two of them staging for L3: two resident cold blocks at most
 
 @pytest.fixture(scope="module")
 def prompts(default_model):
-    tok = default_model.tokenizer
-    text = long_text()
-    return [tok.encode(text[3000:12000])[:600], tok.encode(text[20000:26000])[:300]]
+    return long_prompts(default_model.tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +134,7 @@ def test_a_disk_that_keeps_failing_ends_the_request_with_a_clear_error(default_m
         import resource, signal, sys
         sys.path.insert(0, {str(__import__('os').path.dirname(__file__))!r})
         from k25 import K25Config, K25Model, _C, errors
-        from oracles import long_text
+        from test_cold_blocks import long_prompts
         m = K25Model(K25Config(num_threads=2))
         per_block = m.kv_block_bytes
         tok = m.tokenizer
@@ -148,7 +146,7 @@ def test_a_disk_that_keeps_failing_ends_the_request_with_a_clear_error(default_m
                                    l3_path={str(tmp_path / 'l3.bin')!r}, l3_bytes=80 * page))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (2 * page, resource.RLIM_INFINITY))
-        prompt = tok.encode(long_text()[3000:12000])[:600]
+        prompt = long_prompts(tok)[0]
         try:
             model.generate([prompt], max_new_tokens=4, ignore_eos=True, temperature=0.0)
             error = "no error"
@@ -176,7 +174,6 @@ def test_decode_is_pipelined_only_while_no_cold_block_is_in_l3(default_model, pr
     # L3 configured for cold blocks: a step that reads (or could demote to) L3 runs inside
     # execute(), so with most cold blocks in L3 no decode step is pipelined; with L2 room for
     # every cold block the same L3 configuration pipelines them all.
-    from test_cold_blocks import pipelined
     outs, s, tiers, _ = run(pipelined(lambda: with_l3(default_model, tmp_path)), [prompts[0]])
     assert outs[0].token_ids == reference[0]
     assert tiers["l3_slice_reads"] > 0 and s["pipelined_steps"] == 0

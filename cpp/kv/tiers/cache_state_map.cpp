@@ -134,6 +134,11 @@ int32_t CacheStateMap::l2_room() const {
   return std::max(0, std::min(l2_capacity() - residents_, static_cast<int32_t>(free_slots_.size())));
 }
 
+int64_t CacheStateMap::l3_room() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return static_cast<int64_t>(free_pages_.size());
+}
+
 std::optional<TierMove> CacheStateMap::begin_spill(uint64_t key) {
   std::lock_guard<std::mutex> lk(mu_);
   TierEntry& e = get(key, "spill");

@@ -125,6 +125,8 @@ class CacheStateMap {
   // Resident slots a demote to L2 could take now.
   int32_t l2_room() const;
   int64_t num_l3_pages() const { return static_cast<int64_t>(l3_owner_.size()); }
+  // Free L3 pages now.
+  int64_t l3_room() const;
 
   // Throws kInternal unless every slot, page and L1 block is used by exactly the entries
   // that say so, the free lists hold the rest, and every entry's fields fit its state.
