@@ -45,6 +45,7 @@ py::dict stats_dict(const EngineStats& s) {
   py::dict d;
   d["steps"] = s.steps;
   d["pipelined_steps"] = s.pipelined_steps;
+  d["lane_steps"] = s.lane_steps;
   d["prefill_tokens"] = s.prefill_tokens;
   d["decode_tokens"] = s.decode_tokens;
   d["generated_tokens"] = s.generated_tokens;
@@ -275,6 +276,8 @@ void bind_engine(py::module_& m) {
       .def("wait_outputs", &Engine::wait_outputs, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })
       .def("corrupt_next_l3_writes_for_test", &Engine::corrupt_next_l3_writes_for_test, py::arg("n"))
+      .def("delay_l3_reads_for_test", &Engine::delay_l3_reads_for_test, py::arg("seconds"),
+           py::call_guard<py::gil_scoped_release>())
       .def("set_swap_cost_for_test", &Engine::set_swap_cost_for_test, py::arg("s_per_block"))
       .def("fail_next_kv_release_for_test", &Engine::fail_next_kv_release_for_test)
       .def("tier_stats", [](const Engine& e) -> py::object {

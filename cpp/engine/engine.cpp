@@ -44,6 +44,33 @@ struct Engine::StepCounts {
   int64_t generated = 0, finished = 0, failed = 0;
 };
 
+// What the executor gets for a step of some scheduled sequences (build_inputs).
+struct Engine::StepInputs {
+  BatchMeta meta;
+  std::vector<SampleRequest> samples;
+  std::vector<LogitsCopy> copies;
+  std::vector<std::vector<int32_t>> banned;  // samples point into it
+  StepRecord rec;
+  std::vector<Sequence*> seqs;
+  std::vector<std::pair<int32_t, uint64_t>> cold_l3;    // (entry of meta.cold_blocks, key) in L3
+  std::vector<std::pair<size_t, int32_t>> cold_l3_seq;  // its (sequence in seqs, block index)
+  int64_t prefill_tokens = 0, decode_tokens = 0;
+};
+
+// The L3 lane (docs/offload.md): a step of the sequences with cold blocks in L3, whose
+// forward runs a layer at a time as its reads come in, between the other sequences' steps.
+// Members end in reverse order: the executor's step (it waits for the device), then the
+// reads (they wait for the disk), then the inputs both refer to.
+struct Engine::Lane {
+  StepPlan plan;  // its sequences only
+  StepInputs in;
+  std::unique_ptr<ColdL3Reads> reads;
+  std::unique_ptr<LayeredStep> step;
+  std::vector<int64_t> aborted;  // aborts that came while it ran: they end with it
+  double t0 = 0;                 // when it was planned
+  double busy_s = 0;             // time in its layers
+};
+
 Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> executor,
                std::vector<std::string> token_bytes, std::vector<int32_t> eos_token_ids)
     : config_(config),
@@ -90,6 +117,7 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
       // Promotions copy up from L2 only: a cold block in L3 stays there.
       cold_l3_ = swap_->l3_cold();
       if (cold_l3_) scheduler_->set_cold_promotable([swap](uint64_t key) { return swap->cold_l2_data(key) != nullptr; });
+      if (cold_l3_) scheduler_->set_lane_cancel([this] { cancel_lane(); });
       max_seq_blocks_ = swap_->max_sequence_blocks();
       PredictorConfig pc;
       pc.decay = config_.predictor_decay;
@@ -111,12 +139,19 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
     }
   }
   executor_->warm_up(config_.max_batch_size);
+  // K25_L3_LANE=0: a lane step runs whole inside the step that plans it, so the others wait
+  // for its disk reads (the behaviour before the lane; for measuring what the lane saves).
+  const char* lane = std::getenv("K25_L3_LANE");
+  lane_waits_ = lane && std::string(lane) == "0";
   const char* pipe = std::getenv("K25_ASYNC_SCHEDULING");
   pipeline_ = !(pipe && std::string(pipe) == "0");
   thread_ = std::thread([this] { loop(); });
 }
 
-Engine::~Engine() { shutdown(); }
+Engine::~Engine() {
+  shutdown();
+  lane_.reset();  // (the loop ends it) before swap_, whose tiers its reads use
+}
 
 void Engine::shutdown() {
   {
@@ -273,6 +308,12 @@ void Engine::corrupt_next_l3_writes_for_test(int32_t n) {
   swap_->tiers().corrupt_next_l3_writes_for_test(n);
 }
 
+void Engine::delay_l3_reads_for_test(double seconds) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!swap_ || !swap_->l3_cold()) fail(ErrorCode::kInvalidArgument, "this engine keeps no cold blocks in L3");
+  swap_->set_l3_read_delay_for_test(seconds);
+}
+
 void Engine::fail_next_kv_release_for_test() {
   std::lock_guard<std::mutex> lk(mu_);
   if (!swap_) fail(ErrorCode::kInvalidArgument, "this engine has no tiers");
@@ -400,6 +441,7 @@ void Engine::loop() {
     std::vector<RequestOutput> outs;
     for (auto& s : adds) scheduler_->add(std::move(s));
     if (stopping && in_flight_) collect_in_flight();  // its tokens are delivered, then the rest aborts
+    if (stopping) cancel_lane();
     if (stopping) {
       // Nothing new starts; whatever is left ends as aborted.
       std::vector<Sequence*> left(scheduler_->running());
@@ -408,6 +450,10 @@ void Engine::loop() {
     }
     for (int64_t id : aborts) {
       Sequence* s = scheduler_->find(id);
+      if (s && s->in_lane) {  // its lane step is reading its blocks: it ends with that step
+        lane_->aborted.push_back(id);
+        continue;
+      }
       if (s && s->status != SeqStatus::kFinished) finish(s, static_cast<int>(FinishReason::kAbort), "", &outs);
     }
     for (RequestOutput& o : outs) {
@@ -482,6 +528,7 @@ void Engine::refresh_fetched_kv() {
 }
 
 void Engine::fail_all(const std::string& error) {
+  cancel_lane();
   if (in_flight_) {
     // Wait for the launched steps (they write the pool; a failure between a launch and the
     // previous step's collection leaves two), drop their results.
@@ -539,7 +586,7 @@ void Engine::gauges_locked() {
 // runs steps in order, so a later step that reuses them runs after it).
 bool Engine::can_pipeline() const {
   if (!pipeline_ || !executor_->supports_async()) return false;
-  // A step's cold reads from L3 run inside execute(), layer by layer.
+  // A lane step (cold blocks in L3) runs eagerly, a layer at a time, between whole steps.
   if (cold_l3_ && swap_->l3_cold_in_use(scheduler_->running())) return false;
   const std::vector<Sequence*>& run = scheduler_->running();
   if (static_cast<int32_t>(run.size()) > executor_->max_async_batch()) return false;
@@ -612,89 +659,32 @@ void Engine::add_counts_locked(const StepCounts& counts) {
   gauges_locked();
 }
 
-// Steps a request may lose to its cold blocks in L3 (each one recomputes it) before it fails.
-constexpr int32_t kMaxColdTierFaults = 3;
-
-void Engine::step() {
-  const double t0 = now_s();
-  const int64_t preempt_before = scheduler_->num_preemptions();
-  waiting_for_tiers_ = false;
-  const bool pipelined = can_pipeline();
-  if (in_flight_ && !pipelined) {
-    collect_in_flight();
-    if (!scheduler_->has_unfinished()) return;
-  }
-  if (swap_) {
-    swap_->apply_completions();
-    refresh_fetched_kv();
-  }
-  if (predictor_) predictor_->begin_plan(++plan_serial_);
-  StepPlan plan = scheduler_->schedule();
-  for (size_t i = 0; i < plan.preempted.size(); ++i) {
-    const bool swapped = std::any_of(plan.swap_outs.begin(), plan.swap_outs.end(),
-                                     [&](const SwapOut& so) { return so.seq->id == plan.preempted[i]; });
-    if (!swapped) record_kv_event(plan.preempted[i], plan.preempted_blocks[i], "preempt_recompute");
-  }
-  for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
-    // Before this step's writes reset the L1 block's summaries for its new content.
-    std::vector<float> sums = executor_->block_summaries(d.block);
-    if (sums.empty()) continue;
-    if (d.seq->cold_summaries.size() < d.seq->block_table.size()) d.seq->cold_summaries.resize(d.seq->block_table.size());
-    d.seq->cold_summaries[static_cast<size_t>(d.index)] = std::move(sums);
-  }
-  if (swap_) swap_->start(plan);  // records preempt_swap (or preempt_recompute) itself
-  if (swap_) {
-    // Device-side summaries of the blocks that just went cold (their L2 slots are known now).
-    for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
-      const uint64_t key = d.seq->cold_keys.at(static_cast<size_t>(d.index));
-      const void* data = key != 0 ? swap_->cold_l2_data(key) : nullptr;  // (L3 ones: no device summaries)
-      if (data) executor_->keep_cold_summaries(d.block, data);
-    }
-  }
-  for (const ScheduledSeq& s : plan.seqs) {
-    if (s.seq->first_scheduled_time < 0) s.seq->first_scheduled_time = t0;
-  }
-  std::vector<RequestOutput> outs;
-  if (plan.empty() && swap_ && (swap_->in_flight() > 0 || swap_->has_completions())) {
-    waiting_for_tiers_ = true;  // every sequence that could run waits for a transfer
-    return;
-  }
-  if (plan.empty()) {
-    // Unreachable when admission checks hold (an idle pool fits any admitted request);
-    // fail the head of the queue rather than spin.
-    if (scheduler_->num_running() == 0 && scheduler_->num_waiting() > 0) {
-      Sequence* s = scheduler_->waiting().front();
-      finish(s, static_cast<int>(FinishReason::kError), "request could not be scheduled", &outs);
-      scheduler_->release(s->id);
-      std::lock_guard<std::mutex> lk(mu_);
-      ++stats_.requests_failed;
-    }
-    for (RequestOutput& o : outs) emit(std::move(o));
-    return;
-  }
-
+// The executor's inputs for a step of `seqs_in` (all of a plan's, or the lane's).
+void Engine::build_inputs(const std::vector<ScheduledSeq>& seqs_in, StepInputs* in) {
   const int32_t bs = config_.block_size;
-  BatchMeta meta;
+  BatchMeta& meta = in->meta;
   meta.query_start.push_back(0);
   int32_t max_blocks = 0;
-  for (const ScheduledSeq& s : plan.seqs) {
+  for (const ScheduledSeq& s : seqs_in) {
     max_blocks = std::max<int32_t>(max_blocks, static_cast<int32_t>(s.seq->block_table.size()));
   }
   meta.max_blocks_per_seq = max_blocks;
-  meta.block_tables.assign(static_cast<size_t>(max_blocks) * plan.seqs.size(), -1);
+  meta.block_tables.assign(static_cast<size_t>(max_blocks) * seqs_in.size(), -1);
 
-  std::vector<SampleRequest> samples;
-  std::vector<LogitsCopy> copies;
-  std::vector<std::vector<int32_t>> banned(plan.seqs.size());
-  StepRecord rec;
-  rec.sample_of_seq.assign(plan.seqs.size(), -1);
-  rec.token_index.assign(plan.seqs.size(), -1);
-  std::vector<Sequence*> seqs;
-  std::vector<std::pair<int32_t, uint64_t>> cold_l3;  // (entry of meta.cold_blocks, key)
-  std::vector<std::pair<size_t, int32_t>> cold_l3_seq;  // its (sequence in the plan, block index)
-  int64_t prefill_tokens = 0, decode_tokens = 0;
-  for (size_t i = 0; i < plan.seqs.size(); ++i) {
-    const ScheduledSeq& s = plan.seqs[i];
+  std::vector<SampleRequest>& samples = in->samples;
+  std::vector<LogitsCopy>& copies = in->copies;
+  std::vector<std::vector<int32_t>>& banned = in->banned;
+  banned.assign(seqs_in.size(), {});  // samples point into it: sized once
+  StepRecord& rec = in->rec;
+  rec.sample_of_seq.assign(seqs_in.size(), -1);
+  rec.token_index.assign(seqs_in.size(), -1);
+  std::vector<Sequence*>& seqs = in->seqs;
+  auto& cold_l3 = in->cold_l3;
+  auto& cold_l3_seq = in->cold_l3_seq;
+  int64_t& prefill_tokens = in->prefill_tokens;
+  int64_t& decode_tokens = in->decode_tokens;
+  for (size_t i = 0; i < seqs_in.size(); ++i) {
+    const ScheduledSeq& s = seqs_in[i];
     Sequence* seq = s.seq;
     seqs.push_back(seq);
     rec.ids.push_back(seq->id);
@@ -777,19 +767,99 @@ void Engine::step() {
     }
   }
   if (!meta.prev_rows.empty()) meta.prev_rows.resize(meta.num_tokens(), -1);
-  std::unique_ptr<ColdL3Reads> l3_reads;
-  if (!cold_l3.empty()) {
-    if (pipelined) fail(ErrorCode::kInternal, "a pipelined step with cold blocks in L3");
-    std::function<ColdStage(int64_t)> stage;
-    if (executor_->stages_cold_blocks()) stage = [this](int64_t bytes) { return executor_->cold_stage(bytes); };
-    try {
-      l3_reads = swap_->read_cold_l3(meta.cold_blocks, cold_l3, stage);
-    } catch (const std::exception& e) {  // e.g. no memory for the buffers: this step's requests fail
-      if (in_flight_) collect_in_flight();
-      return fail_step(seqs, std::string("model step failed: ") + e.what());
-    }
-    meta.cold_layers = l3_reads.get();
+}
+
+// Steps a request may lose to its cold blocks in L3 (each one recomputes it) before it fails.
+constexpr int32_t kMaxColdTierFaults = 3;
+
+void Engine::step() {
+  const double t0 = now_s();
+  waiting_for_tiers_ = false;
+  const bool pipelined = can_pipeline();
+  if (in_flight_ && !pipelined) {
+    collect_in_flight();
+    if (!scheduler_->has_unfinished()) return;
   }
+  if (swap_) {
+    swap_->apply_completions();
+    refresh_fetched_kv();
+  }
+  if (predictor_) predictor_->begin_plan(++plan_serial_);
+  StepPlan plan = scheduler_->schedule();
+  for (size_t i = 0; i < plan.preempted.size(); ++i) {
+    const bool swapped = std::any_of(plan.swap_outs.begin(), plan.swap_outs.end(),
+                                     [&](const SwapOut& so) { return so.seq->id == plan.preempted[i]; });
+    if (!swapped) record_kv_event(plan.preempted[i], plan.preempted_blocks[i], "preempt_recompute");
+  }
+  for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
+    // Before this step's writes reset the L1 block's summaries for its new content.
+    std::vector<float> sums = executor_->block_summaries(d.block);
+    if (sums.empty()) continue;
+    if (d.seq->cold_summaries.size() < d.seq->block_table.size()) d.seq->cold_summaries.resize(d.seq->block_table.size());
+    d.seq->cold_summaries[static_cast<size_t>(d.index)] = std::move(sums);
+  }
+  if (swap_) swap_->start(plan);  // records preempt_swap (or preempt_recompute) itself
+  if (swap_) {
+    // Device-side summaries of the blocks that just went cold (their L2 slots are known now).
+    for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
+      const uint64_t key = d.seq->cold_keys.at(static_cast<size_t>(d.index));
+      const void* data = key != 0 ? swap_->cold_l2_data(key) : nullptr;  // (L3 ones: no device summaries)
+      if (data) executor_->keep_cold_summaries(d.block, data);
+    }
+  }
+  for (const ScheduledSeq& s : plan.seqs) {
+    if (s.seq->first_scheduled_time < 0) s.seq->first_scheduled_time = t0;
+  }
+  // Sequences with cold blocks in L3 step in the lane, a layer at a time between the others'
+  // steps, so that the disk does not hold the others up; while a lane step runs, another
+  // such sequence is skipped (it keeps what this plan gave it).
+  if (cold_l3_) {
+    StepPlan lane_plan;
+    std::vector<ScheduledSeq> rest;
+    for (const ScheduledSeq& s : plan.seqs) {
+      if (!reads_l3(*s.seq)) {
+        rest.push_back(s);
+        continue;
+      }
+      plan.num_tokens -= s.num_new_tokens;
+      if (!lane_) lane_plan.seqs.push_back(s);
+    }
+    plan.seqs = std::move(rest);
+    if (!lane_plan.seqs.empty()) start_lane(std::move(lane_plan), t0);
+    while (lane_waits_ && lane_) advance_lane(true);
+  }
+  std::vector<RequestOutput> outs;
+  if (plan.empty() && lane_) {
+    // Nothing else to run: the lane's next layer, waiting for its reads if need be.
+    return advance_lane(true);
+  }
+  if (plan.empty() && swap_ && (swap_->in_flight() > 0 || swap_->has_completions())) {
+    waiting_for_tiers_ = true;  // every sequence that could run waits for a transfer
+    return;
+  }
+  if (plan.empty()) {
+    // Unreachable when admission checks hold (an idle pool fits any admitted request);
+    // fail the head of the queue rather than spin.
+    if (scheduler_->num_running() == 0 && scheduler_->num_waiting() > 0) {
+      Sequence* s = scheduler_->waiting().front();
+      finish(s, static_cast<int>(FinishReason::kError), "request could not be scheduled", &outs);
+      scheduler_->release(s->id);
+      std::lock_guard<std::mutex> lk(mu_);
+      ++stats_.requests_failed;
+    }
+    for (RequestOutput& o : outs) emit(std::move(o));
+    return;
+  }
+
+  StepInputs inputs;
+  build_inputs(plan.seqs, &inputs);
+  BatchMeta& meta = inputs.meta;
+  std::vector<SampleRequest>& samples = inputs.samples;
+  std::vector<LogitsCopy>& copies = inputs.copies;
+  StepRecord& rec = inputs.rec;
+  std::vector<Sequence*>& seqs = inputs.seqs;
+  const int64_t prefill_tokens = inputs.prefill_tokens, decode_tokens = inputs.decode_tokens;
+  if (!inputs.cold_l3.empty()) fail(ErrorCode::kInternal, "a whole step with cold blocks in L3 (they run in the lane)");
 
   StepCounts counts;
   std::unique_ptr<StepRecord> previous;  // pipelined: the step to collect while this one runs
@@ -821,24 +891,10 @@ void Engine::step() {
       executor_->execute(meta, samples, &results, copies);
       if (results.size() != samples.size()) fail(ErrorCode::kInternal, "executor returned wrong result count");
     } catch (const std::exception& e) {
-      // The step's sequences fail; the engine and every other request carry on. The L3 reads
-      // still in flight end first: failing frees the keys they read.
-      l3_reads.reset();
+      // The step's sequences fail; the engine and every other request carry on.
       return fail_step(seqs, std::string("model step failed: ") + e.what());
     }
     const double t_done = now_s();
-    // Cold blocks in L3 that could not be read back intact (or written: lost): the step read
-    // zeros for them, so each such sequence drops this step's result and recomputes.
-    std::vector<bool> spoiled(seqs.size(), false);
-    std::vector<std::string> spoiled_why(seqs.size());
-    if (l3_reads) {
-      for (const auto& [e, why] : l3_reads->finish()) {
-        const size_t i = cold_l3_seq[e].first;
-        if (!spoiled[i]) spoiled_why[i] = why;
-        spoiled[i] = true;
-      }
-      meta.cold_layers = nullptr;
-    }
     if (predictor_) observe_reads(meta, seqs);
     // What recomputing costs, for the swap-or-recompute choice (prompt steps).
     if (swap_ && prefill_tokens > 0) swap_->observe_compute(prefill_tokens + decode_tokens, t_done - t_exec);
@@ -848,32 +904,7 @@ void Engine::step() {
         s.seq->prefill_time_s += t_done - t0;
       }
     }
-    // Before complete_step: a spoiled step's blocks must not count as computed (nor be offered
-    // to the prefix cache: their KV derives from the zeros read in place of the bad block).
-    std::vector<int64_t> failed_ids;  // released after complete_step, which still walks the plan
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      if (!spoiled[i]) continue;
-      Sequence* seq = seqs[i];
-      seqs[i] = nullptr;  // its sample (if any) is not used
-      if (++seq->cold_tier_faults > kMaxColdTierFaults) {
-        // A tier that keeps failing (a full or failing disk): the request ends with the
-        // reason rather than recomputing for ever.
-        record_kv_event(seq->id, seq->block_table, spoiled_why[i].c_str(), true);
-        finish(seq, static_cast<int>(FinishReason::kError),
-               "KV cache tier L3 failed " + std::to_string(seq->cold_tier_faults) + " times for this request (" +
-                   spoiled_why[i] + ")", &outs);
-        failed_ids.push_back(seq->id);
-        ++counts.failed;
-        continue;
-      }
-      std::vector<int32_t> blocks;
-      std::vector<uint64_t> keys;
-      scheduler_->recompute(seq, &blocks, &keys);
-      swap_->free_cold_keys(keys);
-      record_kv_event(seq->id, blocks, spoiled_why[i].c_str(), true);
-    }
-    scheduler_->complete_step(plan);  // skips the sequences above (no longer running)
-    for (int64_t id : failed_ids) scheduler_->release(id);
+    scheduler_->complete_step(plan);
     process_samples(rec, seqs, results, t_done, &outs, &counts);
   }
   const double t1 = now_s();
@@ -883,29 +914,12 @@ void Engine::step() {
     if (pipelined) ++stats_.pipelined_steps;
     stats_.prefill_tokens += prefill_tokens;
     stats_.decode_tokens += decode_tokens;
-    stats_.preemptions += scheduler_->num_preemptions() - preempt_before;
     add_counts_locked(counts);
     stats_.busy_time_s += t1 - t0;
     stats_.last_step_s = t1 - t0;
     stats_.last_step_tokens = plan.num_tokens;
     stats_.sparsity_layers = executor_->sparsity_stats();
-    if (swap_) {
-      const SwapCounters c = swap_->counters();
-      stats_.swap_outs = c.swap_outs;
-      stats_.swap_ins = c.swap_ins;
-      stats_.swap_fallbacks = c.swap_fallbacks;
-      stats_.swap_declined = c.swap_declined;
-      stats_.recompute_s_per_token = swap_->recompute_s_per_token();
-      stats_.swap_s_per_block = swap_->swap_s_per_block();
-      stats_.prefix_spilled_blocks = c.prefix_spills;
-      stats_.prefix_tier_blocks = swap_->num_prefix_blocks();
-      stats_.cold_demotes = c.cold_demotes;
-      stats_.cold_promotions = c.cold_promotions;
-      if (predictor_) stats_.predictor = predictor_->counters();
-      int32_t cold = 0;
-      for (const Sequence* r : scheduler_->running()) cold += r->num_cold;
-      stats_.cold_blocks = cold;
-    }
+    tier_counters_locked();
   }
   for (RequestOutput& o : outs) emit(std::move(o));
   if (previous) {
@@ -914,6 +928,207 @@ void Engine::step() {
     std::lock_guard<std::mutex> lk(mu_);
     stats_.busy_time_s += now_s() - t1;
   }
+  // The lane layers whose reads came in while this step ran, for at most as long as the step
+  // took (one layer at least): the others' steps then take at most about twice their time.
+  advance_lane(false, now_s() - t0);
+}
+
+bool Engine::reads_l3(const Sequence& s) const {
+  if (!cold_l3_ || s.num_cold == 0) return false;
+  for (size_t b = 0; b < s.block_table.size(); ++b) {
+    if (s.block_table[b] == kColdBlock && !swap_->cold_l2_data(s.cold_keys.at(b))) return true;
+  }
+  return false;
+}
+
+void Engine::start_lane(StepPlan plan, double t0) {
+  auto lane = std::make_unique<Lane>();
+  lane->plan = std::move(plan);
+  lane->t0 = t0;
+  build_inputs(lane->plan.seqs, &lane->in);
+  std::function<ColdStage(int64_t)> stage;
+  if (executor_->stages_cold_blocks()) stage = [this](int64_t bytes) { return executor_->cold_stage(bytes); };
+  try {
+    // The reads of the first layers start here, while the others' step runs.
+    lane->reads = swap_->read_cold_l3(lane->in.meta.cold_blocks, lane->in.cold_l3, stage);
+    lane->in.meta.cold_layers = lane->reads.get();
+    lane->step = executor_->begin_layered(lane->in.meta, lane->in.samples);
+  } catch (const std::exception& e) {  // e.g. no memory for the read buffers: these requests fail
+    lane->step.reset();
+    lane->reads.reset();  // its reads end before failing frees the keys they read
+    return fail_step(lane->in.seqs, std::string("model step failed: ") + e.what());
+  }
+  for (Sequence* s : lane->in.seqs) s->in_lane = true;
+  lane_ = std::move(lane);
+}
+
+void Engine::advance_lane(bool wait, double budget_s) {
+  if (!lane_) return;
+  Lane& ln = *lane_;
+  try {
+    const double start = now_s();
+    bool first = true;
+    while (ln.step->next_layer() < ln.step->num_layers()) {
+      if (!wait && !ln.reads->layer_ready(ln.step->next_layer())) return;
+      if (!first && now_s() - start >= budget_s) return;  // the others' next step first
+      const double t = now_s();
+      ln.step->run_layer();
+      ln.busy_s += now_s() - t;
+      wait = false;
+      first = false;
+    }
+  } catch (const std::exception& e) {
+    std::unique_ptr<Lane> lane = std::move(lane_);
+    std::vector<Sequence*> seqs = end_lane(lane.get());
+    return fail_step(seqs, std::string("model step failed: ") + e.what());
+  }
+  finish_lane();
+}
+
+std::vector<Sequence*> Engine::end_lane(Lane* lane) {
+  lane->step.reset();   // waits for the device to finish its launched layers
+  lane->reads.reset();  // waits for the reads in flight
+  for (Sequence* s : lane->in.seqs) s->in_lane = false;
+  std::vector<RequestOutput> outs;
+  std::vector<Sequence*> left;
+  for (Sequence* s : lane->in.seqs) {
+    const bool aborted = std::find(lane->aborted.begin(), lane->aborted.end(), s->id) != lane->aborted.end();
+    if (!aborted) {
+      left.push_back(s);
+      continue;
+    }
+    finish(s, static_cast<int>(FinishReason::kAbort), "", &outs);
+  }
+  for (RequestOutput& o : outs) {
+    scheduler_->release(o.id);
+    std::lock_guard<std::mutex> lk(mu_);
+    ++stats_.requests_aborted;
+  }
+  for (RequestOutput& o : outs) emit(std::move(o));
+  return left;
+}
+
+void Engine::cancel_lane() {
+  if (!lane_) return;
+  std::unique_ptr<Lane> lane = std::move(lane_);
+  // The step's tokens stay uncomputed: its sequences step again. Called from the scheduler
+  // too (a preemption): nothing here may change its queues, so the aborts that came while
+  // the step ran go back to the engine loop, which applies them with the next ones.
+  lane->step.reset();
+  lane->reads.reset();
+  for (Sequence* s : lane->in.seqs) s->in_lane = false;
+  if (!lane->aborted.empty()) {
+    std::lock_guard<std::mutex> lk(mu_);
+    aborts_.insert(aborts_.end(), lane->aborted.begin(), lane->aborted.end());
+  }
+}
+
+void Engine::finish_lane() {
+  std::unique_ptr<Lane> lane = std::move(lane_);
+  StepInputs& in = lane->in;
+  std::vector<SampleResult> results;
+  const double t_exec = now_s();
+  try {
+    lane->step->finish(&results, in.copies);
+    if (results.size() != in.samples.size()) fail(ErrorCode::kInternal, "executor returned wrong result count");
+  } catch (const std::exception& e) {
+    std::vector<Sequence*> seqs = end_lane(lane.get());
+    return fail_step(seqs, std::string("model step failed: ") + e.what());
+  }
+  const double t_done = now_s();
+  lane->busy_s += t_done - t_exec;
+  // Cold blocks in L3 that could not be read back intact (or written: lost): the step read
+  // zeros for them, so each such sequence drops this step's result and recomputes.
+  std::vector<Sequence*>& seqs = in.seqs;
+  std::vector<bool> spoiled(seqs.size(), false);
+  std::vector<std::string> spoiled_why(seqs.size());
+  for (const auto& [e, why] : lane->reads->finish()) {
+    const size_t i = in.cold_l3_seq[e].first;
+    if (!spoiled[i]) spoiled_why[i] = why;
+    spoiled[i] = true;
+  }
+  lane->step.reset();
+  lane->reads.reset();
+  in.meta.cold_layers = nullptr;
+  for (Sequence* s : seqs) s->in_lane = false;
+  for (const ScheduledSeq& s : lane->plan.seqs) {
+    if (s.seq->num_computed < s.seq->num_prompt_tokens) {  // this step computed prompt tokens
+      ++s.seq->prefill_chunks;
+      s.seq->prefill_time_s += t_done - lane->t0;
+    }
+  }
+  std::vector<RequestOutput> outs;
+  StepCounts counts;
+  int64_t aborted = 0;
+  std::vector<int64_t> failed_ids;  // released after complete_step, which still walks the plan
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    // Aborted while the step ran: it ends now, its result unused.
+    if (std::find(lane->aborted.begin(), lane->aborted.end(), seqs[i]->id) != lane->aborted.end()) {
+      finish(seqs[i], static_cast<int>(FinishReason::kAbort), "", &outs);
+      failed_ids.push_back(seqs[i]->id);
+      seqs[i] = nullptr;
+      ++aborted;
+    }
+  }
+  // Before complete_step: a spoiled step's blocks must not count as computed (nor be offered
+  // to the prefix cache: their KV derives from the zeros read in place of the bad block).
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (!spoiled[i] || !seqs[i]) continue;
+    Sequence* seq = seqs[i];
+    seqs[i] = nullptr;  // its sample (if any) is not used
+    if (++seq->cold_tier_faults > kMaxColdTierFaults) {
+      // A tier that keeps failing (a full or failing disk): the request ends with the
+      // reason rather than recomputing for ever.
+      record_kv_event(seq->id, seq->block_table, spoiled_why[i].c_str(), true);
+      finish(seq, static_cast<int>(FinishReason::kError),
+             "KV cache tier L3 failed " + std::to_string(seq->cold_tier_faults) + " times for this request (" +
+                 spoiled_why[i] + ")", &outs);
+      failed_ids.push_back(seq->id);
+      ++counts.failed;
+      continue;
+    }
+    std::vector<int32_t> blocks;
+    std::vector<uint64_t> keys;
+    scheduler_->recompute(seq, &blocks, &keys);
+    swap_->free_cold_keys(keys);
+    record_kv_event(seq->id, blocks, spoiled_why[i].c_str(), true);
+  }
+  scheduler_->complete_step(lane->plan);  // skips the sequences above (no longer running)
+  for (int64_t id : failed_ids) scheduler_->release(id);
+  process_samples(in.rec, seqs, results, t_done, &outs, &counts);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++stats_.steps;
+    ++stats_.lane_steps;
+    stats_.requests_aborted += aborted;
+    stats_.prefill_tokens += in.prefill_tokens;
+    stats_.decode_tokens += in.decode_tokens;
+    add_counts_locked(counts);
+    stats_.busy_time_s += lane->busy_s;
+    stats_.sparsity_layers = executor_->sparsity_stats();
+    tier_counters_locked();
+  }
+  for (RequestOutput& o : outs) emit(std::move(o));
+}
+
+void Engine::tier_counters_locked() {
+  stats_.preemptions = scheduler_->num_preemptions();
+  if (!swap_) return;
+  const SwapCounters c = swap_->counters();
+  stats_.swap_outs = c.swap_outs;
+  stats_.swap_ins = c.swap_ins;
+  stats_.swap_fallbacks = c.swap_fallbacks;
+  stats_.swap_declined = c.swap_declined;
+  stats_.recompute_s_per_token = swap_->recompute_s_per_token();
+  stats_.swap_s_per_block = swap_->swap_s_per_block();
+  stats_.prefix_spilled_blocks = c.prefix_spills;
+  stats_.prefix_tier_blocks = swap_->num_prefix_blocks();
+  stats_.cold_demotes = c.cold_demotes;
+  stats_.cold_promotions = c.cold_promotions;
+  if (predictor_) stats_.predictor = predictor_->counters();
+  int32_t cold = 0;
+  for (const Sequence* r : scheduler_->running()) cold += r->num_cold;
+  stats_.cold_blocks = cold;
 }
 
 // Appends (or, for a pipelined step, fills in) each emitting sequence's sampled token,

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -96,6 +97,20 @@ struct LogitsCopy {
   float* dst;          // vocab_size floats
 };
 
+// A step whose forward runs one layer at a time, between other steps: the engine's L3 lane
+// (steps of sequences with cold blocks in L3, docs/offload.md). The BatchMeta and samples it
+// was begun with must outlive it; only whole steps run on the model between two of its
+// layers. Dropped before its end, it waits for the device to finish its launched layers.
+class LayeredStep {
+ public:
+  virtual ~LayeredStep() = default;
+  virtual int32_t next_layer() const = 0;
+  virtual int32_t num_layers() const = 0;
+  virtual void run_layer() = 0;  // the next layer
+  // After the last layer: fills results and copies as execute() does.
+  virtual void finish(std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) = 0;
+};
+
 class ModelExecutor {
  public:
   virtual ~ModelExecutor() = default;
@@ -112,6 +127,12 @@ class ModelExecutor {
   virtual void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
                        std::vector<SampleResult>* results,
                        const std::vector<LogitsCopy>& copies) = 0;
+  // The same step as execute(), a layer at a time (LayeredStep).
+  virtual std::unique_ptr<LayeredStep> begin_layered(const BatchMeta& meta, const std::vector<SampleRequest>& samples) {
+    (void)meta;
+    (void)samples;
+    fail(ErrorCode::kUnsupported, "this executor runs steps whole only");
+  }
   // Pipelined decode (async scheduling): a decode-only step without penalties, of at most
   // max_async_batch() sequences is launched without waiting for it; its ids may come from
   // the previous launched step on the device (BatchMeta::prev_rows). collect_async() waits

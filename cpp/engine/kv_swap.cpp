@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <unordered_set>
 
 #include "k25/status.h"
@@ -46,12 +47,14 @@ KVSwap::KVSwap(const EngineConfig& config, void* l1_base, int64_t block_bytes, S
 }
 
 ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std::vector<Entry> entries,
-                         int32_t num_layers, const std::function<ColdStage(int64_t bytes)>& stage)
+                         int32_t num_layers, const std::function<ColdStage(int64_t bytes)>& stage,
+                         double test_delay_s)
     : tiers_(tiers),
       list_(std::move(list)),
       entries_(std::move(entries)),
       num_layers_(num_layers),
       slice_bytes_(tiers->l3_slice_bytes()),
+      test_delay_s_(test_delay_s),
       failed_(entries_.size()) {
   if (slice_bytes_ <= 0 || num_layers_ <= 0) fail(ErrorCode::kInternal, "cold L3 reads without slices");
   // Room for the widest aligned span of a slice (TierManager::l3_slice_span).
@@ -60,6 +63,13 @@ ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std:
   // Staged: a slot per entry of the whole list (position j), else per L3 entry.
   const size_t slots = stage ? list_.size() : entries_.size();
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, static_cast<int64_t>(slots)) * stride_);
+  // Unstaged, four buffers: a lane step (engine.cpp) runs a layer when its reads are in,
+  // between whole steps of the other sequences, and reads run three layers ahead of it.
+  depth_ = stage ? 2 : 4;
+  buf_.assign(static_cast<size_t>(depth_), nullptr);
+  buf_layer_.assign(static_cast<size_t>(depth_), -1);
+  pending_.assign(static_cast<size_t>(depth_), 0);
+  ready_at_.assign(static_cast<size_t>(depth_), std::chrono::steady_clock::time_point{});
   if (stage) {
     stage_ = stage(static_cast<int64_t>(bytes));
     if (!stage_.host[0] || !stage_.host[1] || !stage_.device[0] || !stage_.device[1]) {
@@ -79,23 +89,31 @@ ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std:
     for (uint8_t*& b : buf_) b = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
   }
   zeros_ = static_cast<uint8_t*>(std::calloc(1, static_cast<size_t>(slice_bytes_)));
-  if (!buf_[0] || !buf_[1] || !zeros_) {
+  const bool all = std::all_of(buf_.begin(), buf_.end(), [](uint8_t* b) { return b != nullptr; });
+  if (!all || !zeros_) {
     if (!staged_) {
-      std::free(buf_[0]);
-      std::free(buf_[1]);
+      for (uint8_t* b : buf_) std::free(b);
     }
     std::free(zeros_);
     fail(ErrorCode::kResourceExhausted, "no memory for cold L3 read buffers");
   }
   for (size_t e = 0; e < entries_.size(); ++e) failed_[e] = entries_[e].lost;
+  try {
+    for (int32_t l = 0; l < std::min<int32_t>(depth_, num_layers_); ++l) issue(l);
+  } catch (...) {
+    for (int b = 0; b < depth_; ++b) wait_idle(b);
+    if (!staged_) {
+      for (uint8_t* bp : buf_) std::free(bp);
+    }
+    std::free(zeros_);
+    throw;
+  }
 }
 
 ColdL3Reads::~ColdL3Reads() {
-  wait_idle(0);
-  wait_idle(1);
+  for (int b = 0; b < depth_; ++b) wait_idle(b);
   if (!staged_) {
-    std::free(buf_[0]);
-    std::free(buf_[1]);
+    for (uint8_t* b : buf_) std::free(b);
   }
   std::free(zeros_);
 }
@@ -110,10 +128,35 @@ void ColdL3Reads::wait_idle(int b) {
   cv_.wait(lk, [&] { return pending_[b] == 0; });
 }
 
+void ColdL3Reads::wait_ready(int b) {
+  wait_idle(b);
+  if (test_delay_s_ > 0) std::this_thread::sleep_until(ready_at_[b]);
+}
+
+bool ColdL3Reads::layer_ready(int32_t layer) {
+  if (layer < 0 || layer >= num_layers_) return false;
+  const int b = layer % depth_;
+  std::lock_guard<std::mutex> lk(mu_);
+  return buf_layer_[b] == layer && pending_[b] == 0 && std::chrono::steady_clock::now() >= ready_at_[b];
+}
+
 void ColdL3Reads::issue(int32_t layer) {
-  const int b = layer % 2;
+  const int b = layer % depth_;
   wait_idle(b);  // its last layer's reads (done already: that layer was asked for)
-  buf_layer_[b] = layer;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    buf_layer_[b] = layer;
+    ready_at_[b] = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                           std::chrono::duration<double>(test_delay_s_));
+    // The layer's reads count as one more until they are all issued, so that a fast
+    // completion does not make the layer look ready half-issued.
+    ++pending_[b];
+  }
+  auto issued = [this, b] {
+    std::lock_guard<std::mutex> lk(mu_);
+    --pending_[b];
+    cv_.notify_all();
+  };
   const TierManager::SliceSpan sp = tiers_->l3_slice_span(layer);
   // Staged, the L2 entries: their layer slice copied by the host, where an L3 read would put it.
   for (size_t j : staged_l2_) {
@@ -121,40 +164,51 @@ void ColdL3Reads::issue(int32_t layer) {
                 static_cast<const uint8_t*>(list_[j]) + static_cast<int64_t>(layer) * slice_bytes_,
                 static_cast<size_t>(slice_bytes_));
   }
-  for (size_t e = 0; e < entries_.size(); ++e) {
-    uint8_t* dst = slot(b, e);
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (!failed_[e].empty()) {  // one bad slice spoils the block for this step
-        if (staged_) std::memset(dst, 0, static_cast<size_t>(sp.bytes));
-        continue;
-      }
-      ++pending_[b];
-    }
-    try {
-      tiers_->read_l3_slice(entries_[e].key, layer, dst, [this, b, e, dst, sp](const TierResult& r) {
+  try {
+    for (size_t e = 0; e < entries_.size(); ++e) {
+      uint8_t* dst = slot(b, e);
+      {
         std::lock_guard<std::mutex> lk(mu_);
-        if (!r.ok) {
-          if (failed_[e].empty()) failed_[e] = tier_fault_name(r.fault);
-          std::memset(dst, 0, static_cast<size_t>(sp.bytes));
+        if (!failed_[e].empty()) {  // one bad slice spoils the block for this step
+          if (staged_) std::memset(dst, 0, static_cast<size_t>(sp.bytes));
+          continue;
         }
+        ++pending_[b];
+      }
+      try {
+        tiers_->read_l3_slice(entries_[e].key, layer, dst, [this, e, dst, sp, issued](const TierResult& r) {
+          {
+            std::lock_guard<std::mutex> lk(mu_);
+            if (!r.ok) {
+              if (failed_[e].empty()) failed_[e] = tier_fault_name(r.fault);
+              std::memset(dst, 0, static_cast<size_t>(sp.bytes));
+            }
+          }
+          issued();
+        });
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu_);
         --pending_[b];
-        cv_.notify_all();
-      });
-    } catch (...) {
-      std::lock_guard<std::mutex> lk(mu_);
-      --pending_[b];
-      throw;
+        throw;
+      }
     }
+  } catch (...) {
+    issued();
+    throw;
   }
+  issued();
 }
 
 int ColdL3Reads::ready(int32_t layer) {
   if (layer < 0 || layer >= num_layers_) fail(ErrorCode::kInternal, "cold L3 reads: no such layer");
-  const int b = layer % 2;
+  const int b = layer % depth_;
   if (buf_layer_[b] != layer) issue(layer);
-  wait_idle(b);
-  if (layer + 1 < num_layers_) issue(layer + 1);  // the other buffer: the layer before is done with
+  wait_ready(b);
+  // The buffers of the layers before are free again (staged: the caller has seen the device
+  // finish layer - 1), so the next layers' reads start.
+  for (int32_t k = 1; k < depth_ && layer + k < num_layers_; ++k) {
+    if (buf_layer_[(layer + k) % depth_] != layer + k) issue(layer + k);
+  }
   return b;
 }
 
@@ -187,8 +241,7 @@ const void* const* ColdL3Reads::layer(int32_t layer) {
 }
 
 std::vector<std::pair<size_t, std::string>> ColdL3Reads::finish() {
-  wait_idle(0);
-  wait_idle(1);
+  for (int b = 0; b < depth_; ++b) wait_idle(b);
   std::vector<std::pair<size_t, std::string>> out;
   std::lock_guard<std::mutex> lk(mu_);
   for (size_t e = 0; e < entries_.size(); ++e) {
@@ -223,7 +276,7 @@ std::unique_ptr<ColdL3Reads> KVSwap::read_cold_l3(const std::vector<const void*>
     auto it = cold_lost_.find(key);
     es.push_back({j, key, it == cold_lost_.end() ? std::string() : it->second});
   }
-  return std::make_unique<ColdL3Reads>(tiers_.get(), list, std::move(es), l3_slices_, stage);
+  return std::make_unique<ColdL3Reads>(tiers_.get(), list, std::move(es), l3_slices_, stage, l3_read_delay_s_.load());
 }
 
 void KVSwap::free_cold_key(uint64_t key) {
@@ -631,9 +684,18 @@ void KVSwap::apply_completions() {
     std::lock_guard<std::mutex> lk(mu_);
     done.swap(done_);
   }
+  // Promotions of a sequence in the engine's L3 lane land once its step is over: its step
+  // reads the block's L2 copy, which landing frees.
+  done.insert(done.begin(), held_.begin(), held_.end());
+  held_.clear();
   for (const TierResult& r : done) {
     auto pr = promotions_.find(r.key);
     if (pr != promotions_.end()) {
+      const Sequence* owner = scheduler_->find(pr->second.seq);
+      if (owner && owner->in_lane) {
+        held_.push_back(r);
+        continue;
+      }
       const Promotion p = pr->second;
       promotions_.erase(pr);
       finish_promotion(r, p);

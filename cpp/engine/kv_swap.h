@@ -16,9 +16,9 @@
 //     and the attention reads them in L2 (cold_l2_data) until the sequence ends or is
 //     preempted. Where the executor can read them layer by layer (the CPU backend,
 //     cold_l3_slices), a cold block goes to L3 when L2 is full; start() waits until its page
-//     is written, and each step reads its layers back while it runs (read_cold_l3). A page
-//     that cannot be written or read back intact makes its sequence recompute (the engine
-//     drops that step's result for it).
+//     is written, and each of its steps (the engine's L3 lane) reads their layers back while it
+//     runs (read_cold_l3). A page that cannot be written or read back intact makes its
+//     sequence recompute (the engine drops that step's result for it).
 //   - promotions (the predictor's, StepPlan::promotions): cold blocks copied back into the
 //     L1 blocks the plan gave them (TierManager::copy_up, after the plan's copies out: an
 //     exchange's colder block leaves first). Nothing waits: until the copy lands the
@@ -41,6 +41,7 @@
 #include <memory>
 #include <mutex>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <string>
 #include <unordered_map>
@@ -65,8 +66,11 @@ struct SwapCounters {
   int64_t cold_promotions = 0; // cold blocks fetched back to L1 (the predictor's)
 };
 
-// One step's reads of cold blocks in L3, layer by layer (BatchMeta::cold_layers): layer l's
-// slice of every such block is read into one of two buffers while the layer before runs.
+// One step's reads of cold blocks in L3, layer by layer (BatchMeta::cold_layers): each
+// layer's slice of every such block is read into one of a ring of buffers while the layers
+// before run. The reads of the first layers start at construction; asking for layer l
+// waits for its reads and starts those of the layers up to l + depth - 1. Staged (CUDA):
+// two buffers (the executor's ColdStage); else four.
 class ColdL3Reads : public ColdLayerSource {
  public:
   struct Entry {
@@ -76,21 +80,25 @@ class ColdL3Reads : public ColdLayerSource {
   };
   // stage: null, or where the staging buffers come from (ColdStage; then every entry of
   // `list`, L2 ones copied by the host, goes through them: layer_region).
+  // test_delay_s: tests hold each layer's reads this long (a slow disk's stand-in).
   ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std::vector<Entry> entries, int32_t num_layers,
-              const std::function<ColdStage(int64_t bytes)>& stage = {});
+              const std::function<ColdStage(int64_t bytes)>& stage = {}, double test_delay_s = 0);
   ~ColdL3Reads() override;  // waits for the reads in flight
   ColdL3Reads(const ColdL3Reads&) = delete;
   ColdL3Reads& operator=(const ColdL3Reads&) = delete;
   const void* const* layer(int32_t layer) override;
   Region layer_region(int32_t layer) override;
+  // Whether asking for `layer` now would not wait: its reads have all completed.
+  bool layer_ready(int32_t layer);
   // Waits for the reads in flight. The entries whose bytes could not be had (index into
   // the entries, and why: the fault's evict_reason); the step read zeros in their place.
   std::vector<std::pair<size_t, std::string>> finish();
 
  private:
   void issue(int32_t layer);
-  void wait_idle(int b);
-  // Waits for `layer`'s reads (issuing them first if need be), then starts the next layer's.
+  void wait_idle(int b);   // buffer b's reads have ended
+  void wait_ready(int b);  // and its layer counts as read (test_delay_s)
+  // Waits for `layer`'s reads (issuing them first if need be), then starts the next layers'.
   int ready(int32_t layer);
   uint8_t* slot(int b, size_t e) const;
 
@@ -99,15 +107,18 @@ class ColdL3Reads : public ColdLayerSource {
   std::vector<Entry> entries_;
   int32_t num_layers_;
   int64_t slice_bytes_, stride_;  // stride_: one entry's room in a buffer
-  uint8_t* buf_[2] = {nullptr, nullptr};
+  int depth_ = 2;                 // buffers in the ring
+  std::vector<uint8_t*> buf_;
   ColdStage stage_;               // staged: buf_ are its host buffers (not owned)
   bool staged_ = false;
   std::vector<size_t> staged_l2_;  // staged: the entries of list_ in L2 (copied by the host)
   uint8_t* zeros_ = nullptr;      // a slice of zeros, for entries without bytes
-  int32_t buf_layer_[2] = {-1, -1};
+  std::vector<int32_t> buf_layer_;
+  double test_delay_s_ = 0;
+  std::vector<std::chrono::steady_clock::time_point> ready_at_;  // test_delay_s: a layer's reads count from then
   std::mutex mu_;
   std::condition_variable cv_;
-  int32_t pending_[2] = {0, 0};
+  std::vector<int32_t> pending_;
   std::vector<std::string> failed_;  // per entry: the first fault, or empty
 };
 
@@ -167,6 +178,8 @@ class KVSwap {
   // Whether a step now could read (or, demoting, put) a cold block in L3: some running
   // sequence has one there, or L2 has fewer free slots than the step could demote.
   bool l3_cold_in_use(const std::vector<Sequence*>& running) const;
+  // Tests: every layer of a step's L3 reads takes at least this long (ColdL3Reads).
+  void set_l3_read_delay_for_test(double s) { l3_read_delay_s_.store(s); }
   // Frees cold copies the engine took from a sequence (Scheduler::recompute).
   void free_cold_keys(const std::vector<uint64_t>& keys);
   // The most blocks one sequence may have: L1's and L2's resident slots, and L3's pages
@@ -262,6 +275,8 @@ class KVSwap {
   // and whose callbacks (the blocks' state) the next step's start() waits for; null: none.
   std::shared_ptr<StepCopies> unsettled_;
 
+  std::atomic<double> l3_read_delay_s_{0};
+  std::vector<TierResult> held_;  // promotions of sequences in the L3 lane (apply_completions)
   int32_t l3_slices_ = 0;  // > 0: cold blocks may go to L3 (one slice a layer)
   // Cold blocks whose copy to L3 failed (no space, I/O error): key -> evict_reason, until
   // the key is freed. cold_lost_new_ takes them from the tier threads (under mu_).

@@ -57,7 +57,7 @@ bool Scheduler::decode_step_fits() const {
   if (static_cast<int32_t>(running_.size()) > config_.max_num_batched_tokens) return false;
   int32_t missing = 0;
   for (const Sequence* s : running_) {
-    if (s->swap != SwapState::kNone || s->num_tokens() - s->num_computed != 1) return false;
+    if (s->swap != SwapState::kNone || s->in_lane || s->num_tokens() - s->num_computed != 1) return false;
     missing += blocks_missing(*s, 1);
   }
   if (missing <= pool_->num_free()) return true;
@@ -68,8 +68,15 @@ bool Scheduler::decode_step_fits() const {
   std::vector<Sequence*> order = running_;  // as schedule() sorts them; pick_victim takes the last
   std::stable_sort(order.begin(), order.end(), ranks_before);
   const Sequence* last = order.back();
-  return blocks_missing(*last, 1) == 1 && l1_blocks_held(*last) + 1 > pool_->num_total() &&
+  return blocks_missing(*last, 1) == 1 && longer_than_l1(*last, 1) &&
          !cold_candidates(*last, 1).empty() && cold_room_(1) >= 1;
+}
+
+bool Scheduler::longer_than_l1(const Sequence& s, int32_t n) const {
+  // Its blocks with this step's, or all its tokens' (a prompt longer than L1 that others share
+  // L1 with would otherwise preempt itself at every chunk, and recompute, until they end).
+  return l1_blocks_held(s) + blocks_missing(s, n) > pool_->num_total() ||
+         blocks_for_tokens(s.num_tokens(), config_.block_size) > pool_->num_total();
 }
 
 bool Scheduler::grow(Sequence* seq, int32_t num_new_tokens) {
@@ -203,6 +210,12 @@ void Scheduler::preempt(Sequence* seq, StepPlan* plan) {
   auto it = std::find(running_.begin(), running_.end(), seq);
   if (it == running_.end()) fail(ErrorCode::kInternal, "preempting a sequence that is not running");
   if (seq->swap != SwapState::kNone) fail(ErrorCode::kInternal, "preempting a sequence that is swapping");
+  if (seq->in_lane) {
+    // Its lane step is reading its blocks: the engine ends that step first (it is dropped).
+    if (!lane_cancel_) fail(ErrorCode::kInternal, "preempting a sequence in the L3 lane without a way to end its step");
+    lane_cancel_();
+    if (seq->in_lane) fail(ErrorCode::kInternal, "the L3 lane's step did not end");
+  }
   running_.erase(it);
   plan->preempted.push_back(seq->id);
   plan->preempted_blocks.push_back(seq->block_table);
@@ -268,7 +281,7 @@ StepPlan Scheduler::schedule() {
     auto fits = [&] {
       int32_t reserved = 0, left = budget;
       for (Sequence* r : running_) {
-        if (r->swap == SwapState::kIn) continue;  // not scheduled until its fetches land
+        if (r->swap == SwapState::kIn || r->in_lane) continue;  // not scheduled until its fetches land (or its lane step ends)
         const int32_t n = std::min({r->num_tokens() - r->num_computed, r->step_limit(chunk), left});
         if (n <= 0) break;
         reserved += blocks_missing(*r, n);
@@ -292,7 +305,7 @@ StepPlan Scheduler::schedule() {
   size_t i = 0;
   while (i < running_.size() && budget > 0) {
     Sequence* s = running_[i];
-    if (s->swap == SwapState::kIn) {
+    if (s->swap == SwapState::kIn || s->in_lane) {  // fetches to land, or its lane step to end
       ++i;
       continue;
     }
@@ -301,7 +314,7 @@ StepPlan Scheduler::schedule() {
     bool self_preempted = false;
     while (blocks_missing(*s, n) > pool_->num_free()) {
       Sequence* victim = pick_victim();  // never null: s itself qualifies
-      if (victim == s && cold_room_ && l1_blocks_held(*s) + blocks_missing(*s, n) > pool_->num_total()) {
+      if (victim == s && cold_room_ && longer_than_l1(*s, n)) {
         // Longer than L1 itself: rather than preempt itself, s moves some of its computed
         // blocks to L2 and goes on (a prompt chunk shrinks to what that can make room for).
         // A sequence that would fit L1 alone preempts itself as before (it is swapped out,

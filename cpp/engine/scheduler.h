@@ -118,6 +118,10 @@ class Scheduler {
   bool cold_blocks_enabled() const { return static_cast<bool>(cold_room_); }
   // Whether a cold block (by tier key) may be promoted; unset: every one.
   void set_cold_promotable(std::function<bool(uint64_t key)> f) { cold_promotable_ = std::move(f); }
+  // Sequences in the engine's L3 lane (Sequence::in_lane) are skipped while their lane step
+  // runs, but stay victims as any other: preempting one first calls this, which ends (drops)
+  // the lane step.
+  void set_lane_cancel(std::function<void()> cancel) { lane_cancel_ = std::move(cancel); }
   // Outside a plan: a running sequence drops its KV and waits to recompute it, as a
   // preemption by recompute does (a cold block in L3 it could not read back). Its blocks
   // (for the KV event) and its cold copies' keys (for the engine to free) are returned.
@@ -153,6 +157,9 @@ class Scheduler {
   Sequence* pick_victim() const;
   int32_t blocks_missing(const Sequence& seq, int32_t num_new_tokens) const;
   int32_t l1_blocks_held(const Sequence& seq) const;
+  // Whether s cannot fit L1 alone, with n more tokens (then it goes cold rather than preempt
+  // itself).
+  bool longer_than_l1(const Sequence& s, int32_t n) const;
   bool grow(Sequence* seq, int32_t num_new_tokens);
   // Frees a sequence's blocks (with cache: registering what it computed first).
   void release_blocks(Sequence* seq, bool cache);
@@ -172,6 +179,7 @@ class Scheduler {
   TierPrefixLookup tier_lookup_;
   ColdRoom cold_room_;
   std::function<bool(uint64_t)> cold_promotable_;
+  std::function<void()> lane_cancel_;
   BlockPredictor* predictor_ = nullptr;
 };
 

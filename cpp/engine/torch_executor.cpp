@@ -328,6 +328,73 @@ class TorchExecutor : public ModelExecutor {
   int64_t kv_block_bytes() const override { return layout_.block_elems() * static_cast<int64_t>(kv_.element_size()); }
   int32_t max_positions() const override { return handle_->max_positions(); }
 
+  // A layered step (the engine's L3 lane): eager, on the engine stream; each layer's
+  // selection statistics are taken as it runs (a whole step between two layers reuses
+  // SparseStep::layers).
+  class Layered : public LayeredStep {
+   public:
+    Layered(TorchExecutor* ex, const BatchMeta& meta, const std::vector<SampleRequest>& samples)
+        : ex_(ex), samples_(samples) {
+      for (int32_t p : meta.prev_rows) {
+        if (p >= 0) fail(ErrorCode::kInternal, "ids from a previous step are for launch_async");
+      }
+#ifdef K25_WITH_CUDA
+      std::unique_ptr<c10::cuda::CUDAGuard> guard;
+      std::unique_ptr<c10::cuda::CUDAStreamGuard> sg;
+      if (ex_->kv_.is_cuda()) {
+        if (!ex_->pending_.empty()) fail(ErrorCode::kInternal, "a layered step while launched steps are in flight");
+        guard = std::make_unique<c10::cuda::CUDAGuard>(ex_->kv_.device());
+        sg = std::make_unique<c10::cuda::CUDAStreamGuard>(ex_->engine_stream());
+        ex_->ensure_sparse_scratch(meta.num_seqs(), meta.max_blocks_per_seq);
+      }
+#endif
+      pass_ = ex_->model_->begin(meta, ex_->kv_, ex_->layout_, ex_->fused_, nullptr, ex_->sparse_.get(),
+                                 ex_->cold_.get());
+    }
+    ~Layered() override {
+#ifdef K25_WITH_CUDA
+      // Launched layers may still read the staging buffers the next lane refills.
+      if (ex_->kv_.is_cuda() && pass_ && pass_->next_layer() < pass_->num_layers()) ex_->engine_stream().synchronize();
+#endif
+    }
+    int32_t next_layer() const override { return pass_->next_layer(); }
+    int32_t num_layers() const override { return pass_->num_layers(); }
+    void run_layer() override {
+      const int32_t l = pass_->next_layer();
+#ifdef K25_WITH_CUDA
+      if (ex_->kv_.is_cuda()) {
+        c10::cuda::CUDAGuard guard(ex_->kv_.device());
+        c10::cuda::CUDAStreamGuard sg(ex_->engine_stream());
+        pass_->run_layer();
+        return;
+      }
+#endif
+      pass_->run_layer();
+      ex_->add_layer_stats(static_cast<size_t>(l));
+    }
+    void finish(std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) override {
+#ifdef K25_WITH_CUDA
+      std::unique_ptr<c10::cuda::CUDAGuard> guard;
+      std::unique_ptr<c10::cuda::CUDAStreamGuard> sg;
+      if (ex_->kv_.is_cuda()) {
+        guard = std::make_unique<c10::cuda::CUDAGuard>(ex_->kv_.device());
+        sg = std::make_unique<c10::cuda::CUDAStreamGuard>(ex_->engine_stream());
+      }
+#endif
+      at::Tensor logits = pass_->logits();
+      ex_->sample_logits(logits, samples_, results, copies);
+    }
+
+   private:
+    TorchExecutor* ex_;
+    const std::vector<SampleRequest>& samples_;
+    std::unique_ptr<LlamaModel::Pass> pass_;
+  };
+
+  std::unique_ptr<LayeredStep> begin_layered(const BatchMeta& meta, const std::vector<SampleRequest>& samples) override {
+    return std::make_unique<Layered>(this, meta, samples);
+  }
+
   void execute(const BatchMeta& meta, const std::vector<SampleRequest>& samples,
                std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) override {
     for (int32_t p : meta.prev_rows) {
@@ -667,18 +734,26 @@ class TorchExecutor : public ModelExecutor {
     ensure_sparse_scratch(meta.num_seqs(), meta.max_blocks_per_seq);
 #endif
     at::Tensor logits = model_->forward(meta, kv_, layout_, fused_, nullptr, sparse_.get(), cold_.get());
-    if (sparse_) {
-      for (size_t l = 0; l < stats_.size(); ++l) {
-        const LayerSelection& sel = sparse_->layers[l];
-        if (sel.selections == 0) continue;
-        LayerSparsityStats& st = stats_[l];
-        st.blocks_total += sel.blocks_total;
-        st.blocks_skipped += sel.blocks_total - sel.blocks_kept;
-        st.selections += sel.selections;
-        st.entropy_bits += sel.entropy_bits;
-        st.top_blocks = sel.top_blocks;
-      }
-    }
+    for (size_t l = 0; l < stats_.size(); ++l) add_layer_stats(l);
+    sample_logits(logits, samples, results, copies);
+  }
+
+  // The CPU fused path's selection of layer l in the step that just ran it, into the stats.
+  void add_layer_stats(size_t l) {
+    if (!sparse_ || l >= stats_.size()) return;
+    const LayerSelection& sel = sparse_->layers[l];
+    if (sel.selections == 0) return;
+    LayerSparsityStats& st = stats_[l];
+    st.blocks_total += sel.blocks_total;
+    st.blocks_skipped += sel.blocks_total - sel.blocks_kept;
+    st.selections += sel.selections;
+    st.entropy_bits += sel.entropy_bits;
+    st.top_blocks = sel.top_blocks;
+  }
+
+  // A step's logits into its results (on the device where it can) and copies.
+  void sample_logits(const at::Tensor& logits, const std::vector<SampleRequest>& samples,
+                     std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) {
     results->clear();
     results->resize(samples.size());
     bool all_greedy = copies.empty();

@@ -151,12 +151,95 @@ std::vector<int32_t> cold_slot_tables(const BatchMeta& meta, const ColdRegion* r
   return t;
 }
 
+// What a forward pass keeps between its layers (LlamaModel::Pass): the step's inputs, the
+// residual stream and the layer buffers, and on CUDA the attention batch.
+struct LlamaModel::Pass::State {
+  State(const LlamaModel& model, const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused,
+        const DeviceStep* prepared, SparseStep* sparse, const ColdRegion* cold)
+      : m(model), c(model.config_), W(model.weights_), meta(meta), kv(kv), layout(layout), fused(fused),
+        prepared(prepared), sparse(sparse), cold(cold), dev(model.device()), cuda(dev.is_cuda()),
+        H(c.hidden_size), I(c.intermediate_size), D(c.head_dim), Hq(c.num_heads), Hkv(c.num_kv_heads),
+        qkv_dim((Hq + 2 * Hkv) * D), eps(static_cast<float>(c.rms_norm_eps)),
+        scale(1.0f / std::sqrt(static_cast<float>(D))) {}
+  void begin();
+  void layer(int32_t l);
+  at::Tensor logits();
+  // The fused kernels of this device.
+  void norm(const at::Tensor& in, const at::Tensor& w, at::Tensor& out) {
+#ifdef K25_WITH_CUDA
+    if (cuda) return cuda_glue::rms_norm(in, w, out, c.rms_norm_eps);
+#endif
+    cpu::rms_norm(in.data_ptr<float>(), in.stride(0), w.data_ptr<float>(), out.data_ptr<float>(), out.stride(0),
+                  in.size(0), in.size(1), eps);
+  }
+  void add_norm(at::Tensor& hh, const at::Tensor& delta, const at::Tensor& w, at::Tensor& out) {
+#ifdef K25_WITH_CUDA
+    if (cuda) return cuda_glue::add_rms_norm(hh, delta, w, out, c.rms_norm_eps);
+#endif
+    cpu::add_rms_norm(hh.data_ptr<float>(), delta.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(),
+                      hh.size(0), hh.size(1), eps);
+  }
+
+  const LlamaModel& m;
+  const ModelConfig& c;
+  const LlamaWeights& W;
+  const BatchMeta& meta;
+  at::Tensor& kv;
+  const KVLayout& layout;
+  const bool fused;
+  const DeviceStep* const prepared;
+  SparseStep* const sparse;
+  const ColdRegion* const cold;
+  const at::Device dev;
+  const bool cuda;
+  const int64_t H, I, D;
+  const int32_t Hq, Hkv;
+  const int64_t qkv_dim;
+  const float eps, scale;
+  int64_t T = 0;
+  at::Tensor ids, positions, slots;
+  at::Tensor h, x, attn, act;  // the residual stream [T, H] and the layers' buffers
+  cpu::AttentionBatch ab;
+  std::vector<int32_t> cold_tables;
+#ifdef K25_WITH_CUDA
+  cuda_glue::DeviceBatch db;
+  std::unique_ptr<cuda_glue::HostFence> fence;
+#endif
+  int32_t next = 0;  // the next layer to run
+};
+
+LlamaModel::Pass::Pass(std::unique_ptr<State> s) : s_(std::move(s)) {}
+LlamaModel::Pass::~Pass() = default;
+int32_t LlamaModel::Pass::next_layer() const { return s_->next; }
+int32_t LlamaModel::Pass::num_layers() const { return s_->c.num_layers; }
+
+void LlamaModel::Pass::run_layer() {
+  if (s_->next >= s_->c.num_layers) fail(ErrorCode::kInternal, "forward pass: every layer has run");
+  s_->layer(s_->next);
+  ++s_->next;
+}
+
+at::Tensor LlamaModel::Pass::logits() {
+  if (s_->next != s_->c.num_layers) fail(ErrorCode::kInternal, "forward pass: logits before the last layer");
+  return s_->logits();
+}
+
+std::unique_ptr<LlamaModel::Pass> LlamaModel::begin(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout,
+                                                    bool fused, const DeviceStep* prepared, SparseStep* sparse,
+                                                    const ColdRegion* cold) const {
+  auto s = std::make_unique<Pass::State>(*this, meta, kv, layout, fused, prepared, sparse, cold);
+  s->begin();
+  return std::unique_ptr<Pass>(new Pass(std::move(s)));
+}
+
 at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused,
                                const DeviceStep* prepared, SparseStep* sparse, const ColdRegion* cold) const {
-  const ModelConfig& c = config_;
-  const LlamaWeights& W = weights_;
-  const at::Device dev = device();
-  const bool cuda = dev.is_cuda();
+  std::unique_ptr<Pass> pass = begin(meta, kv, layout, fused, prepared, sparse, cold);
+  while (pass->next_layer() < pass->num_layers()) pass->run_layer();
+  return pass->logits();
+}
+
+void LlamaModel::Pass::State::begin() {
   if (prepared && !(cuda && fused)) fail(ErrorCode::kInternal, "prepared inputs are for the fused CUDA path");
   if (sparse && !fused) fail(ErrorCode::kUnsupported, "dynamic sparsity runs on the fused kernels only");
 #ifdef K25_WITH_CUDA
@@ -164,33 +247,27 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
     fail(ErrorCode::kInternal, "CUDA sparsity without its device summaries or scratch");
   }
 #endif
-  const int64_t T = prepared ? prepared->ids.size(0) : meta.num_tokens();
-  const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
-  const int32_t Hq = c.num_heads, Hkv = c.num_kv_heads;
-  const int64_t qkv_dim = (Hq + 2 * Hkv) * D;
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  T = prepared ? prepared->ids.size(0) : meta.num_tokens();
   // Sequences are ordered by priority, not length: check every position.
-  if (!prepared && *std::max_element(meta.positions.begin(), meta.positions.end()) >= rope_cos_.size(0)) {
+  if (!prepared && *std::max_element(meta.positions.begin(), meta.positions.end()) >= m.rope_cos_.size(0)) {
     fail(ErrorCode::kInvalidArgument, "position beyond the RoPE table (max_seq_len)");
   }
   if (kv.device() != dev) fail(ErrorCode::kInternal, "the KV pool is not on the model's device");
   if (!cuda && kv.scalar_type() != at::kFloat) fail(ErrorCode::kUnsupported, "the CPU backend keeps KV in float32");
 
   // The step's metadata on the device.
-  const at::Tensor ids = prepared ? prepared->ids : on_device(meta.token_ids, at::kInt, dev);
-  const at::Tensor positions = prepared ? prepared->positions : on_device(meta.positions, at::kInt, dev);
-  const at::Tensor slots = prepared ? prepared->slots : on_device(meta.slot_mapping, at::kLong, dev);
-  at::Tensor h = at::index_select(W.embed, 0, ids);  // residual stream [T, H]
-  at::Tensor x = at::empty({T, H}, h.options());
-  at::Tensor attn = at::empty({T, Hq * D}, h.options());
-  at::Tensor act = at::empty({T, I}, h.options());
+  ids = prepared ? prepared->ids : on_device(meta.token_ids, at::kInt, dev);
+  positions = prepared ? prepared->positions : on_device(meta.positions, at::kInt, dev);
+  slots = prepared ? prepared->slots : on_device(meta.slot_mapping, at::kLong, dev);
+  h = at::index_select(W.embed, 0, ids);  // residual stream [T, H]
+  x = at::empty({T, H}, h.options());
+  attn = at::empty({T, Hq * D}, h.options());
+  act = at::empty({T, I}, h.options());
 
-  cpu::AttentionBatch ab = cpu_attention_batch(meta);
+  ab = cpu_attention_batch(meta);
   // Cold blocks (a sequence longer than the KV pool): the CPU kernels read them by pointer;
   // the CUDA kernels by slot of the mapped L2 pool (cold_tables below; with sparsity the
   // device selection finds their summaries by slot too, TorchExecutor::keep_cold_summaries).
-  std::vector<int32_t> cold_tables;
   if (!meta.cold_blocks.empty()) {
     if (!fused) {
       fail(ErrorCode::kUnsupported, "cold KV blocks (a sequence longer than the KV pool) need the fused kernels");
@@ -208,7 +285,6 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
     }
   }
 #ifdef K25_WITH_CUDA
-  cuda_glue::DeviceBatch db;
   if (prepared) {
     db = prepared->batch;
   } else if (cuda && fused) {
@@ -235,118 +311,104 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   }
   // The step's block reads, counted by the selections of every layer (SparseScratch::reads).
   if (sparse && cuda && sparse->scratch.reads.defined()) sparse->scratch.reads.zero_();
-  std::unique_ptr<cuda_glue::HostFence> fence;
   if (cuda && meta.cold_layers) fence = std::make_unique<cuda_glue::HostFence>();
 #endif
-
-  // The fused kernels of this device.
-  auto norm = [&](const at::Tensor& in, const at::Tensor& w, at::Tensor& out) {
-#ifdef K25_WITH_CUDA
-    if (cuda) return cuda_glue::rms_norm(in, w, out, c.rms_norm_eps);
-#endif
-    cpu::rms_norm(in.data_ptr<float>(), in.stride(0), w.data_ptr<float>(), out.data_ptr<float>(), out.stride(0),
-                  in.size(0), in.size(1), eps);
-  };
-  auto add_norm = [&](at::Tensor& hh, const at::Tensor& delta, const at::Tensor& w, at::Tensor& out) {
-#ifdef K25_WITH_CUDA
-    if (cuda) return cuda_glue::add_rms_norm(hh, delta, w, out, c.rms_norm_eps);
-#endif
-    cpu::add_rms_norm(hh.data_ptr<float>(), delta.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(),
-                      hh.size(0), hh.size(1), eps);
-  };
-
   if (fused) norm(h, W.layers[0].attn_norm, x);
-  for (int32_t l = 0; l < c.num_layers; ++l) {
-    const LayerWeights& L = W.layers[l];
-    if (!fused) x = rms_norm_aten(h, L.attn_norm, c.rms_norm_eps);
-    at::Tensor qkv = linear(x, L.wqkv, L.bqkv);
-    const int32_t window = c.layer_sliding_window[l];
-    if (fused && cuda) {
+}
+
+void LlamaModel::Pass::State::layer(int32_t l) {
+  const LayerWeights& L = W.layers[l];
+  if (!fused) x = rms_norm_aten(h, L.attn_norm, c.rms_norm_eps);
+  at::Tensor qkv = linear(x, L.wqkv, L.bqkv);
+  const int32_t window = c.layer_sliding_window[l];
+  if (fused && cuda) {
 #ifdef K25_WITH_CUDA
-      cuda_glue::rope_write_kv(qkv, positions, slots, Hq, rope_cos_, rope_sin_, kv, layout, l);
-      if (sparse) cuda_glue::update_block_summaries(kv, layout, l, sparse->device_summaries, db);
-      if (meta.cold_layers) {
-        // The device is done with layer l - 1's staging buffer before it is refilled (with
-        // layer l + 1's slices, while this layer runs).
-        if (l > 0) fence->wait((l - 1) % 2);
-        const ColdLayerSource::Region r = meta.cold_layers->layer_region(l);
-        db.cold = {r.device, r.stride, r.count};
-      }
-      if (sparse && window == 0) {
-        const cuda_glue::DeviceBatch kept = cuda_glue::select_blocks(
-            qkv, layout, l, sparse->device_summaries, kv.numel() / layout.block_elems(), db, Hq, scale,
-            sparse->params, sparse->scratch, sparse->layer_stats);
-        cuda_glue::paged_attention(qkv, attn, kv, layout, l, kept, Hq, scale, window);
-      } else {
-        cuda_glue::paged_attention(qkv, attn, kv, layout, l, db, Hq, scale, window);
-      }
-      if (meta.cold_layers) fence->record(l % 2);
+    cuda_glue::rope_write_kv(qkv, positions, slots, Hq, m.rope_cos_, m.rope_sin_, kv, layout, l);
+    if (sparse) cuda_glue::update_block_summaries(kv, layout, l, sparse->device_summaries, db);
+    if (meta.cold_layers) {
+      // The device is done with layer l - 1's staging buffer before it is refilled (with
+      // layer l + 1's slices, while this layer runs).
+      if (l > 0) fence->wait((l - 1) % 2);
+      const ColdLayerSource::Region r = meta.cold_layers->layer_region(l);
+      db.cold = {r.device, r.stride, r.count};
+    }
+    if (sparse && window == 0) {
+      const cuda_glue::DeviceBatch kept = cuda_glue::select_blocks(
+          qkv, layout, l, sparse->device_summaries, kv.numel() / layout.block_elems(), db, Hq, scale,
+          sparse->params, sparse->scratch, sparse->layer_stats);
+      cuda_glue::paged_attention(qkv, attn, kv, layout, l, kept, Hq, scale, window);
+    } else {
+      cuda_glue::paged_attention(qkv, attn, kv, layout, l, db, Hq, scale, window);
+    }
+    if (meta.cold_layers) fence->record(l % 2);
 #endif
-    } else if (fused) {
-      cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
-                         rope_cos_.data_ptr<float>(), rope_sin_.data_ptr<float>(), kv.data_ptr<float>(), layout, l);
-      float* q = qkv.data_ptr<float>();
-      // Cold blocks in L3: this layer's K and V of each, read while the layers before ran.
-      if (meta.cold_layers) ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_layers->layer(l));
+  } else if (fused) {
+    cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
+                       m.rope_cos_.data_ptr<float>(), m.rope_sin_.data_ptr<float>(), kv.data_ptr<float>(), layout, l);
+    float* q = qkv.data_ptr<float>();
+    // Cold blocks in L3: this layer's K and V of each, read while the layers before ran.
+    if (meta.cold_layers) ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_layers->layer(l));
+    if (sparse) {
+      // Summaries follow every write (prefill too); selection is for decodes of layers
+      // without a sliding window.
+      update_key_summaries(kv.data_ptr<float>(), layout, sparse->summaries, sparse->layout, l, ab);
+    }
+    if (sparse && window == 0) {
+      sparse_decode_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab,
+                              sparse->summaries, sparse->layout, Hq, scale, sparse->params, &sparse->layers[l],
+                              &sparse->lse);
+    } else {
       if (sparse) {
-        // Summaries follow every write (prefill too); selection is for decodes of layers
-        // without a sliding window.
-        update_key_summaries(kv.data_ptr<float>(), layout, sparse->summaries, sparse->layout, l, ab);
+        LayerSelection& sel = sparse->layers[l];
+        sel.blocks_total = sel.blocks_kept = sel.selections = 0;
       }
-      if (sparse && window == 0) {
-        sparse_decode_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab,
-                                sparse->summaries, sparse->layout, Hq, scale, sparse->params, &sparse->layers[l],
-                                &sparse->lse);
-      } else {
-        if (sparse) {
-          LayerSelection& sel = sparse->layers[l];
-          sel.blocks_total = sel.blocks_kept = sel.selections = 0;
-        }
-        cpu::paged_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, Hq, scale,
-                             window);
-      }
-    } else {
-      // RoPE as transformers writes it: x * cos + rotate_half(x) * sin, in the model dtype.
-      at::Tensor cos = at::index_select(rope_cos_, 0, positions);
-      at::Tensor sin = at::index_select(rope_sin_, 0, positions);
-      cos = at::cat({cos, cos}, -1).unsqueeze(1).to(h.scalar_type());
-      sin = at::cat({sin, sin}, -1).unsqueeze(1).to(h.scalar_type());
-      at::Tensor qk = qkv.narrow(1, 0, (Hq + Hkv) * D).view({T, Hq + Hkv, D});
-      at::Tensor rot = at::cat({-qk.narrow(2, D / 2, D / 2), qk.narrow(2, 0, D / 2)}, -1);
-      qk.copy_(qk * cos + rot * sin);
+      cpu::paged_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, Hq, scale,
+                           window);
+    }
+  } else {
+    // RoPE as transformers writes it: x * cos + rotate_half(x) * sin, in the model dtype.
+    at::Tensor cos = at::index_select(m.rope_cos_, 0, positions);
+    at::Tensor sin = at::index_select(m.rope_sin_, 0, positions);
+    cos = at::cat({cos, cos}, -1).unsqueeze(1).to(h.scalar_type());
+    sin = at::cat({sin, sin}, -1).unsqueeze(1).to(h.scalar_type());
+    at::Tensor qk = qkv.narrow(1, 0, (Hq + Hkv) * D).view({T, Hq + Hkv, D});
+    at::Tensor rot = at::cat({-qk.narrow(2, D / 2, D / 2), qk.narrow(2, 0, D / 2)}, -1);
+    qk.copy_(qk * cos + rot * sin);
 #ifdef K25_WITH_CUDA
-      if (cuda) cuda_glue::write_kv(qkv, slots, Hq, kv, layout, l);
+    if (cuda) cuda_glue::write_kv(qkv, slots, Hq, kv, layout, l);
 #endif
-      if (!cuda) cpu::write_kv(qkv.data_ptr<float>(), qkv_dim, meta.slot_mapping.data(), T, Hq, kv.data_ptr<float>(),
-                               layout, l);
-      attention_unfused(qkv, meta, kv, layout, l, attn);
-    }
-    at::Tensor o = linear(attn, L.wo, L.bo);
-    if (fused) {
-      add_norm(h, o, L.ffn_norm, x);
-    } else {
-      h = h + o;
-      x = rms_norm_aten(h, L.ffn_norm, c.rms_norm_eps);
-    }
-    at::Tensor gu = linear(x, L.w_gate_up, at::Tensor());
-    if (fused && cuda) {
-#ifdef K25_WITH_CUDA
-      cuda_glue::silu_mul(gu, act);
-#endif
-    } else if (fused) {
-      cpu::silu_mul(gu.data_ptr<float>(), act.data_ptr<float>(), T, I);
-    } else {
-      act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
-    }
-    at::Tensor d = linear(act, L.w_down, at::Tensor());
-    if (fused && l + 1 < c.num_layers) {
-      add_norm(h, d, W.layers[l + 1].attn_norm, x);
-    } else if (fused) {
-      h.add_(d);
-    } else {
-      h = h + d;
-    }
+    if (!cuda) cpu::write_kv(qkv.data_ptr<float>(), qkv_dim, meta.slot_mapping.data(), T, Hq, kv.data_ptr<float>(),
+                             layout, l);
+    m.attention_unfused(qkv, meta, kv, layout, l, attn);
   }
+  at::Tensor o = linear(attn, L.wo, L.bo);
+  if (fused) {
+    add_norm(h, o, L.ffn_norm, x);
+  } else {
+    h = h + o;
+    x = rms_norm_aten(h, L.ffn_norm, c.rms_norm_eps);
+  }
+  at::Tensor gu = linear(x, L.w_gate_up, at::Tensor());
+  if (fused && cuda) {
+#ifdef K25_WITH_CUDA
+    cuda_glue::silu_mul(gu, act);
+#endif
+  } else if (fused) {
+    cpu::silu_mul(gu.data_ptr<float>(), act.data_ptr<float>(), T, I);
+  } else {
+    act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
+  }
+  at::Tensor d = linear(act, L.w_down, at::Tensor());
+  if (fused && l + 1 < c.num_layers) {
+    add_norm(h, d, W.layers[l + 1].attn_norm, x);
+  } else if (fused) {
+    h.add_(d);
+  } else {
+    h = h + d;
+  }
+}
+
+at::Tensor LlamaModel::Pass::State::logits() {
 #ifdef K25_WITH_CUDA
   if (sparse && cuda) cuda_glue::copy_to_host_async(sparse->layer_stats, sparse->host_stats);
   if (sparse && cuda && sparse->scratch.reads.defined() && !prepared) {
@@ -371,6 +433,7 @@ at::Tensor LlamaModel::forward(const BatchMeta& meta, at::Tensor& kv, const KVLa
   }
   return linear(xr, W.lm_head, at::Tensor()).to(at::kFloat);
 }
+
 
 void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, const at::Tensor& kv,
                                    const KVLayout& layout, int32_t layer, at::Tensor& out) const {

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -119,6 +120,28 @@ class LlamaModel {
   at::Tensor forward(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused,
                      const DeviceStep* prepared = nullptr, SparseStep* sparse = nullptr,
                      const ColdRegion* cold = nullptr) const;
+
+  // The same forward pass a layer at a time: forward() is begin, run_layer for every layer,
+  // then logits(). A step of the engine's L3 lane runs its layers between other steps
+  // (docs/offload.md). The pass refers to `meta`, `kv`, `layout`, `sparse` and `cold`: they
+  // must outlive it.
+  class Pass {
+   public:
+    ~Pass();
+    int32_t next_layer() const;
+    int32_t num_layers() const;
+    void run_layer();      // the next layer
+    at::Tensor logits();   // after the last one: float32 [meta.logits_rows.size(), vocab]
+
+   private:
+    friend class LlamaModel;
+    struct State;
+    explicit Pass(std::unique_ptr<State> s);
+    std::unique_ptr<State> s_;
+  };
+  std::unique_ptr<Pass> begin(const BatchMeta& meta, at::Tensor& kv, const KVLayout& layout, bool fused,
+                              const DeviceStep* prepared = nullptr, SparseStep* sparse = nullptr,
+                              const ColdRegion* cold = nullptr) const;
 
  private:
   void attention_unfused(const at::Tensor& qkv, const BatchMeta& meta, const at::Tensor& kv,

@@ -211,3 +211,70 @@ def test_with_a_small_l2_cold_blocks_go_to_l3_and_each_step_stages_them_a_layer_
                 m.generate([prompt], max_new_tokens=NEW_TOKENS)
         finally:
             m.close()
+
+
+def test_corrupted_l3_pages_on_the_gpu_are_recomputed_and_the_tokens_stay_right(model_dir, tmp_path):
+    """The fault path with the staged reads: two pages written to L3 get a byte flipped on disk;
+    the layer slice read back fails its checksum, the step reads zeros for that block, and the
+    sequence drops the step and recomputes. float32: the all-resident run's tokens exactly."""
+    (prompt,), _ = make_prompts(model_dir, "float32", [(PROMPT, 12)])
+    (want,), per_block = reference(model_dir, "float32", [prompt])
+    page = _C.kv_page_bytes(per_block)
+    m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=4, l3_path=str(tmp_path / "l3.bin"),
+                 l3_bytes=60 * page)
+    try:
+        m._engine.corrupt_next_l3_writes_for_test(2)
+        got = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
+        s, tiers, events = m.stats(), m.tier_stats(), m.drain_kv_events()
+    finally:
+        m.close()
+    assert got.token_ids == want.token_ids
+    assert tiers["faults"]["checksum_mismatch"] >= 1 and "checksum_mismatch" in {e[2] for e in events}
+    assert s["prefill_tokens"] > PROMPT  # recomputed
+    assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
+
+
+def test_a_request_beside_an_l3_lane_step_on_the_gpu_is_not_held_up_by_the_disk(model_dir, tmp_path):
+    """As tests/python/test_cold_l3.py's test of the lane: each layer's L3 reads held 2 s (a slow
+    disk), so one lane step of the long request (3 layers, staged two at a time) lasts >= 4 s;
+    the short request, running first in one block of 64 tokens, ends while the first one runs."""
+    import asyncio
+    (short_prompt, long_prompt), per_block16 = make_prompts(model_dir, "float32", [(12, 3), (PROMPT, 12)])
+    cfg = dict(common(model_dir, "float32"), block_size=64, prefill_chunk_size=256, max_num_batched_tokens=288)
+    plain = K25Model(K25Config(kv_cache_bytes=1 << 28, **cfg))
+    try:
+        want_short = plain.generate([short_prompt], max_new_tokens=48, temperature=0.0, ignore_eos=True)[0]
+        want_long = plain.generate([long_prompt], max_new_tokens=1, temperature=0.0, ignore_eos=True)[0]
+    finally:
+        plain.close()
+    page = _C.kv_page_bytes(4 * per_block16)
+    m = K25Model(K25Config(kv_cache_bytes=6 * 4 * per_block16, cache_mode="hierarchical", enable_async_offload=True,
+                           l2_bytes=4 * page, l3_path=str(tmp_path / "l3.bin"), l3_bytes=20 * page, **cfg))
+
+    async def both():
+        started = asyncio.Event()
+        short_ids, long_ids = [], []
+
+        async def short():
+            async for ev in m.stream_events(short_prompt, max_new_tokens=48, ignore_eos=True, temperature=0.0):
+                short_ids.extend(ev.token_ids)
+                started.set()
+            return m.tier_stats()["l3_slice_reads"], m.stats()["lane_steps"]
+
+        async def long():
+            await started.wait()
+            async for ev in m.stream_events(long_prompt, max_new_tokens=1, ignore_eos=True, temperature=0.0):
+                long_ids.extend(ev.token_ids)
+
+        at_short_end, _ = await asyncio.gather(short(), long())
+        return short_ids, long_ids, at_short_end
+
+    try:
+        m._engine.delay_l3_reads_for_test(2.0)
+        short_ids, long_ids, (reads, lane_steps) = asyncio.run(both())
+        s, tiers = m.stats(), m.tier_stats()
+    finally:
+        m.close()
+    assert short_ids == want_short.token_ids and long_ids == want_long.token_ids
+    assert reads > 0 and lane_steps == 0, (reads, lane_steps)
+    assert s["lane_steps"] >= 1 and tiers["l3_blocks"] == 0 and s["blocks_used"] == 0

@@ -1,14 +1,17 @@
 """Cold blocks in L3 (tiered KV, issue #6 use (a), CPU backend).
 
 A sequence longer than L1 plus L2's resident slots keeps running: when L2 is full its cold
-blocks go to the L3 file, and every step reads their layers back while it runs (one layer
-ahead, each layer's bytes checked against a checksum taken when the page was written). The
+blocks go to the L3 file, and every step of it reads their layers back while it runs (in the
+L3 lane, a layer at a time between the other requests' steps; reads run ahead of the layers,
+each layer's bytes checked against a checksum taken when the page was written). The
 oracle is the same prompt on a pool that holds everything: the tokens must be equal.
 A page that comes back wrong makes the sequence recompute; the output stays right.
 """
+import asyncio
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -202,3 +205,140 @@ def test_corrupted_cold_pages_with_prefix_caching_keep_both_requests_right(defau
     assert tiers["faults"]["checksum_mismatch"] >= 1
     assert first.token_ids == reference[0]
     assert again.token_ids == reference[0]
+
+
+# A slow disk (tests hold each layer's L3 reads this long): a lane step of 30 layers, its reads
+# four layers ahead, then lasts at least 30 / 4 * DELAY_S = 7.5 s, and a step that waited for
+# the disk (as every step with L3 reads did before the lane) at least 30 * DELAY_S.
+DELAY_S = 1.0
+
+
+def test_a_request_beside_a_sequence_reading_l3_is_not_held_up_by_the_disk(default_model, prompts, tmp_path):
+    # Blocks of 64 tokens: the short request (11 + 48 tokens) runs first in one block, which
+    # it never outgrows (a sequence that needs a block preempts the lowest-ranked one, here
+    # the long one, lane step or not). The long one (600 tokens in chunks of 256, 4 blocks:
+    # from its second chunk on it needs more than L1's 6 blocks, so it moves some of its own
+    # to L2 and L3 rather than preempt itself) then streams its cold blocks from L3 in the
+    # lane, and the short request's steps go on between the lane's layers.
+    short_prompt = default_model.tokenize("Count with me: 1, 2, 3,")
+    want_short = default_model.generate([short_prompt], max_new_tokens=48, ignore_eos=True, temperature=0.0)[0]
+    want_long = default_model.generate([prompts[0]], max_new_tokens=1, ignore_eos=True, temperature=0.0)[0]
+    assert len(short_prompt) + 48 <= 64
+    page = _C.kv_page_bytes(default_model.kv_block_bytes * 4)
+    model = K25Model(K25Config(num_threads=2, kv_cache_bytes=6 * 4 * default_model.kv_block_bytes, block_size=64,
+                               prefill_chunk_size=256, max_num_batched_tokens=288, max_batch_size=4,
+                               cache_mode="hierarchical", enable_async_offload=True, l2_bytes=L2_SLOTS * page,
+                               l3_path=str(tmp_path / "l3.bin"), l3_bytes=20 * page))
+    model._engine.delay_l3_reads_for_test(DELAY_S)
+
+    async def both():
+        started = asyncio.Event()
+        times, short_ids, long_ids = [], [], []
+
+        async def short():
+            async for ev in model.stream_events(short_prompt, max_new_tokens=48, ignore_eos=True, temperature=0.0):
+                times.append(time.monotonic())
+                short_ids.extend(ev.token_ids)
+                started.set()
+            return model.tier_stats()["l3_slice_reads"], model.stats()["lane_steps"]
+
+        async def long():
+            await started.wait()
+            async for ev in model.stream_events(prompts[0], max_new_tokens=1, ignore_eos=True, temperature=0.0):
+                long_ids.extend(ev.token_ids)
+
+        at_short_end, _ = await asyncio.gather(short(), long())
+        return times, short_ids, long_ids, at_short_end
+
+    try:
+        times, short_ids, long_ids, (reads, lane_steps) = asyncio.run(both())
+        s, tiers = model.stats(), model.tier_stats()
+    finally:
+        model.close()
+    assert short_ids == want_short.token_ids and long_ids == want_long.token_ids
+    # The long request's first lane step had begun reading L3 when the short one ended, and had
+    # not ended: the short request's last ~45 tokens all came while that one step ran.
+    assert reads > 0 and lane_steps == 0, (reads, lane_steps, times)
+    assert s["lane_steps"] >= 2
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) < 2.0, gaps
+    assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
+
+
+def test_a_request_aborted_during_its_lane_step_ends_after_it_and_frees_everything(default_model, prompts,
+                                                                                   reference, tmp_path):
+    model = with_l3(default_model, tmp_path)
+    model._engine.delay_l3_reads_for_test(0.2)
+
+    async def abort_in_lane():
+        task = asyncio.ensure_future(consume())
+        deadline = time.monotonic() + 120
+        while model.tier_stats()["l3_slice_reads"] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        reads = model.tier_stats()["l3_slice_reads"]
+        task.cancel()  # closing the stream aborts the request, whose lane step is reading L3
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return reads
+
+    async def consume():
+        async for _ in model.stream_events(prompts[0], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0):
+            pass
+
+    try:
+        assert asyncio.run(abort_in_lane()) > 0
+        deadline = time.monotonic() + 60
+        while model.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s, tiers = model.stats(), model.tier_stats()
+        assert s["running"] == 0 and s["requests_aborted"] == 1
+        assert s["blocks_used"] == 0 and tiers["l2_blocks"] == 0 and tiers["l3_blocks"] == 0
+        model._engine.delay_l3_reads_for_test(0)
+        again = model.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+    finally:
+        model.close()
+    assert again.token_ids == reference[0]
+
+
+def test_a_sequence_preempted_during_its_lane_step_drops_the_step_and_recomputes(default_model, prompts, tmp_path):
+    # Blocks of 16: the short request, ranked first, needs a block every 16 tokens; with L1 full
+    # of the long one's blocks it preempts the long one, whose lane step (reading L3 slowly) is
+    # dropped first (Scheduler::set_lane_cancel). Both requests still give their tokens.
+    short_prompt = default_model.tokenize("Count with me: 1, 2, 3,")
+    want_short = default_model.generate([short_prompt], max_new_tokens=48, ignore_eos=True, temperature=0.0)[0]
+    want_long = default_model.generate([prompts[1]], max_new_tokens=2, ignore_eos=True, temperature=0.0)[0]
+    page = _C.kv_page_bytes(default_model.kv_block_bytes)
+    model = K25Model(K25Config(num_threads=2, kv_cache_bytes=L1_BLOCKS * default_model.kv_block_bytes,
+                               block_size=BLOCK, prefill_chunk_size=128, max_num_batched_tokens=160, max_batch_size=4,
+                               cache_mode="hierarchical", enable_async_offload=True, l2_bytes=L2_SLOTS * page,
+                               l3_path=str(tmp_path / "l3.bin"), l3_bytes=80 * page))
+    model._engine.delay_l3_reads_for_test(0.2)
+
+    async def both():
+        started = asyncio.Event()
+        short_ids, long_ids = [], []
+
+        async def short():
+            async for ev in model.stream_events(short_prompt, max_new_tokens=48, ignore_eos=True, temperature=0.0):
+                short_ids.extend(ev.token_ids)
+                started.set()
+
+        async def long():
+            await started.wait()
+            async for ev in model.stream_events(prompts[1], max_new_tokens=2, ignore_eos=True, temperature=0.0):
+                long_ids.extend(ev.token_ids)
+
+        await asyncio.gather(short(), long())
+        return short_ids, long_ids
+
+    try:
+        short_ids, long_ids = asyncio.run(both())
+        s, tiers, events = model.stats(), model.tier_stats(), model.drain_kv_events()
+    finally:
+        model.close()
+    assert short_ids == want_short.token_ids and long_ids == want_long.token_ids
+    assert s["preemptions"] >= 1 and "preempt_recompute" in {e[2] for e in events}
+    assert tiers["l3_slice_reads"] > 0 and s["lane_steps"] >= 1
+    assert tiers["l3_blocks"] == 0 and tiers["l2_blocks"] == 0 and s["blocks_used"] == 0

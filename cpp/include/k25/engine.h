@@ -29,6 +29,7 @@ struct BatchMeta;
 struct BlockReads;
 struct Sequence;
 struct StepPlan;
+struct ScheduledSeq;
 struct SampleResult;
 struct TierStats;
 
@@ -78,6 +79,7 @@ struct LayerSparsityStats {
 struct EngineStats {
   int64_t steps = 0;
   int64_t pipelined_steps = 0;  // launched before the previous step's samples were known
+  int64_t lane_steps = 0;       // of steps, those of the L3 lane (sequences with cold blocks in L3)
   int64_t prefill_tokens = 0;  // tokens computed for prompts (and recomputation)
   int64_t decode_tokens = 0;   // tokens computed one per sequence per step
   int64_t generated_tokens = 0;
@@ -161,6 +163,9 @@ class Engine {
   // Tests: flips a byte on disk in each of the next n pages written to L3 (see
   // TierManager). Throws kInvalidArgument without an L3 tier.
   void corrupt_next_l3_writes_for_test(int32_t n);
+  // Tests: each layer of a lane step's L3 reads takes at least this long (a slow disk).
+  // Throws kInvalidArgument without cold blocks in L3.
+  void delay_l3_reads_for_test(double seconds);
   // Tests: the tiers' release of the next request to finish throws (an engine bug's stand-in).
   void fail_next_kv_release_for_test();
   // Tests: the swap-or-recompute choice sees this cost per block instead of the measured one.
@@ -189,7 +194,22 @@ class Engine {
                        const std::vector<SampleResult>& results, double t_done, std::vector<RequestOutput>* outs,
                        StepCounts* counts);
   void fail_step(const std::vector<Sequence*>& seqs, const std::string& error);
+  struct StepInputs;
+  void build_inputs(const std::vector<ScheduledSeq>& seqs, StepInputs* in);
+  // The L3 lane (engine.cpp): sequences with cold blocks in L3 step there.
+  struct Lane;
+  bool reads_l3(const Sequence& s) const;  // some cold block of s is in L3
+  void start_lane(StepPlan plan, double t0);
+  // Runs the lane step's layers whose reads are in (with `wait`, the next one in any case),
+  // for up to budget_s (one layer at least); ends the step after its last layer.
+  void advance_lane(bool wait, double budget_s = 1e30);
+  void finish_lane();
+  void cancel_lane();  // its tokens stay uncomputed (shutdown, an engine failure)
+  // Ends the lane's executor step and reads; finishes the sequences aborted meanwhile and
+  // returns the others.
+  std::vector<Sequence*> end_lane(Lane* lane);
   void add_counts_locked(const StepCounts& counts);  // with mu_ held: counters and gauges
+  void tier_counters_locked();  // with mu_ held: stats_'s copies of the scheduler's and tiers' counters
 
   EngineConfig config_;
   std::unique_ptr<ModelExecutor> executor_;
@@ -208,6 +228,8 @@ class Engine {
   void observe_reads(const BatchMeta& meta, const std::vector<Sequence*>& seqs, const BlockReads& reads,
                      int64_t step);
   int64_t plan_serial_ = 0;  // steps planned with a predictor (BlockPredictor::begin_plan)
+  std::unique_ptr<Lane> lane_;  // the L3 lane's step, while one runs
+  bool lane_waits_ = false;     // K25_L3_LANE=0: the step that plans a lane step runs it whole
 
   mutable std::mutex mu_;  // guards inbox_, aborts_, stop_, stats_ snapshot
   std::condition_variable cv_;
