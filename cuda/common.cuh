@@ -234,13 +234,24 @@ __device__ __forceinline__ void merge_in_cta(const AttnBatch& batch, const Split
     }
   }
   // Each output element: its partials in slot order, batch after batch from shared memory.
-  // A thread holds kPer pairs of elements.
+  // A thread holds kPer pairs of elements. A slot's loads do not wait on whether it is empty
+  // (a select keeps an empty partial's bytes out of the sums), so the slots' loads pipeline:
+  // with a branch around them, each slot's three shared-memory round trips ran in series
+  // (5.4 us of the merge at 33 slots, per-CTA stamps, bench/gpu/NOTES.md).
   static_assert(D % 2 == 0 && kStride % 2 == 0, "float2 pairs");
   constexpr int kPer = (kDecodeMaxGroup * D / 2 + kThreads - 1) / kThreads;
   const int n = rows * D / 2;  // pairs
   float2 acc[kPer];
+  int row[kPer], col[kPer];
+  bool live[kPer];
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) acc[j] = make_float2(0.0f, 0.0f);
+  for (int j = 0; j < kPer; ++j) {
+    acc[j] = make_float2(0.0f, 0.0f);
+    const int e = 2 * (threadIdx.x + j * kThreads);
+    live[j] = e < 2 * n;
+    row[j] = live[j] ? e / D : 0;
+    col[j] = e % D;
+  }
   for (int k0 = 0; k0 < count; k0 += per_batch) {
     if (k0 > 0) {
       __syncthreads();  // the previous batch is consumed
@@ -249,16 +260,18 @@ __device__ __forceinline__ void merge_in_cta(const AttnBatch& batch, const Split
     cp_async_wait<0>();
     __syncthreads();  // every thread's pieces (and, the first time, the weights above)
     const int nk = min(per_batch, count - k0);
+#pragma unroll 4
     for (int k = 0; k < nk; ++k) {
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
-        const int e = 2 * (threadIdx.x + j * kThreads), r = e / D;
-        if (e < 2 * n && lsum[r * kMaxFusedSplits + k0 + k] > 0.0f) {
-          const float2 v = *reinterpret_cast<const float2*>(staged + (k * group + r) * kStride + e % D);
-          const float f = wt[r * kMaxFusedSplits + k0 + k];
-          acc[j].x = fmaf(v.x, f, acc[j].x);
-          acc[j].y = fmaf(v.y, f, acc[j].y);
-        }
+        if (!live[j]) continue;
+        const int r = row[j];
+        const float2 v = *reinterpret_cast<const float2*>(staged + (k * group + r) * kStride + col[j]);
+        const float f = wt[r * kMaxFusedSplits + k0 + k];
+        const bool use = lsum[r * kMaxFusedSplits + k0 + k] > 0.0f;
+        const float x = fmaf(v.x, f, acc[j].x), y = fmaf(v.y, f, acc[j].y);
+        acc[j].x = use ? x : acc[j].x;
+        acc[j].y = use ? y : acc[j].y;
       }
     }
   }
