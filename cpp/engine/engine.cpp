@@ -985,10 +985,15 @@ void Engine::advance_lane(bool wait, double budget_s) {
   finish_lane();
 }
 
-std::vector<Sequence*> Engine::end_lane(Lane* lane) {
+void Engine::stop_lane(Lane* lane) {
   lane->step.reset();   // waits for the device to finish its launched layers
   lane->reads.reset();  // waits for the reads in flight
+  lane->in.meta.cold_layers = nullptr;
   for (Sequence* s : lane->in.seqs) s->in_lane = false;
+}
+
+std::vector<Sequence*> Engine::end_lane(Lane* lane) {
+  stop_lane(lane);
   std::vector<RequestOutput> outs;
   std::vector<Sequence*> left;
   for (Sequence* s : lane->in.seqs) {
@@ -1014,9 +1019,7 @@ void Engine::cancel_lane() {
   // The step's tokens stay uncomputed: its sequences step again. Called from the scheduler
   // too (a preemption): nothing here may change its queues, so the aborts that came while
   // the step ran go back to the engine loop, which applies them with the next ones.
-  lane->step.reset();
-  lane->reads.reset();
-  for (Sequence* s : lane->in.seqs) s->in_lane = false;
+  stop_lane(lane.get());
   if (!lane->aborted.empty()) {
     std::lock_guard<std::mutex> lk(mu_);
     aborts_.insert(aborts_.end(), lane->aborted.begin(), lane->aborted.end());
@@ -1047,10 +1050,7 @@ void Engine::finish_lane() {
     if (!spoiled[i]) spoiled_why[i] = why;
     spoiled[i] = true;
   }
-  lane->step.reset();
-  lane->reads.reset();
-  in.meta.cold_layers = nullptr;
-  for (Sequence* s : seqs) s->in_lane = false;
+  stop_lane(lane.get());
   for (const ScheduledSeq& s : lane->plan.seqs) {
     if (s.seq->num_computed < s.seq->num_prompt_tokens) {  // this step computed prompt tokens
       ++s.seq->prefill_chunks;

@@ -79,7 +79,7 @@ struct Sequence {
   // puts the block in the table or gives up.
   std::vector<uint8_t> promoting;
   // In the engine's L3 lane: a step of it runs a layer at a time between the others' steps
-  // (docs/offload.md); until it ends the scheduler skips it and never preempts it.
+  // (docs/offload.md); until it ends the scheduler skips it (preempting it drops that step).
   bool in_lane = false;
   // Steps whose cold blocks in L3 could not be written or read back (each made it recompute).
   int32_t cold_tier_faults = 0;

@@ -213,6 +213,34 @@ def test_corrupted_cold_pages_with_prefix_caching_keep_both_requests_right(defau
 DELAY_S = 1.0
 
 
+def beside(model, short_prompt, short_new, long_prompt, long_new, at_short_end=lambda: None):
+    """Streams a short request and, from its first token on, a long one beside it. Returns the
+    short request's token arrival times and ids, the long one's ids, and what at_short_end()
+    gave when the short one ended."""
+    async def both():
+        started = asyncio.Event()
+        times, short_ids, long_ids = [], [], []
+
+        async def short():
+            async for ev in model.stream_events(short_prompt, max_new_tokens=short_new, ignore_eos=True,
+                                                temperature=0.0):
+                times.append(time.monotonic())
+                short_ids.extend(ev.token_ids)
+                started.set()
+            return at_short_end()
+
+        async def long():
+            await started.wait()
+            async for ev in model.stream_events(long_prompt, max_new_tokens=long_new, ignore_eos=True,
+                                                temperature=0.0):
+                long_ids.extend(ev.token_ids)
+
+        end, _ = await asyncio.gather(short(), long())
+        return times, short_ids, long_ids, end
+
+    return asyncio.run(both())
+
+
 def test_a_request_beside_a_sequence_reading_l3_is_not_held_up_by_the_disk(default_model, prompts, tmp_path):
     # Blocks of 64 tokens: the short request (11 + 48 tokens) runs first in one block, which
     # it never outgrows (a sequence that needs a block preempts the lowest-ranked one, here
@@ -231,27 +259,10 @@ def test_a_request_beside_a_sequence_reading_l3_is_not_held_up_by_the_disk(defau
                                l3_path=str(tmp_path / "l3.bin"), l3_bytes=20 * page))
     model._engine.delay_l3_reads_for_test(DELAY_S)
 
-    async def both():
-        started = asyncio.Event()
-        times, short_ids, long_ids = [], [], []
-
-        async def short():
-            async for ev in model.stream_events(short_prompt, max_new_tokens=48, ignore_eos=True, temperature=0.0):
-                times.append(time.monotonic())
-                short_ids.extend(ev.token_ids)
-                started.set()
-            return model.tier_stats()["l3_slice_reads"], model.stats()["lane_steps"]
-
-        async def long():
-            await started.wait()
-            async for ev in model.stream_events(prompts[0], max_new_tokens=1, ignore_eos=True, temperature=0.0):
-                long_ids.extend(ev.token_ids)
-
-        at_short_end, _ = await asyncio.gather(short(), long())
-        return times, short_ids, long_ids, at_short_end
-
     try:
-        times, short_ids, long_ids, (reads, lane_steps) = asyncio.run(both())
+        times, short_ids, long_ids, (reads, lane_steps) = beside(
+            model, short_prompt, 48, prompts[0], 1,
+            lambda: (model.tier_stats()["l3_slice_reads"], model.stats()["lane_steps"]))
         s, tiers = model.stats(), model.tier_stats()
     finally:
         model.close()
@@ -315,26 +326,8 @@ def test_a_sequence_preempted_during_its_lane_step_drops_the_step_and_recomputes
                                cache_mode="hierarchical", enable_async_offload=True, l2_bytes=L2_SLOTS * page,
                                l3_path=str(tmp_path / "l3.bin"), l3_bytes=80 * page))
     model._engine.delay_l3_reads_for_test(0.2)
-
-    async def both():
-        started = asyncio.Event()
-        short_ids, long_ids = [], []
-
-        async def short():
-            async for ev in model.stream_events(short_prompt, max_new_tokens=48, ignore_eos=True, temperature=0.0):
-                short_ids.extend(ev.token_ids)
-                started.set()
-
-        async def long():
-            await started.wait()
-            async for ev in model.stream_events(prompts[1], max_new_tokens=2, ignore_eos=True, temperature=0.0):
-                long_ids.extend(ev.token_ids)
-
-        await asyncio.gather(short(), long())
-        return short_ids, long_ids
-
     try:
-        short_ids, long_ids = asyncio.run(both())
+        _, short_ids, long_ids, _ = beside(model, short_prompt, 48, prompts[1], 2)
         s, tiers, events = model.stats(), model.tier_stats(), model.drain_kv_events()
     finally:
         model.close()

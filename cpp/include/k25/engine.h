@@ -205,8 +205,9 @@ class Engine {
   void advance_lane(bool wait, double budget_s = 1e30);
   void finish_lane();
   void cancel_lane();  // its tokens stay uncomputed (shutdown, an engine failure)
-  // Ends the lane's executor step and reads; finishes the sequences aborted meanwhile and
-  // returns the others.
+  // Ends the lane's executor step and reads (waiting for both); its sequences leave the lane.
+  void stop_lane(Lane* lane);
+  // stop_lane, then finishes the sequences aborted meanwhile and returns the others.
   std::vector<Sequence*> end_lane(Lane* lane);
   void add_counts_locked(const StepCounts& counts);  // with mu_ held: counters and gauges
   void tier_counters_locked();  // with mu_ held: stats_'s copies of the scheduler's and tiers' counters
