@@ -20,6 +20,12 @@ L3 file at PATH holds the rest: cold blocks past L2 live in L3, and every step r
 layers back while it runs (docs/offload.md "Cold blocks in L3"; on CUDA those steps are eager,
 so compare with K25_DISABLE_CUDA_GRAPHS=1 for the same greedy tokens in bf16).
 
+--l3-whole (with --l3 --sparse): one more tiered run, with K25_L3_SELECTIVE=0: its steps read
+whole layers of their L3 blocks ahead, where by default a layer reads ahead only what its selection
+reads (the K halves for the channel estimate) and after the selection the V halves (or K and V) of
+the blocks it kept (docs/offload.md "Cold blocks in L3"). The two tiered runs' decode tok/s and L3
+bytes side by side are the measure of selective reads.
+
 --device cuda: L1 is device memory and L2 pinned host memory, which the attention kernels
 read in place over the bus (cold blocks on CUDA, docs/offload.md); decode steps run as CUDA
 graphs in both runs (K25_DISABLE_CUDA_GRAPHS=1: eager in both).
@@ -27,6 +33,7 @@ graphs in both runs (K25_DISABLE_CUDA_GRAPHS=1: eager in both).
 import argparse
 import asyncio
 import json
+import os
 import time
 
 import numpy as np
@@ -127,7 +134,9 @@ def run(cfg, ids, new):
             "sparsity_ratio": m_ratio, "predictor": s["predictor"],
             "l3_cold_blocks": tiers["offloads_to_l3"] if tiers else 0,
             "l3_slice_reads": tiers["l3_slice_reads"] if tiers else 0,
-            "l3_bytes_read": tiers["bytes_from_l3"] if tiers else 0}
+            "l3_bytes_read": tiers["bytes_from_l3"] if tiers else 0,
+            "l3_decode_bytes": tiers["bytes_from_l3"] - after_prefill["bytes_from_l3"] if tiers else 0,
+            "l3_halves_read": s.get("l3_halves_read", 0), "l3_halves_skipped": s.get("l3_halves_skipped", 0)}
 
 
 def main():
@@ -137,10 +146,15 @@ def main():
     ap.add_argument("--l1-fraction", type=float, default=0.25, help="of the blocks the sequence needs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sparse", action="store_true", help="dynamic sparsity on in both runs")
+    ap.add_argument("--score-channels", type=int, default=None,
+                    help="with --sparse: sparsity_score_channels (default: the device's; 0: the bound rule)")
     ap.add_argument("--max-moves", type=int, nargs="*", default=[2],
                     help="predictor_max_moves of the tiered run(s): one tiered run per value (0: demotion order only)")
     ap.add_argument("--l3", help="an L3 file for the tiered run: cold blocks past --l2-slots go there")
     ap.add_argument("--l2-slots", type=int, default=8, help="with --l3: the tiered run's L2 slots")
+    ap.add_argument("--l3-whole", action="store_true",
+                    help="with --l3 --sparse: one more tiered run (first --max-moves) that reads whole layers of "
+                         "its L3 blocks ahead (K25_L3_SELECTIVE=0) instead of only what the selection needs")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
     ap.add_argument("--json")
@@ -150,10 +164,20 @@ def main():
                 max_seq_len=max(args.tokens + args.new + 8, 8192),
                 prefill_chunk_size=512, max_num_batched_tokens=512, block_size=16,
                 enable_dynamic_sparsity=args.sparse)
+    if args.sparse and args.score_channels is not None:
+        base["sparsity_score_channels"] = args.score_channels
     w = workload(base, args.tokens, args.new, args.l1_fraction, args.l3, args.l2_slots)
     ids, per_block, need, l1 = w.ids, w.per_block, w.need, w.l1
     resident = run(w.resident, ids, args.new)
     colds = [run(w.cold(mm), ids, args.new) for mm in args.max_moves]
+    names = [f"cold, moves {mm}" for mm in args.max_moves]
+    if args.l3_whole:
+        os.environ["K25_L3_SELECTIVE"] = "0"  # read when the executor is made
+        try:
+            colds.append(run(w.cold(args.max_moves[0]), ids, args.new))
+        finally:
+            del os.environ["K25_L3_SELECTIVE"]
+        names.append(f"L3 whole, moves {args.max_moves[0]}")
     cold = colds[0]
     same = all(resident["tokens"] == c["tokens"] for c in colds)
     res = {"date": time.strftime("%Y-%m-%d"), "context": args.tokens, "new": args.new, "blocks_needed": need,
@@ -162,15 +186,14 @@ def main():
            "l2_slots": args.l2_slots if args.l3 else need + 4,
            "resident": {k: v for k, v in resident.items() if k != "tokens"},
            "cold": {k: v for k, v in cold.items() if k != "tokens"},
-           "cold_runs": [dict({k: v for k, v in c.items() if k != "tokens"}, max_moves=mm)
-                         for c, mm in zip(colds, args.max_moves)],
+           "cold_runs": [dict({k: v for k, v in c.items() if k != "tokens"}, name=n) for c, n in zip(colds, names)],
            "decode_ratio": cold["decode_tok_s"] / resident["decode_tok_s"],
            "p99_ratio": cold["p99_ms"] / resident["p99_ms"]}
     print(f"context {args.tokens} + {args.new} new tokens = {need} blocks of {per_block} bytes; "
           f"L1 of {l1} blocks ({l1 / need:.0%}) in the tiered run"
           + (f", L2 of {args.l2_slots} slots and L3 at {args.l3}" if args.l3 else "")
           + f", {args.device} {dtype}, {args.threads} threads")
-    runs = [("all resident", resident)] + [(f"cold, moves {mm}", c) for c, mm in zip(colds, args.max_moves)]
+    runs = [("all resident", resident)] + list(zip(names, colds))
     for name, r in runs:
         p = r["predictor"]
         tiers = (f"; L1 hit rate {p['hit_rate']:.3f}, promotions {p['promotions']} ({p['exchanges']} exchanges)"
@@ -184,13 +207,14 @@ def main():
                 print(f"{'':>14}  L1 -> L2 copies ({phase}): {o['count']}, start to completion mean "
                       f"{1e3 * o['mean_s']:.3f} ms, 99% under {1e3 * o['p99_bound_s']:.3f} ms")
         if r.get("l3_cold_blocks"):
-            print(f"{'':>14}  cold blocks in L3: {r['l3_cold_blocks']}, layer reads {r['l3_slice_reads']} "
-                  f"({r['l3_bytes_read'] / 2**20:.0f} MiB in all)")
+            print(f"{'':>14}  cold blocks in L3: {r['l3_cold_blocks']}, slice reads {r['l3_slice_reads']} "
+                  f"({r['l3_bytes_read'] / 2**20:.0f} MiB in all, {r['l3_decode_bytes'] / 2**20:.0f} MiB in decode"
+                  f"; halves read {r['l3_halves_read']}, skipped {r['l3_halves_skipped']})")
         print(f"{'':>14}  slowest 1% of steps (ms@slot in block): "
               + ", ".join(f"{x['ms']:.2f}@{x['slot']}" for x in r["slow_steps"]))
     print("cold / resident: " + "; ".join(
-        f"moves {mm}: decode tok/s {c['decode_tok_s'] / resident['decode_tok_s']:.3f}, "
-        f"P99 {c['p99_ms'] / resident['p99_ms']:.3f}" for c, mm in zip(colds, args.max_moves))
+        f"{n}: decode tok/s {c['decode_tok_s'] / resident['decode_tok_s']:.3f}, "
+        f"P99 {c['p99_ms'] / resident['p99_ms']:.3f}" for c, n in zip(colds, names))
         + f"; same greedy tokens: {same}")
     if args.json:
         with open(args.json, "w") as f:

@@ -69,6 +69,7 @@ struct Engine::Lane {
   std::vector<int64_t> aborted;  // aborts that came while it ran: they end with it
   double t0 = 0;                 // when it was planned
   double busy_s = 0;             // time in its layers
+  int64_t plan_serial = 0;       // the plan it ran (BlockPredictor::begin_plan)
 };
 
 Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> executor,
@@ -117,7 +118,11 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
       // Promotions copy up from L2 only: a cold block in L3 stays there.
       cold_l3_ = swap_->l3_cold();
       if (cold_l3_) scheduler_->set_cold_promotable([swap](uint64_t key) { return swap->cold_l2_data(key) != nullptr; });
-      if (cold_l3_) scheduler_->set_lane_cancel([this] { cancel_lane(); });
+      if (cold_l3_) {
+        scheduler_->set_lane_cancel([this] { cancel_lane(); });
+        // One lane step at a time: the others with L3 blocks wait for it unplanned.
+        scheduler_->set_lane_held([this](const Sequence& s) { return lane_ && reads_l3(s); });
+      }
       max_seq_blocks_ = swap_->max_sequence_blocks();
       PredictorConfig pc;
       pc.decay = config_.predictor_decay;
@@ -813,6 +818,7 @@ void Engine::step() {
   // Sequences with cold blocks in L3 step in the lane, a layer at a time between the others'
   // steps, so that the disk does not hold the others up; while a lane step runs, another
   // such sequence is skipped (it keeps what this plan gave it).
+  double lane_wait_s = 0;
   if (cold_l3_) {
     StepPlan lane_plan;
     std::vector<ScheduledSeq> rest;
@@ -825,8 +831,16 @@ void Engine::step() {
       if (!lane_) lane_plan.seqs.push_back(s);
     }
     plan.seqs = std::move(rest);
-    if (!lane_plan.seqs.empty()) start_lane(std::move(lane_plan), t0);
-    while (lane_waits_ && lane_) advance_lane(true);
+    // A lane that could not start failed its own requests; the plan's others run next loop
+    // (with an empty plan here, the code below would take a waiting request for unschedulable).
+    if (!lane_plan.seqs.empty() && !start_lane(std::move(lane_plan), t0)) return;
+    if (lane_waits_ && lane_) {
+      // K25_L3_LANE=0: the others wait for the lane step (finish_lane counts its busy time).
+      const double tw = now_s();
+      while (lane_) advance_lane(true);
+      if (plan.empty()) return;
+      lane_wait_s = now_s() - tw;
+    }
   }
   std::vector<RequestOutput> outs;
   if (plan.empty() && lane_) {
@@ -915,8 +929,8 @@ void Engine::step() {
     stats_.prefill_tokens += prefill_tokens;
     stats_.decode_tokens += decode_tokens;
     add_counts_locked(counts);
-    stats_.busy_time_s += t1 - t0;
-    stats_.last_step_s = t1 - t0;
+    stats_.busy_time_s += t1 - t0 - lane_wait_s;
+    stats_.last_step_s = t1 - t0 - lane_wait_s;
     stats_.last_step_tokens = plan.num_tokens;
     stats_.sparsity_layers = executor_->sparsity_stats();
     tier_counters_locked();
@@ -941,25 +955,41 @@ bool Engine::reads_l3(const Sequence& s) const {
   return false;
 }
 
-void Engine::start_lane(StepPlan plan, double t0) {
+bool Engine::start_lane(StepPlan plan, double t0) {
   auto lane = std::make_unique<Lane>();
   lane->plan = std::move(plan);
   lane->t0 = t0;
+  lane->plan_serial = plan_serial_;
   build_inputs(lane->plan.seqs, &lane->in);
   std::function<ColdStage(int64_t)> stage;
   if (executor_->stages_cold_blocks()) stage = [this](int64_t bytes) { return executor_->cold_stage(bytes); };
   try {
     // The reads of the first layers start here, while the others' step runs.
-    lane->reads = swap_->read_cold_l3(lane->in.meta.cold_blocks, lane->in.cold_l3, stage);
+    ColdReadPlan plan = executor_->cold_read_plan(lane->in.meta);
+    if (plan.halves) {
+      // What the last lane step's attention read of each block is read whole ahead.
+      const size_t L = plan.layers.size();
+      plan.ahead.assign(lane->in.meta.cold_blocks.size() * L, 0);
+      for (size_t e = 0; e < lane->in.cold_l3.size(); ++e) {
+        const auto [i, b] = lane->in.cold_l3_seq[e];
+        const Sequence* s = lane->in.seqs[i];
+        if (static_cast<size_t>(b) >= s->l3_kept.size() || s->l3_kept[static_cast<size_t>(b)].size() != L) continue;
+        std::copy(s->l3_kept[static_cast<size_t>(b)].begin(), s->l3_kept[static_cast<size_t>(b)].end(),
+                  plan.ahead.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(lane->in.cold_l3[e].first) * L));
+      }
+    }
+    lane->reads = swap_->read_cold_l3(lane->in.meta.cold_blocks, lane->in.cold_l3, stage, std::move(plan));
     lane->in.meta.cold_layers = lane->reads.get();
     lane->step = executor_->begin_layered(lane->in.meta, lane->in.samples);
   } catch (const std::exception& e) {  // e.g. no memory for the read buffers: these requests fail
     lane->step.reset();
     lane->reads.reset();  // its reads end before failing frees the keys they read
-    return fail_step(lane->in.seqs, std::string("model step failed: ") + e.what());
+    fail_step(lane->in.seqs, std::string("model step failed: ") + e.what());
+    return false;
   }
   for (Sequence* s : lane->in.seqs) s->in_lane = true;
   lane_ = std::move(lane);
+  return true;
 }
 
 void Engine::advance_lane(bool wait, double budget_s) {
@@ -1040,11 +1070,24 @@ void Engine::finish_lane() {
   }
   const double t_done = now_s();
   lane->busy_s += t_done - t_exec;
+  BlockReads reads;  // (taken before stop_lane ends the executor's step)
+  const bool have_reads = predictor_ && lane->step->block_reads(in.meta, &reads);
   // Cold blocks in L3 that could not be read back intact (or written: lost): the step read
   // zeros for them, so each such sequence drops this step's result and recomputes.
   std::vector<Sequence*>& seqs = in.seqs;
   std::vector<bool> spoiled(seqs.size(), false);
   std::vector<std::string> spoiled_why(seqs.size());
+  const int64_t halves_read = lane->reads->halves_read();
+  const int64_t halves_skipped = lane->reads->halves_total() - halves_read;
+  const int64_t halves_late = lane->reads->halves_late();
+  if (lane->reads->selective()) {
+    for (size_t e = 0; e < in.cold_l3.size(); ++e) {
+      const auto [i, b] = in.cold_l3_seq[e];
+      Sequence* s = seqs[i];
+      if (s->l3_kept.size() <= static_cast<size_t>(b)) s->l3_kept.resize(static_cast<size_t>(b) + 1);
+      s->l3_kept[static_cast<size_t>(b)] = lane->reads->kept_layers(e);
+    }
+  }
   for (const auto& [e, why] : lane->reads->finish()) {
     const size_t i = in.cold_l3_seq[e].first;
     if (!spoiled[i]) spoiled_why[i] = why;
@@ -1070,36 +1113,50 @@ void Engine::finish_lane() {
       ++aborted;
     }
   }
-  // Before complete_step: a spoiled step's blocks must not count as computed (nor be offered
-  // to the prefix cache: their KV derives from the zeros read in place of the bad block).
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    if (!spoiled[i] || !seqs[i]) continue;
-    Sequence* seq = seqs[i];
-    seqs[i] = nullptr;  // its sample (if any) is not used
-    if (++seq->cold_tier_faults > kMaxColdTierFaults) {
-      // A tier that keeps failing (a full or failing disk): the request ends with the
-      // reason rather than recomputing for ever.
-      record_kv_event(seq->id, seq->block_table, spoiled_why[i].c_str(), true);
-      finish(seq, static_cast<int>(FinishReason::kError),
-             "KV cache tier L3 failed " + std::to_string(seq->cold_tier_faults) + " times for this request (" +
-                 spoiled_why[i] + ")", &outs);
-      failed_ids.push_back(seq->id);
-      ++counts.failed;
-      continue;
+  try {
+    // Before complete_step: a spoiled step's blocks must not count as computed (nor be offered
+    // to the prefix cache: their KV derives from the zeros read in place of the bad block).
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (!spoiled[i] || !seqs[i]) continue;
+      Sequence* seq = seqs[i];
+      seqs[i] = nullptr;  // its sample (if any) is not used
+      if (++seq->cold_tier_faults > kMaxColdTierFaults) {
+        // A tier that keeps failing (a full or failing disk): the request ends with the
+        // reason rather than recomputing for ever.
+        record_kv_event(seq->id, seq->block_table, spoiled_why[i].c_str(), true);
+        finish(seq, static_cast<int>(FinishReason::kError),
+               "KV cache tier L3 failed " + std::to_string(seq->cold_tier_faults) + " times for this request (" +
+                   spoiled_why[i] + ")", &outs);
+        failed_ids.push_back(seq->id);
+        ++counts.failed;
+        continue;
+      }
+      std::vector<int32_t> blocks;
+      std::vector<uint64_t> keys;
+      scheduler_->recompute(seq, &blocks, &keys);
+      swap_->free_cold_keys(keys);
+      record_kv_event(seq->id, blocks, spoiled_why[i].c_str(), true);
     }
-    std::vector<int32_t> blocks;
-    std::vector<uint64_t> keys;
-    scheduler_->recompute(seq, &blocks, &keys);
-    swap_->free_cold_keys(keys);
-    record_kv_event(seq->id, blocks, spoiled_why[i].c_str(), true);
+    // The predictor learns from the lane's selections as from any step's (seqs: null for the
+    // ones above). Not observe_compute: the lane step's time includes its reads.
+    if (have_reads) observe_reads(in.meta, seqs, reads, lane->plan_serial);
+    scheduler_->complete_step(lane->plan);  // skips the sequences above (no longer running)
+    for (int64_t id : failed_ids) scheduler_->release(id);
+    process_samples(in.rec, seqs, results, t_done, &outs, &counts);
+  } catch (...) {
+    // The engine fails every request it still runs (loop()); the ones this step already ended
+    // (aborted, failed) are no longer among them, so their outputs go out here.
+    for (int64_t id : failed_ids) scheduler_->release(id);  // (a second release is a no-op)
+    for (RequestOutput& o : outs) emit(std::move(o));
+    throw;
   }
-  scheduler_->complete_step(lane->plan);  // skips the sequences above (no longer running)
-  for (int64_t id : failed_ids) scheduler_->release(id);
-  process_samples(in.rec, seqs, results, t_done, &outs, &counts);
   {
     std::lock_guard<std::mutex> lk(mu_);
     ++stats_.steps;
     ++stats_.lane_steps;
+    stats_.l3_halves_read += halves_read;
+    stats_.l3_halves_skipped += halves_skipped;
+    stats_.l3_halves_late += halves_late;
     stats_.requests_aborted += aborted;
     stats_.prefill_tokens += in.prefill_tokens;
     stats_.decode_tokens += in.decode_tokens;

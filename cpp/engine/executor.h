@@ -38,6 +38,32 @@ class ColdLayerSource {
   virtual ~ColdLayerSource() = default;
   virtual const void* const* layer(int32_t layer) = 0;
   virtual Region layer_region(int32_t layer) = 0;
+  // Selective reads (ColdReadPlan): only some halves of a layer were read ahead. The model
+  // selects first, then says which entries its attention reads (need[j] != 0: entry j of the
+  // cold list); true when that started reads, which layer() then waits for.
+  virtual bool selective() const { return false; }
+  virtual bool need(int32_t layer, const std::vector<uint8_t>& need) {
+    (void)layer;
+    (void)need;
+    return false;
+  }
+};
+
+// How a step's cold blocks in L3 are read (ModelExecutor::cold_read_plan). Each layer of a
+// page then has two checksummed halves, its K and its V (TierConfig::l3_slices is twice
+// the layers). With dynamic sparsity a layer's selection runs before its attention, so
+// ahead of a layer only what the selection reads is read: the K halves when it estimates
+// from keys (the channel estimate), nothing with the bound rule; after it, the rest of the
+// blocks its attention reads (ColdLayerSource::need). Entries of rows that select nothing
+// (prompt chunks, short contexts) and layers that run no selection are read whole ahead.
+struct ColdReadPlan {
+  bool halves = false;          // pages have K and V halves (else one slice per layer, read whole ahead)
+  bool keys_ahead = false;      // the K halves of every entry are read ahead
+  std::vector<uint8_t> whole;   // per entry of the cold list: read whole ahead
+  std::vector<uint8_t> layers;  // per layer: 1 when it may select (else read whole ahead)
+  // Empty, or [entry of the cold list][layer]: 1 reads that layer of the entry whole ahead
+  // (the previous step's attention read it: the selection changes little from step to step).
+  std::vector<uint8_t> ahead;
 };
 
 // Two staging buffers for ColdLayerSource::layer_region: pinned host memory the device can
@@ -109,6 +135,12 @@ class LayeredStep {
   virtual void run_layer() = 0;  // the next layer
   // After the last layer: fills results and copies as execute() does.
   virtual void finish(std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) = 0;
+  // After the last layer: ModelExecutor::block_reads of this step (meta: the one it began with).
+  virtual bool block_reads(const BatchMeta& meta, BlockReads* out) const {
+    (void)meta;
+    (void)out;
+    return false;
+  }
 };
 
 class ModelExecutor {
@@ -172,8 +204,15 @@ class ModelExecutor {
   // host memory.
   virtual bool supports_cold_blocks() const { return false; }
   // Cold blocks in L3 as well (read layer by layer through BatchMeta::cold_layers): how many
-  // equal slices a block has, one per layer; 0 where the executor cannot (CUDA).
+  // equal slices a block has, one per layer or two (ColdReadPlan::halves); 0 where the
+  // executor cannot.
   virtual int32_t cold_l3_slices() const { return 0; }
+  // How a step of `meta` (whose cold list names L3 entries) reads them: halves when
+  // cold_l3_slices() gave two per layer.
+  virtual ColdReadPlan cold_read_plan(const BatchMeta& meta) const {
+    (void)meta;
+    return {};
+  }
   // Staging buffers of at least `bytes` each for a step's cold blocks (CUDA; valid until the
   // next call, which may only come once the device is done with the step that used them).
   // Whether steps with cold blocks in L3 read them through cold_stage's buffers

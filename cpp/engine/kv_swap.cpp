@@ -48,18 +48,32 @@ KVSwap::KVSwap(const EngineConfig& config, void* l1_base, int64_t block_bytes, S
 
 ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std::vector<Entry> entries,
                          int32_t num_layers, const std::function<ColdStage(int64_t bytes)>& stage,
-                         double test_delay_s)
+                         double test_delay_s, ColdReadPlan plan)
     : tiers_(tiers),
       list_(std::move(list)),
       entries_(std::move(entries)),
       num_layers_(num_layers),
       slice_bytes_(tiers->l3_slice_bytes()),
+      plan_(std::move(plan)),
       test_delay_s_(test_delay_s),
       failed_(entries_.size()) {
   if (slice_bytes_ <= 0 || num_layers_ <= 0) fail(ErrorCode::kInternal, "cold L3 reads without slices");
-  // Room for the widest aligned span of a slice (TierManager::l3_slice_span).
   constexpr int64_t kAlign = 4096;
-  stride_ = (slice_bytes_ + kAlign - 1) / kAlign * kAlign + kAlign;
+  if (plan_.halves) {
+    // A layer's two halves read into one room, K then V as in a block: each half is whole
+    // 4096-byte units (TorchExecutor::cold_read_plan offers halves only then).
+    if (slice_bytes_ % kAlign != 0 || stage) fail(ErrorCode::kInternal, "cold L3 reads: halves must be aligned, unstaged");
+    if (plan_.whole.size() != list_.size() || plan_.layers.size() != static_cast<size_t>(num_layers_) ||
+        !(plan_.ahead.empty() || plan_.ahead.size() == list_.size() * static_cast<size_t>(num_layers_))) {
+      fail(ErrorCode::kInternal, "cold L3 reads: a read plan of another step");
+    }
+    layer_bytes_ = 2 * slice_bytes_;
+    stride_ = layer_bytes_;
+  } else {
+    layer_bytes_ = slice_bytes_;
+    // Room for the widest aligned span of a slice (TierManager::l3_slice_span).
+    stride_ = (slice_bytes_ + kAlign - 1) / kAlign * kAlign + kAlign;
+  }
   // Staged: a slot per entry of the whole list (position j), else per L3 entry.
   const size_t slots = stage ? list_.size() : entries_.size();
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, static_cast<int64_t>(slots)) * stride_);
@@ -88,7 +102,9 @@ ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std:
   } else {
     for (uint8_t*& b : buf_) b = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
   }
-  zeros_ = static_cast<uint8_t*>(std::calloc(1, static_cast<size_t>(slice_bytes_)));
+  if (plan_.halves) have_.assign(static_cast<size_t>(depth_) * entries_.size(), 0);
+  if (plan_.halves) kept_.assign(entries_.size() * static_cast<size_t>(num_layers_), 0);
+  zeros_ = static_cast<uint8_t*>(std::calloc(1, static_cast<size_t>(layer_bytes_)));
   const bool all = std::all_of(buf_.begin(), buf_.end(), [](uint8_t* b) { return b != nullptr; });
   if (!all || !zeros_) {
     if (!staged_) {
@@ -157,46 +173,113 @@ void ColdL3Reads::issue(int32_t layer) {
     --pending_[b];
     cv_.notify_all();
   };
-  const TierManager::SliceSpan sp = tiers_->l3_slice_span(layer);
+  if (plan_.halves) halves_total_ += 2 * static_cast<int64_t>(entries_.size());
+  if (plan_.halves) std::fill(have_.begin() + static_cast<std::ptrdiff_t>(b * entries_.size()),
+                              have_.begin() + static_cast<std::ptrdiff_t>((b + 1) * entries_.size()), 0);
   // Staged, the L2 entries: their layer slice copied by the host, where an L3 read would put it.
-  for (size_t j : staged_l2_) {
-    std::memcpy(buf_[b] + static_cast<int64_t>(j) * stride_ + sp.data_offset,
-                static_cast<const uint8_t*>(list_[j]) + static_cast<int64_t>(layer) * slice_bytes_,
-                static_cast<size_t>(slice_bytes_));
+  if (!staged_l2_.empty()) {
+    const TierManager::SliceSpan sp = tiers_->l3_slice_span(layer);
+    for (size_t j : staged_l2_) {
+      std::memcpy(buf_[b] + static_cast<int64_t>(j) * stride_ + sp.data_offset,
+                  static_cast<const uint8_t*>(list_[j]) + static_cast<int64_t>(layer) * slice_bytes_,
+                  static_cast<size_t>(slice_bytes_));
+    }
   }
+  // Ahead: whole layers, or with a selection to come what it reads (ColdReadPlan).
+  const bool selects = plan_.halves && plan_.layers[static_cast<size_t>(layer)];
   try {
     for (size_t e = 0; e < entries_.size(); ++e) {
-      uint8_t* dst = slot(b, e);
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (!failed_[e].empty()) {  // one bad slice spoils the block for this step
-          if (staged_) std::memset(dst, 0, static_cast<size_t>(sp.bytes));
-          continue;
-        }
-        ++pending_[b];
-      }
-      try {
-        tiers_->read_l3_slice(entries_[e].key, layer, dst, [this, e, dst, sp, issued](const TierResult& r) {
-          {
-            std::lock_guard<std::mutex> lk(mu_);
-            if (!r.ok) {
-              if (failed_[e].empty()) failed_[e] = tier_fault_name(r.fault);
-              std::memset(dst, 0, static_cast<size_t>(sp.bytes));
-            }
-          }
-          issued();
-        });
-      } catch (...) {
-        std::lock_guard<std::mutex> lk(mu_);
-        --pending_[b];
-        throw;
-      }
+      const size_t j = static_cast<size_t>(entries_[e].list_index);
+      const bool whole = !selects || plan_.whole[j] ||
+                         (!plan_.ahead.empty() && plan_.ahead[j * static_cast<size_t>(num_layers_) + layer]);
+      read(b, layer, e, whole ? kWhole : plan_.keys_ahead ? kKeys : 0);
     }
   } catch (...) {
     issued();
     throw;
   }
   issued();
+}
+
+bool ColdL3Reads::read(int b, int32_t layer, size_t e, uint8_t want) {
+  uint8_t missing = want;
+  if (plan_.halves) {
+    uint8_t& have = have_[static_cast<size_t>(b) * entries_.size() + e];
+    missing = want & static_cast<uint8_t>(~have);
+    have |= missing;
+  }
+  bool started = false;
+  // Both halves: one read of the two (a disk's cost is as much per read as per byte).
+  const bool both = plan_.halves && missing == kWhole;
+  const int parts = plan_.halves && !both ? 2 : 1;
+  for (int part = 0; part < parts; ++part) {
+    if (!(missing & (plan_.halves && !both ? 1 << part : kWhole))) continue;
+    const int32_t slice = plan_.halves ? 2 * layer + part : layer;
+    const int32_t count = both ? 2 : 1;
+    TierManager::SliceSpan sp = tiers_->l3_slice_span(slice);
+    if (both) sp.bytes *= 2;  // (halves are whole 4096-byte units)
+    uint8_t* dst = slot(b, e) + part * slice_bytes_;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!failed_[e].empty()) {  // one bad slice spoils the block for this step
+        if (staged_) std::memset(dst, 0, static_cast<size_t>(sp.bytes));
+        continue;
+      }
+      ++pending_[b];
+    }
+    try {
+      tiers_->read_l3_slices(entries_[e].key, slice, count, dst, [this, e, dst, sp, b](const TierResult& r) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!r.ok) {
+          if (failed_[e].empty()) failed_[e] = tier_fault_name(r.fault);
+          std::memset(dst, 0, static_cast<size_t>(sp.bytes));
+        }
+        --pending_[b];
+        cv_.notify_all();
+      });
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(mu_);
+      --pending_[b];
+      throw;
+    }
+    started = true;
+    if (plan_.halves) halves_read_ += count;
+  }
+  return started;
+}
+
+bool ColdL3Reads::need(int32_t layer, const std::vector<uint8_t>& need) {
+  if (!plan_.halves) return false;
+  if (layer < 0 || layer >= num_layers_ || need.size() != list_.size()) fail(ErrorCode::kInternal, "cold L3 reads: bad need");
+  const int b = layer % depth_;
+  if (buf_layer_[b] != layer) issue(layer);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++pending_[b];  // (as in issue)
+  }
+  bool started = false;
+  try {
+    for (size_t e = 0; e < entries_.size(); ++e) {
+      if (!need[static_cast<size_t>(entries_[e].list_index)]) continue;
+      kept_[e * static_cast<size_t>(num_layers_) + layer] = 1;
+      const int64_t before = halves_read_;
+      started = read(b, layer, e, kWhole) || started;
+      halves_late_ += halves_read_ - before;
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(mu_);
+    --pending_[b];
+    cv_.notify_all();
+    throw;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (started && test_delay_s_ > 0) {
+    ready_at_[b] = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                          std::chrono::duration<double>(test_delay_s_));
+  }
+  --pending_[b];
+  cv_.notify_all();
+  return started;
 }
 
 int ColdL3Reads::ready(int32_t layer) {
@@ -228,9 +311,9 @@ const void* const* ColdL3Reads::layer(int32_t layer) {
   if (staged_) fail(ErrorCode::kInternal, "cold L3 reads: staged reads are read through layer_region");
   const int b = ready(layer);
   // Each entry's pointer, placed so that the kernels' offset of this layer (KVLayout::
-  // k_in_block) lands on the slice read for it.
-  const int64_t back = static_cast<int64_t>(layer) * slice_bytes_;
-  const int64_t data = tiers_->l3_slice_span(layer).data_offset;
+  // k_in_block) lands on the slice read for it (halves: on its K half, the V half after it).
+  const int64_t back = static_cast<int64_t>(layer) * layer_bytes_;
+  const int64_t data = plan_.halves ? 0 : tiers_->l3_slice_span(layer).data_offset;
   std::lock_guard<std::mutex> lk(mu_);
   for (size_t e = 0; e < entries_.size(); ++e) {
     const uint8_t* at = failed_[e].empty() ? slot(b, e) + data : zeros_;
@@ -267,7 +350,8 @@ bool KVSwap::l3_cold_in_use(const std::vector<Sequence*>& running) const {
 
 std::unique_ptr<ColdL3Reads> KVSwap::read_cold_l3(const std::vector<const void*>& list,
                                                   const std::vector<std::pair<int32_t, uint64_t>>& entries,
-                                                  const std::function<ColdStage(int64_t bytes)>& stage) {
+                                                  const std::function<ColdStage(int64_t bytes)>& stage,
+                                                  ColdReadPlan plan) {
   if (!l3_cold()) fail(ErrorCode::kInternal, "cold blocks in L3 without L3 cold support");
   // Staged, the host copies the L2 entries: this step's demotes must have landed there.
   if (stage) settle_cold_demotes();
@@ -276,7 +360,9 @@ std::unique_ptr<ColdL3Reads> KVSwap::read_cold_l3(const std::vector<const void*>
     auto it = cold_lost_.find(key);
     es.push_back({j, key, it == cold_lost_.end() ? std::string() : it->second});
   }
-  return std::make_unique<ColdL3Reads>(tiers_.get(), list, std::move(es), l3_slices_, stage, l3_read_delay_s_.load());
+  const int32_t layers = plan.halves ? l3_slices_ / 2 : l3_slices_;
+  return std::make_unique<ColdL3Reads>(tiers_.get(), list, std::move(es), layers, stage, l3_read_delay_s_.load(),
+                                       std::move(plan));
 }
 
 void KVSwap::free_cold_key(uint64_t key) {
@@ -293,8 +379,18 @@ void KVSwap::free_cold_keys(const std::vector<uint64_t>& keys) {
 KVSwap::~KVSwap() { tiers_.reset(); }
 
 bool KVSwap::has_completions() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return !done_.empty();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!done_.empty()) return true;
+  }
+  // Held promotions whose sequence has left the lane land at the next apply_completions
+  // (held_ is the engine thread's, as are all callers).
+  for (const TierResult& r : held_) {
+    auto pr = promotions_.find(r.key);
+    const Sequence* owner = pr != promotions_.end() ? scheduler_->find(pr->second.seq) : nullptr;
+    if (!owner || !owner->in_lane) return true;
+  }
+  return false;
 }
 
 uint64_t KVSwap::demote_counted(int32_t block, const TierCallback& on_done) {

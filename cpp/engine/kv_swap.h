@@ -81,21 +81,40 @@ class ColdL3Reads : public ColdLayerSource {
   // stage: null, or where the staging buffers come from (ColdStage; then every entry of
   // `list`, L2 ones copied by the host, goes through them: layer_region).
   // test_delay_s: tests hold each layer's reads this long (a slow disk's stand-in).
+  // plan: which halves are read ahead (ColdReadPlan; halves: the tiers' slices are two per
+  // layer, num_layers of them each).
   ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std::vector<Entry> entries, int32_t num_layers,
-              const std::function<ColdStage(int64_t bytes)>& stage = {}, double test_delay_s = 0);
+              const std::function<ColdStage(int64_t bytes)>& stage = {}, double test_delay_s = 0,
+              ColdReadPlan plan = {});
   ~ColdL3Reads() override;  // waits for the reads in flight
   ColdL3Reads(const ColdL3Reads&) = delete;
   ColdL3Reads& operator=(const ColdL3Reads&) = delete;
   const void* const* layer(int32_t layer) override;
   Region layer_region(int32_t layer) override;
+  bool selective() const override { return plan_.halves; }
+  // The halves of the entries in `need` that `layer` has not read yet (its attention's).
+  bool need(int32_t layer, const std::vector<uint8_t>& need) override;
   // Whether asking for `layer` now would not wait: its reads have all completed.
   bool layer_ready(int32_t layer);
   // Waits for the reads in flight. The entries whose bytes could not be had (index into
   // the entries, and why: the fault's evict_reason); the step read zeros in their place.
   std::vector<std::pair<size_t, std::string>> finish();
+  // Halves: of the layers issued, how many halves there were and how many were read.
+  int64_t halves_total() const { return halves_total_; }
+  // Halves: the layers whose attention read entry e (need), [layer].
+  std::vector<uint8_t> kept_layers(size_t e) const {
+    return std::vector<uint8_t>(kept_.begin() + static_cast<std::ptrdiff_t>(e * num_layers_),
+                                kept_.begin() + static_cast<std::ptrdiff_t>((e + 1) * num_layers_));
+  }
+  int64_t halves_read() const { return halves_read_; }
+  int64_t halves_late() const { return halves_late_; }  // of those, read after their layer's selection
 
  private:
   void issue(int32_t layer);
+  // Starts the reads of entry e's parts `want` of `layer` (kKeys | kValues; whole slices
+  // without halves) into buffer b that it has not had; false when it started none.
+  static constexpr uint8_t kKeys = 1, kValues = 2, kWhole = 3;
+  bool read(int b, int32_t layer, size_t e, uint8_t want);
   void wait_idle(int b);   // buffer b's reads have ended
   void wait_ready(int b);  // and its layer counts as read (test_delay_s)
   // Waits for `layer`'s reads (issuing them first if need be), then starts the next layers'.
@@ -107,6 +126,11 @@ class ColdL3Reads : public ColdLayerSource {
   std::vector<Entry> entries_;
   int32_t num_layers_;
   int64_t slice_bytes_, stride_;  // stride_: one entry's room in a buffer
+  ColdReadPlan plan_;
+  int64_t layer_bytes_ = 0;       // one layer of a block: a slice, or two halves
+  std::vector<uint8_t> have_;     // halves: [buffer][entry] the parts read (or being read)
+  int64_t halves_total_ = 0, halves_read_ = 0, halves_late_ = 0;
+  std::vector<uint8_t> kept_;     // halves: [entry][layer], set by need
   int depth_ = 2;                 // buffers in the ring
   std::vector<uint8_t*> buf_;
   ColdStage stage_;               // staged: buf_ are its host buffers (not owned)
@@ -138,7 +162,7 @@ class KVSwap {
   void start(const StepPlan& plan);
   // On the engine thread: applies the completions queued since the last call.
   void apply_completions();
-  bool has_completions() const;
+  bool has_completions() const;  // engine thread: also promotions held for the lane that may land now
   int32_t in_flight() const { return tiers_->in_flight(); }
   // A sequence ends: its keys are freed; blocks that fetches still write into go back to
   // the pool when those fetches end (the sequence's block table is emptied).
@@ -174,7 +198,8 @@ class KVSwap {
   // With `stage` (CUDA), every cold entry goes through its buffers (ColdL3Reads).
   std::unique_ptr<ColdL3Reads> read_cold_l3(const std::vector<const void*>& list,
                                             const std::vector<std::pair<int32_t, uint64_t>>& entries,
-                                            const std::function<ColdStage(int64_t bytes)>& stage = {});
+                                            const std::function<ColdStage(int64_t bytes)>& stage = {},
+                                            ColdReadPlan plan = {});
   // Whether a step now could read (or, demoting, put) a cold block in L3: some running
   // sequence has one there, or L2 has fewer free slots than the step could demote.
   bool l3_cold_in_use(const std::vector<Sequence*>& running) const;

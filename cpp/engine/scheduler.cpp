@@ -111,6 +111,7 @@ void Scheduler::release_blocks(Sequence* seq, bool cache) {
   seq->num_cache_checked = 0;
   seq->cold_keys.clear();
   seq->cold_summaries.clear();
+  seq->l3_kept.clear();
   seq->promoting.clear();  // their copies end as cancelled (the keys are freed); KVSwap returns the blocks
   seq->num_cold = 0;
 }
@@ -281,7 +282,7 @@ StepPlan Scheduler::schedule() {
     auto fits = [&] {
       int32_t reserved = 0, left = budget;
       for (Sequence* r : running_) {
-        if (r->swap == SwapState::kIn || r->in_lane) continue;  // not scheduled until its fetches land (or its lane step ends)
+        if (skipped(*r)) continue;  // not scheduled this step
         const int32_t n = std::min({r->num_tokens() - r->num_computed, r->step_limit(chunk), left});
         if (n <= 0) break;
         reserved += blocks_missing(*r, n);
@@ -305,7 +306,7 @@ StepPlan Scheduler::schedule() {
   size_t i = 0;
   while (i < running_.size() && budget > 0) {
     Sequence* s = running_[i];
-    if (s->swap == SwapState::kIn || s->in_lane) {  // fetches to land, or its lane step to end
+    if (skipped(*s)) {
       ++i;
       continue;
     }

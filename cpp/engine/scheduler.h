@@ -122,6 +122,9 @@ class Scheduler {
   // runs, but stay victims as any other: preempting one first calls this, which ends (drops)
   // the lane step.
   void set_lane_cancel(std::function<void()> cancel) { lane_cancel_ = std::move(cancel); }
+  // Running sequences for which `held` is true are not scheduled this step (the engine: ones
+  // with cold blocks in L3 while the lane runs another's step); they stay victims too.
+  void set_lane_held(std::function<bool(const Sequence&)> held) { lane_held_ = std::move(held); }
   // Outside a plan: a running sequence drops its KV and waits to recompute it, as a
   // preemption by recompute does (a cold block in L3 it could not read back). Its blocks
   // (for the KV event) and its cold copies' keys (for the engine to free) are returned.
@@ -180,6 +183,11 @@ class Scheduler {
   ColdRoom cold_room_;
   std::function<bool(uint64_t)> cold_promotable_;
   std::function<void()> lane_cancel_;
+  std::function<bool(const Sequence&)> lane_held_;
+  // Not scheduled this step: fetches to land, its lane step to end, or held for the lane.
+  bool skipped(const Sequence& s) const {
+    return s.swap == SwapState::kIn || s.in_lane || (lane_held_ && lane_held_(s));
+  }
   BlockPredictor* predictor_ = nullptr;
 };
 

@@ -75,6 +75,9 @@ struct Sequence {
   // With dynamic sparsity: each cold block's key summaries, saved when it left L1 (its L1
   // block's summaries are another block's from then on); empty entries otherwise.
   std::vector<std::vector<float>> cold_summaries;
+  // With selective L3 reads (ColdReadPlan): per block index, the layers whose attention read
+  // that cold block in the last lane step (its halves are read ahead in the next).
+  std::vector<std::vector<uint8_t>> l3_kept;
   // Cold entries whose copy back to L1 (a predictor promotion) is running: 1 until KVSwap
   // puts the block in the table or gives up.
   std::vector<uint8_t> promoting;

@@ -225,6 +225,14 @@ class TorchExecutor : public ModelExecutor {
     // by step, everywhere else (the engine's side of it is then exercised on the CPU).
     const char* pipe = std::getenv("K25_ASYNC_SCHEDULING");
     emulate_async_ = pipe && std::string(pipe) == "1";
+    // Selective cold reads (cold_read_plan) by default with the bound rule only: with the
+    // channel estimate every block's K half is read anyway, and the V halves apart from it make
+    // more reads than whole layers do, which costs more on a disk bound by its reads per second
+    // than the bytes saved (bench/RESULTS.md). K25_L3_SELECTIVE=1: with the channel estimate
+    // too; 0: never (whole layers ahead). For measurement: bench/cpu_long_context.py --l3-whole.
+    const char* sel = std::getenv("K25_L3_SELECTIVE");
+    const std::string sel_mode = sel ? sel : "";
+    selective_cold_ = sel_mode == "1" || (sel_mode != "0" && sparse_ && sparse_->params.score_channels == 0);
   }
 
 #ifdef K25_WITH_CUDA
@@ -354,7 +362,12 @@ class TorchExecutor : public ModelExecutor {
     ~Layered() override {
 #ifdef K25_WITH_CUDA
       // Launched layers may still read the staging buffers the next lane refills.
-      if (ex_->kv_.is_cuda() && pass_ && pass_->next_layer() < pass_->num_layers()) ex_->engine_stream().synchronize();
+      // A destructor must not throw: after a sticky device error the synchronize does, and the
+      // step's failure has been (or will be) reported by the call that saw it.
+      try {
+        if (ex_->kv_.is_cuda() && pass_ && pass_->next_layer() < pass_->num_layers()) ex_->engine_stream().synchronize();
+      } catch (const std::exception&) {
+      }
 #endif
     }
     int32_t next_layer() const override { return pass_->next_layer(); }
@@ -370,7 +383,15 @@ class TorchExecutor : public ModelExecutor {
       }
 #endif
       pass_->run_layer();
+      if (pass_->next_layer() == l) return;  // its first part (selective cold reads): the rest next call
       ex_->add_layer_stats(static_cast<size_t>(l));
+      // Kept for block_reads: a whole step between two layers overwrites SparseStep::layers.
+      if (ex_->sparse_) layers_.push_back(ex_->sparse_->layers[l]);
+    }
+    bool block_reads(const BatchMeta& meta, BlockReads* out) const override {
+      if (pass_->next_layer() < pass_->num_layers()) return false;
+      // (On CUDA a step with cold blocks in L3 runs no selection: every block is read.)
+      return ex_->reads_of(meta, ex_->sparse_ && ex_->kv_.is_cpu() ? &layers_ : nullptr, out);
     }
     void finish(std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) override {
 #ifdef K25_WITH_CUDA
@@ -389,6 +410,7 @@ class TorchExecutor : public ModelExecutor {
     TorchExecutor* ex_;
     const std::vector<SampleRequest>& samples_;
     std::unique_ptr<LlamaModel::Pass> pass_;
+    std::vector<LayerSelection> layers_;  // CPU selections: layer l's at [l]
   };
 
   std::unique_ptr<LayeredStep> begin_layered(const BatchMeta& meta, const std::vector<SampleRequest>& samples) override {
@@ -451,7 +473,35 @@ class TorchExecutor : public ModelExecutor {
   // on CUDA every cold block of such a step is staged a layer at a time in mapped pinned
   // memory (cold_stage). Not with the device selection, which ranks cold blocks by summary
   // rows it keeps per L2 slot.
-  int32_t cold_l3_slices() const override { return fused_ && (kv_.is_cpu() || !sparse_) ? layout_.num_layers : 0; }
+  int32_t cold_l3_slices() const override {
+    if (!fused_ || !(kv_.is_cpu() || !sparse_)) return 0;
+    return cold_halves() ? 2 * layout_.num_layers : layout_.num_layers;
+  }
+  // Selective cold reads (ColdReadPlan): the CPU's selection (selective_cold_), with halves of
+  // whole 4096-byte units (O_DIRECT reads them in place, K then V).
+  bool cold_halves() const {
+    return kv_.is_cpu() && sparse_ && selective_cold_ && (kv_block_bytes() / (2 * layout_.num_layers)) % 4096 == 0;
+  }
+  ColdReadPlan cold_read_plan(const BatchMeta& meta) const override {
+    ColdReadPlan p;
+    if (!cold_halves()) return p;
+    p.halves = true;
+    p.keys_ahead = sparse_->params.score_channels > 0;  // the channel estimate reads keys
+    for (int32_t w : model_->config().layer_sliding_window) p.layers.push_back(w == 0);
+    // Rows that select nothing read all their cold blocks (select_blocks' eligibility).
+    p.whole.assign(meta.cold_blocks.size(), 0);
+    const int32_t MB = meta.max_blocks_per_seq;
+    for (int32_t s = 0; s < meta.num_seqs(); ++s) {
+      const bool selects =
+          meta.query_start[s + 1] - meta.query_start[s] == 1 && meta.context_lens[s] > sparse_->params.min_context;
+      if (selects) continue;
+      for (int32_t b = 0; b < MB; ++b) {
+        const int32_t id = meta.block_tables[static_cast<size_t>(s) * MB + b];
+        if (id <= cold_block_id(0)) p.whole[static_cast<size_t>(cold_block_index(id))] = 1;
+      }
+    }
+    return p;
+  }
   bool stages_cold_blocks() const override { return kv_.is_cuda(); }
   ColdStage cold_stage(int64_t bytes) override {
     ColdStage st;
@@ -488,12 +538,12 @@ class TorchExecutor : public ModelExecutor {
 #ifdef K25_WITH_CUDA
     if (sparse_) return reads_counted(meta, sparse_->scratch.host_reads, out);
 #endif
-    return reads_of(meta, out);
+    return reads_of(meta, sparse_ ? &sparse_->layers : nullptr, out);
   }
   // block_reads for a step whose device selection counted its reads into `counts` (pinned;
   // undefined: none were counted), or without a device selection, reads_of.
   bool reads_counted(const BatchMeta& meta, const at::Tensor& counts, BlockReads* out) const {
-    if (kv_.is_cpu() || !sparse_) return reads_of(meta, out);
+    if (kv_.is_cpu() || !sparse_) return reads_of(meta, sparse_ ? &sparse_->layers : nullptr, out);
     return counts.defined() && device_block_reads(meta, counts.data_ptr<int32_t>(), out);
   }
   bool collected_block_reads(BlockReads* out) const override {
@@ -501,8 +551,8 @@ class TorchExecutor : public ModelExecutor {
     *out = *collected_reads_;
     return true;
   }
-  // block_reads from the head tables of the CPU's selection (or every block without one).
-  bool reads_of(const BatchMeta& meta, BlockReads* out) const {
+  // block_reads from the head tables of the CPU's selections `layers` (null: every block).
+  bool reads_of(const BatchMeta& meta, const std::vector<LayerSelection>* layers, BlockReads* out) const {
     const int32_t S = meta.num_seqs(), H = layout_.num_kv_heads, L = layout_.num_layers, bs = layout_.block_size;
     const int32_t MB = meta.max_blocks_per_seq;
     out->passes = L * H;
@@ -515,7 +565,7 @@ class TorchExecutor : public ModelExecutor {
       r.assign(nb, 0);
       const int32_t* row = meta.block_tables.data() + static_cast<int64_t>(s) * MB;
       for (int32_t l = 0; l < L; ++l) {
-        const LayerSelection* sel = sparse_ ? &sparse_->layers[l] : nullptr;
+        const LayerSelection* sel = layers ? &(*layers)[l] : nullptr;
         // A layer that ran no selection this step (sliding window, prefill) read every block.
         const bool selected = sel && sel->selections > 0 && static_cast<int32_t>(sel->sparse.size()) == S &&
                               sel->sparse[s] && sel->max_blocks == MB;
@@ -1111,6 +1161,7 @@ class TorchExecutor : public ModelExecutor {
   Sampler sampler_;
   std::vector<int32_t> counts_;  // scratch of sample_on_device, all zero between calls
   std::unique_ptr<SparseStep> sparse_;   // dynamic sparsity, when on
+  bool selective_cold_ = false;         // K25_L3_SELECTIVE, the selection's rule (cold_read_plan)
   at::Tensor summaries_;                 // its key summaries (see ops/block_sparsity.h)
   std::vector<LayerSparsityStats> stats_;
   std::unique_ptr<ThreadPool> pool_;

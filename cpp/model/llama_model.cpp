@@ -162,7 +162,9 @@ struct LlamaModel::Pass::State {
         qkv_dim((Hq + 2 * Hkv) * D), eps(static_cast<float>(c.rms_norm_eps)),
         scale(1.0f / std::sqrt(static_cast<float>(D))) {}
   void begin();
-  void layer(int32_t l);
+  // Runs layer l, or its first part: false when that part started reads of cold blocks in
+  // L3 that its attention needs (ColdLayerSource::need), and the next call runs the rest.
+  bool layer(int32_t l);
   at::Tensor logits();
   // The fused kernels of this device.
   void norm(const at::Tensor& in, const at::Tensor& w, at::Tensor& out) {
@@ -206,6 +208,12 @@ struct LlamaModel::Pass::State {
   std::unique_ptr<cuda_glue::HostFence> fence;
 #endif
   int32_t next = 0;  // the next layer to run
+  // A layer split by selective cold reads: its rows after RoPE, and its selection's result.
+  // Its selection stays here until the layer ends: a whole step of other sequences may run
+  // between the parts, and it selects into SparseStep::layers too.
+  at::Tensor qkv_kept;
+  LayerSelection sel_kept;
+  bool split = false, selected = false;
 };
 
 LlamaModel::Pass::Pass(std::unique_ptr<State> s) : s_(std::move(s)) {}
@@ -215,8 +223,7 @@ int32_t LlamaModel::Pass::num_layers() const { return s_->c.num_layers; }
 
 void LlamaModel::Pass::run_layer() {
   if (s_->next >= s_->c.num_layers) fail(ErrorCode::kInternal, "forward pass: every layer has run");
-  s_->layer(s_->next);
-  ++s_->next;
+  if (s_->layer(s_->next)) ++s_->next;
 }
 
 at::Tensor LlamaModel::Pass::logits() {
@@ -316,10 +323,12 @@ void LlamaModel::Pass::State::begin() {
   if (fused) norm(h, W.layers[0].attn_norm, x);
 }
 
-void LlamaModel::Pass::State::layer(int32_t l) {
+bool LlamaModel::Pass::State::layer(int32_t l) {
   const LayerWeights& L = W.layers[l];
+  const bool second = split;  // the rest of a layer split below
+  split = false;
   if (!fused) x = rms_norm_aten(h, L.attn_norm, c.rms_norm_eps);
-  at::Tensor qkv = linear(x, L.wqkv, L.bqkv);
+  at::Tensor qkv = second ? std::move(qkv_kept) : linear(x, L.wqkv, L.bqkv);
   const int32_t window = c.layer_sliding_window[l];
   if (fused && cuda) {
 #ifdef K25_WITH_CUDA
@@ -343,17 +352,48 @@ void LlamaModel::Pass::State::layer(int32_t l) {
     if (meta.cold_layers) fence->record(l % 2);
 #endif
   } else if (fused) {
-    cpu::rope_write_kv(qkv.data_ptr<float>(), qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
-                       m.rope_cos_.data_ptr<float>(), m.rope_sin_.data_ptr<float>(), kv.data_ptr<float>(), layout, l);
     float* q = qkv.data_ptr<float>();
-    // Cold blocks in L3: this layer's K and V of each, read while the layers before ran.
-    if (meta.cold_layers) ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_layers->layer(l));
-    if (sparse) {
+    ColdLayerSource* const cl = meta.cold_layers;
+    if (!second) {
+      cpu::rope_write_kv(q, qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
+                         m.rope_cos_.data_ptr<float>(), m.rope_sin_.data_ptr<float>(), kv.data_ptr<float>(), layout, l);
+    }
+    // Cold blocks in L3: this layer's K and V of each, read while the layers before ran
+    // (selective: what the selection reads; the rest of what attention reads is read after it).
+    if (cl) ab.cold_blocks = reinterpret_cast<const float* const*>(cl->layer(l));
+    if (sparse && !second) {
       // Summaries follow every write (prefill too); selection is for decodes of layers
       // without a sliding window.
       update_key_summaries(kv.data_ptr<float>(), layout, sparse->summaries, sparse->layout, l, ab);
     }
-    if (sparse && window == 0) {
+    if (cl && cl->selective() && !second) {
+      selected = sparse && window == 0 &&
+                 select_blocks(q, qkv_dim, kv.data_ptr<float>(), sparse->summaries, sparse->layout, layout, l, ab, Hq,
+                               scale, sparse->params, &sel_kept);
+      std::vector<uint8_t> need(meta.cold_blocks.size(), 0);
+      cold_entries_read(ab, layout.block_size, Hkv, selected, sel_kept, &need);
+      if (cl->need(l, need)) {
+        qkv_kept = qkv;
+        split = true;
+        return false;
+      }
+      ab.cold_blocks = reinterpret_cast<const float* const*>(cl->layer(l));
+    }
+    if (cl && cl->selective()) {
+      // (Selected above, or in the first part.)
+      if (sparse && window == 0) {
+        attend_selected(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, sparse->summaries,
+                        sparse->layout, Hq, scale, sparse->params, selected, sel_kept, &sparse->lse);
+        std::swap(sparse->layers[l], sel_kept);  // this layer's selection, as the whole-layer path leaves it
+      } else {
+        if (sparse) {
+          LayerSelection& sel = sparse->layers[l];
+          sel.blocks_total = sel.blocks_kept = sel.selections = 0;
+        }
+        cpu::paged_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, Hq, scale,
+                             window);
+      }
+    } else if (sparse && window == 0) {
       sparse_decode_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab,
                               sparse->summaries, sparse->layout, Hq, scale, sparse->params, &sparse->layers[l],
                               &sparse->lse);
@@ -406,6 +446,7 @@ void LlamaModel::Pass::State::layer(int32_t l) {
   } else {
     h = h + d;
   }
+  return true;
 }
 
 at::Tensor LlamaModel::Pass::State::logits() {

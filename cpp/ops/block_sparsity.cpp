@@ -586,16 +586,45 @@ void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const
                              int32_t layer, const cpu::AttentionBatch& B, const float* summaries,
                              const SummaryLayout& S, int32_t num_heads, float scale, const SparsityParams& p,
                              LayerSelection* sel, std::vector<float>* lse) {
+  const bool selected = select_blocks(q, q_stride, kv, summaries, S, L, layer, B, num_heads, scale, p, sel);
+  attend_selected(q, q_stride, out, kv, L, layer, B, summaries, S, num_heads, scale, p, selected, *sel, lse);
+}
+
+void attend_selected(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L, int32_t layer,
+                     const cpu::AttentionBatch& B, const float* summaries, const SummaryLayout& S, int32_t num_heads,
+                     float scale, const SparsityParams& p, bool selected, const LayerSelection& sel,
+                     std::vector<float>* lse) {
   cpu::AttentionBatch use = B;
-  if (select_blocks(q, q_stride, kv, summaries, S, L, layer, B, num_heads, scale, p, sel)) {
-    use = sparse_batch(B, *sel);
+  if (selected) {
+    use = sparse_batch(B, sel);
     if (p.compensation) {
       lse->resize(static_cast<size_t>(B.query_start[B.num_seqs]) * num_heads);
       use.row_lse = lse->data();
     }
   }
   cpu::paged_attention(q, q_stride, out, kv, L, layer, use, num_heads, scale, 0);
-  if (use.row_lse) compensate_skipped(q, q_stride, out, use.row_lse, summaries, S, L, layer, B, *sel, num_heads, scale);
+  if (use.row_lse) compensate_skipped(q, q_stride, out, use.row_lse, summaries, S, L, layer, B, sel, num_heads, scale);
+}
+
+void cold_entries_read(const cpu::AttentionBatch& B, int32_t block_size, int32_t num_kv_heads, bool selected,
+                       const LayerSelection& sel, std::vector<uint8_t>* need) {
+  const int32_t MB = B.max_blocks_per_seq;
+  for (int32_t s = 0; s < B.num_seqs; ++s) {
+    const int32_t nb = (B.context_lens[s] + block_size - 1) / block_size;
+    const int32_t* table = B.block_tables + static_cast<int64_t>(s) * MB;
+    if (!selected || !sel.sparse[s]) {
+      for (int32_t b = 0; b < nb; ++b) {
+        if (table[b] <= cold_block_id(0)) (*need)[static_cast<size_t>(cold_block_index(table[b]))] = 1;
+      }
+      continue;
+    }
+    for (int32_t h = 0; h < num_kv_heads; ++h) {
+      const int32_t* kept = sel.head_tables.data() + (static_cast<int64_t>(s) * num_kv_heads + h) * MB;
+      for (int32_t k = 0; k < MB && kept[k] != -1; ++k) {
+        if (kept[k] <= cold_block_id(0)) (*need)[static_cast<size_t>(cold_block_index(kept[k]))] = 1;
+      }
+    }
+  }
 }
 
 void compensate_skipped(const float* q, int64_t q_stride, float* out, const float* lse, const float* summaries,

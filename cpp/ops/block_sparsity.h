@@ -98,6 +98,15 @@ void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const
                              int32_t layer, const cpu::AttentionBatch& B, const float* summaries,
                              const SummaryLayout& S, int32_t num_heads, float scale, const SparsityParams& p,
                              LayerSelection* sel, std::vector<float>* lse);
+// Its second half, for a selection made already: `selected` is what select_blocks returned.
+void attend_selected(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L, int32_t layer,
+                     const cpu::AttentionBatch& B, const float* summaries, const SummaryLayout& S, int32_t num_heads,
+                     float scale, const SparsityParams& p, bool selected, const LayerSelection& sel,
+                     std::vector<float>* lse);
+// The entries of B's cold list that attention over `sel` reads (need[j], sized num_cold):
+// every cold block of a sequence that did not go sparse, the kept ones of those that did.
+void cold_entries_read(const cpu::AttentionBatch& B, int32_t block_size, int32_t num_kv_heads, bool selected,
+                       const LayerSelection& sel, std::vector<uint8_t>* need);
 
 // Compensation: folds every skipped block of the sparse sequences back into their output
 // rows as a mean pseudo-key. out: the attention output over the kept blocks; lse: its

@@ -238,7 +238,7 @@ def test_a_request_beside_an_l3_lane_step_on_the_gpu_is_not_held_up_by_the_disk(
     """As tests/python/test_cold_l3.py's test of the lane: each layer's L3 reads held 2 s (a slow
     disk), so one lane step of the long request (3 layers, staged two at a time) lasts >= 4 s;
     the short request, running first in one block of 64 tokens, ends while the first one runs."""
-    import asyncio
+    from test_cold_l3 import beside
     (short_prompt, long_prompt), per_block16 = make_prompts(model_dir, "float32", [(12, 3), (PROMPT, 12)])
     cfg = dict(common(model_dir, "float32"), block_size=64, prefill_chunk_size=256, max_num_batched_tokens=288)
     plain = K25Model(K25Config(kv_cache_bytes=1 << 28, **cfg))
@@ -250,28 +250,11 @@ def test_a_request_beside_an_l3_lane_step_on_the_gpu_is_not_held_up_by_the_disk(
     page = _C.kv_page_bytes(4 * per_block16)
     m = K25Model(K25Config(kv_cache_bytes=6 * 4 * per_block16, cache_mode="hierarchical", enable_async_offload=True,
                            l2_bytes=4 * page, l3_path=str(tmp_path / "l3.bin"), l3_bytes=20 * page, **cfg))
-
-    async def both():
-        started = asyncio.Event()
-        short_ids, long_ids = [], []
-
-        async def short():
-            async for ev in m.stream_events(short_prompt, max_new_tokens=48, ignore_eos=True, temperature=0.0):
-                short_ids.extend(ev.token_ids)
-                started.set()
-            return m.tier_stats()["l3_slice_reads"], m.stats()["lane_steps"]
-
-        async def long():
-            await started.wait()
-            async for ev in m.stream_events(long_prompt, max_new_tokens=1, ignore_eos=True, temperature=0.0):
-                long_ids.extend(ev.token_ids)
-
-        at_short_end, _ = await asyncio.gather(short(), long())
-        return short_ids, long_ids, at_short_end
-
     try:
         m._engine.delay_l3_reads_for_test(2.0)
-        short_ids, long_ids, (reads, lane_steps) = asyncio.run(both())
+        _, short_ids, long_ids, (reads, lane_steps) = beside(
+            m, short_prompt, 48, long_prompt, 1,
+            at_short_end=lambda: (m.tier_stats()["l3_slice_reads"], m.stats()["lane_steps"]))
         s, tiers = m.stats(), m.tier_stats()
     finally:
         m.close()

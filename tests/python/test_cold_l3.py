@@ -98,14 +98,26 @@ SPARSE = dict(enable_dynamic_sparsity=True, sparsity_min_context=128, sparsity_r
               max_sparsity_ratio=0.8, sparsity_mass_target=0.5, sparsity_score_channels=8)
 
 
-def test_cold_blocks_in_l3_with_dynamic_sparsity_select_like_an_all_resident_run(default_model, prompts, tmp_path):
+@pytest.mark.parametrize("channels,selective", [(0, None), (8, "1"), (8, None)])
+def test_cold_blocks_in_l3_with_dynamic_sparsity_read_only_what_the_selection_needs(default_model, prompts,
+                                                                                    tmp_path, monkeypatch,
+                                                                                    channels, selective):
+    # Selective reads: each layer of an L3 page has a checksummed K half and V half. Ahead of a
+    # layer only what its selection reads is read (nothing for the bound rule, the K halves for
+    # the channel estimate); after it, the halves of the blocks its attention reads. The tokens
+    # are those of an all-resident run, which reads everything from memory. With the channel
+    # estimate they are on only with K25_L3_SELECTIVE=1 (they make more reads than whole
+    # layers); by default its steps read whole layers ahead.
+    if selective:
+        monkeypatch.setenv("K25_L3_SELECTIVE", selective)
+    sparse = dict(SPARSE, sparsity_score_channels=channels)
     roomy = K25Model(K25Config(num_threads=2, kv_cache_bytes=48 * default_model.kv_block_bytes, block_size=BLOCK,
-                               prefill_chunk_size=64, max_num_batched_tokens=96, **SPARSE))
+                               prefill_chunk_size=64, max_num_batched_tokens=96, **sparse))
     try:
         want = roomy.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
     finally:
         roomy.close()
-    model = with_l3(default_model, tmp_path, **SPARSE)
+    model = with_l3(default_model, tmp_path, **sparse)
     try:
         out = model.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
         ratio = model.get_current_sparsity_ratio()
@@ -113,8 +125,21 @@ def test_cold_blocks_in_l3_with_dynamic_sparsity_select_like_an_all_resident_run
         s = model.stats()
     finally:
         model.close()
-    assert ratio > 0 and tiers["l3_slice_reads"] > 0 and s["preemptions"] == 0
+    assert ratio > 0 and s["preemptions"] == 0 and s["lane_steps"] > 0
     assert out.token_ids == want.token_ids
+    read, skipped, late = s["l3_halves_read"], s["l3_halves_skipped"], s["l3_halves_late"]
+    if channels and not selective:
+        assert read == skipped == late == 0 and tiers["l3_slice_reads"] > 0  # whole layers, one slice each
+        return
+    assert tiers["l3_slice_reads"] == read and skipped > 0
+    if channels:
+        assert skipped <= (read + skipped) // 2  # every K half was read: only V halves were skipped
+    else:
+        assert skipped > (read + skipped) // 2  # K halves too
+    # What a block's last lane step read of it is read ahead in the next, so few halves wait
+    # for their layer's selection: here 4% of the reads with the channel estimate and 12% with
+    # the bound rule, where without that read-ahead it was 12% and 48% (measured).
+    assert 0 < late and late * (10 if channels else 4) < read
 
 
 def test_corrupted_cold_pages_in_l3_are_recomputed_and_output_stays_correct(default_model, prompts, reference,

@@ -80,6 +80,11 @@ struct EngineStats {
   int64_t steps = 0;
   int64_t pipelined_steps = 0;  // launched before the previous step's samples were known
   int64_t lane_steps = 0;       // of steps, those of the L3 lane (sequences with cold blocks in L3)
+  // Halves (K or V of one layer of one block) of cold blocks in L3 that lane steps read, and
+  // those they left unread because the selection skipped the block (ColdReadPlan).
+  int64_t l3_halves_read = 0;
+  int64_t l3_halves_skipped = 0;
+  int64_t l3_halves_late = 0;  // of those read, the ones read after their layer's selection (not ahead)
   int64_t prefill_tokens = 0;  // tokens computed for prompts (and recomputation)
   int64_t decode_tokens = 0;   // tokens computed one per sequence per step
   int64_t generated_tokens = 0;
@@ -95,6 +100,7 @@ struct EngineStats {
   int32_t blocks_free = 0;
   int32_t block_size = 0;
   double busy_time_s = 0;  // time spent inside steps
+  // The latest regular step (an L3 lane step, whose layers run between them, is not one).
   double last_step_s = 0;
   int32_t last_step_tokens = 0;
   std::vector<LayerSparsityStats> sparsity_layers;  // empty unless sparsity is on
@@ -199,7 +205,7 @@ class Engine {
   // The L3 lane (engine.cpp): sequences with cold blocks in L3 step there.
   struct Lane;
   bool reads_l3(const Sequence& s) const;  // some cold block of s is in L3
-  void start_lane(StepPlan plan, double t0);
+  bool start_lane(StepPlan plan, double t0);  // false: it failed its sequences
   // Runs the lane step's layers whose reads are in (with `wait`, the next one in any case),
   // for up to budget_s (one layer at least); ends the step after its last layer.
   void advance_lane(bool wait, double budget_s = 1e30);

@@ -382,28 +382,40 @@ TierManager::SliceSpan TierManager::l3_slice_span(int32_t slice) const {
 }
 
 void TierManager::read_l3_slice(uint64_t key, int32_t slice, void* buf, TierCallback done) {
-  const SliceSpan sp = l3_slice_span(slice);
+  read_l3_slices(key, slice, 1, buf, std::move(done));
+}
+
+void TierManager::read_l3_slices(uint64_t key, int32_t slice, int32_t count, void* buf, TierCallback done) {
+  if (count < 1 || slice + count > config_.l3_slices) fail(ErrorCode::kInternal, "tiers: no such L3 slices");
+  SliceSpan sp = l3_slice_span(slice);
+  if (count > 1) {
+    const SliceSpan last = l3_slice_span(slice + count - 1);
+    sp.bytes = last.offset + last.bytes - sp.offset;
+  }
   const std::optional<TierEntry> e = map_.entry(key);
   if (!l3_ || !e || e->state != BlockState::kInL3 || e->l3_page < 0) {
     fail(ErrorCode::kInternal, "tiers: reading a slice of key " + std::to_string(key) + ", which is not settled in L3");
   }
-  uint32_t want = 0;
+  std::vector<uint32_t> want(static_cast<size_t>(count));
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = slice_crcs_.find(key);
     if (it == slice_crcs_.end()) fail(ErrorCode::kInternal, "tiers: no slice checksums for key " + std::to_string(key));
-    want = it->second[static_cast<size_t>(slice)];
+    std::copy(it->second.begin() + slice, it->second.begin() + slice + count, want.begin());
   }
   begin_op();
   const int64_t page = e->l3_page;
-  l3_->read_range(page, sp.offset, buf, sp.bytes, [this, key, page, slice, sp, want, buf, done = std::move(done)](IoOutcome o) {
+  l3_->read_range(page, sp.offset, buf, sp.bytes, [this, key, page, slice, count, sp, want = std::move(want), buf,
+                                                   done = std::move(done)](IoOutcome o) {
     TierFault fault = read_fault(o, sp.bytes);
     std::string detail;
-    if (fault != TierFault::kNone) {
-      detail = io_detail(o, sp.bytes);
-    } else if (crc32c(static_cast<const uint8_t*>(buf) + sp.data_offset, static_cast<size_t>(l3_slice_bytes())) != want) {
-      fault = TierFault::kChecksum;
-      detail = "slice " + std::to_string(slice);
+    const int64_t n = l3_slice_bytes();
+    if (fault != TierFault::kNone) detail = io_detail(o, sp.bytes);
+    for (int32_t i = 0; fault == TierFault::kNone && i < count; ++i) {
+      if (crc32c(static_cast<const uint8_t*>(buf) + sp.data_offset + i * n, static_cast<size_t>(n)) != want[i]) {
+        fault = TierFault::kChecksum;
+        detail = "slice " + std::to_string(slice + i);
+      }
     }
     TierResult r;
     r.key = key;
@@ -419,7 +431,7 @@ void TierManager::read_l3_slice(uint64_t key, int32_t slice, void* buf, TierCall
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (r.ok) {
-        ++stats_.l3_slice_reads;
+        stats_.l3_slice_reads += count;
         stats_.bytes_from_l3 += sp.bytes;
       } else {
         ++stats_.faults[static_cast<int>(fault)];

@@ -124,6 +124,9 @@ class TierManager {
   // slice's CRC32C: a short read or a mismatch is a fault, counted and logged like a fetch's
   // (op=read). The caller must not free the key before `done` runs. Needs l3_slices > 0.
   void read_l3_slice(uint64_t key, int32_t slice, void* buf, TierCallback done);
+  // Slices [slice, slice + count) in one read (buf: the span from the first's to the last's,
+  // l3_slice_span(slice).data_offset before the first), each checked against its CRC32C.
+  void read_l3_slices(uint64_t key, int32_t slice, int32_t count, void* buf, TierCallback done);
   // Forgets the copy: at once when settled, at the end of its transfer when in flight.
   void free(uint64_t key);
   // Waits until no transfer is in flight (manual mode: runs them all).
