@@ -46,6 +46,7 @@ py::dict stats_dict(const EngineStats& s) {
   d["steps"] = s.steps;
   d["pipelined_steps"] = s.pipelined_steps;
   d["lane_steps"] = s.lane_steps;
+  d["lane_deferred_aborts"] = s.lane_deferred_aborts;
   d["l3_halves_read"] = s.l3_halves_read;
   d["l3_halves_skipped"] = s.l3_halves_skipped;
   d["l3_halves_late"] = s.l3_halves_late;

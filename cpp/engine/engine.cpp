@@ -457,6 +457,8 @@ void Engine::loop() {
       Sequence* s = scheduler_->find(id);
       if (s && s->in_lane) {  // its lane step is reading its blocks: it ends with that step
         lane_->aborted.push_back(id);
+        std::lock_guard<std::mutex> lk(mu_);
+        ++stats_.lane_deferred_aborts;
         continue;
       }
       if (s && s->status != SeqStatus::kFinished) finish(s, static_cast<int>(FinishReason::kAbort), "", &outs);

@@ -330,6 +330,7 @@ def test_a_request_aborted_during_its_lane_step_ends_after_it_and_frees_everythi
             time.sleep(0.05)
         s, tiers = model.stats(), model.tier_stats()
         assert s["running"] == 0 and s["requests_aborted"] == 1
+        assert s["lane_deferred_aborts"] == 1  # it came during the lane step, which ended first
         assert s["blocks_used"] == 0 and tiers["l2_blocks"] == 0 and tiers["l3_blocks"] == 0
         model._engine.delay_l3_reads_for_test(0)
         again = model.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]

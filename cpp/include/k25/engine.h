@@ -80,6 +80,7 @@ struct EngineStats {
   int64_t steps = 0;
   int64_t pipelined_steps = 0;  // launched before the previous step's samples were known
   int64_t lane_steps = 0;       // of steps, those of the L3 lane (sequences with cold blocks in L3)
+  int64_t lane_deferred_aborts = 0;  // aborts that came during their request's lane step (applied at its end)
   // Halves (K or V of one layer of one block) of cold blocks in L3 that lane steps read, and
   // those they left unread because the selection skipped the block (ColdReadPlan).
   int64_t l3_halves_read = 0;
