@@ -456,6 +456,7 @@ void Engine::loop() {
     for (int64_t id : aborts) {
       Sequence* s = scheduler_->find(id);
       if (s && s->in_lane) {  // its lane step is reading its blocks: it ends with that step
+        if (std::find(lane_->aborted.begin(), lane_->aborted.end(), id) != lane_->aborted.end()) continue;
         lane_->aborted.push_back(id);
         std::lock_guard<std::mutex> lk(mu_);
         ++stats_.lane_deferred_aborts;
@@ -967,20 +968,22 @@ bool Engine::start_lane(StepPlan plan, double t0) {
   if (executor_->stages_cold_blocks()) stage = [this](int64_t bytes) { return executor_->cold_stage(bytes); };
   try {
     // The reads of the first layers start here, while the others' step runs.
-    ColdReadPlan plan = executor_->cold_read_plan(lane->in.meta);
-    if (plan.halves) {
+    ColdReadPlan reads_plan = executor_->cold_read_plan(lane->in.meta);
+    if (reads_plan.halves) {
       // What the last lane step's attention read of each block is read whole ahead.
-      const size_t L = plan.layers.size();
-      plan.ahead.assign(lane->in.meta.cold_blocks.size() * L, 0);
+      const size_t L = reads_plan.layers.size();
+      reads_plan.ahead.assign(lane->in.meta.cold_blocks.size() * L, 0);
       for (size_t e = 0; e < lane->in.cold_l3.size(); ++e) {
         const auto [i, b] = lane->in.cold_l3_seq[e];
         const Sequence* s = lane->in.seqs[i];
         if (static_cast<size_t>(b) >= s->l3_kept.size() || s->l3_kept[static_cast<size_t>(b)].size() != L) continue;
         std::copy(s->l3_kept[static_cast<size_t>(b)].begin(), s->l3_kept[static_cast<size_t>(b)].end(),
-                  plan.ahead.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(lane->in.cold_l3[e].first) * L));
+                  reads_plan.ahead.begin() +
+                      static_cast<std::ptrdiff_t>(static_cast<size_t>(lane->in.cold_l3[e].first) * L));
       }
     }
-    lane->reads = swap_->read_cold_l3(lane->in.meta.cold_blocks, lane->in.cold_l3, stage, std::move(plan));
+    lane->reads =
+        swap_->read_cold_l3(lane->in.meta.cold_blocks, lane->in.cold_l3, stage, std::move(reads_plan));
     lane->in.meta.cold_layers = lane->reads.get();
     lane->step = executor_->begin_layered(lane->in.meta, lane->in.samples);
   } catch (const std::exception& e) {  // e.g. no memory for the read buffers: these requests fail
@@ -1080,7 +1083,7 @@ void Engine::finish_lane() {
   std::vector<bool> spoiled(seqs.size(), false);
   std::vector<std::string> spoiled_why(seqs.size());
   const int64_t halves_read = lane->reads->halves_read();
-  const int64_t halves_skipped = lane->reads->halves_total() - halves_read;
+  const int64_t halves_skipped = lane->reads->halves_skipped();
   const int64_t halves_late = lane->reads->halves_late();
   if (lane->reads->selective()) {
     for (size_t e = 0; e < in.cold_l3.size(); ++e) {

@@ -223,6 +223,7 @@ bool ColdL3Reads::read(int b, int32_t layer, size_t e, uint8_t want) {
       std::lock_guard<std::mutex> lk(mu_);
       if (!failed_[e].empty()) {  // one bad slice spoils the block for this step
         if (staged_) std::memset(dst, 0, static_cast<size_t>(sp.bytes));
+        if (plan_.halves) halves_unreadable_ += count;
         continue;
       }
       ++pending_[b];
@@ -252,7 +253,8 @@ bool ColdL3Reads::need(int32_t layer, const std::vector<uint8_t>& need) {
   if (!plan_.halves) return false;
   if (layer < 0 || layer >= num_layers_ || need.size() != list_.size()) fail(ErrorCode::kInternal, "cold L3 reads: bad need");
   const int b = layer % depth_;
-  if (buf_layer_[b] != layer) issue(layer);
+  // After layer(layer), before the next one's: the buffer still holds this layer.
+  if (buf_layer_[b] != layer) fail(ErrorCode::kInternal, "cold L3 reads: need for a layer not asked for");
   {
     std::lock_guard<std::mutex> lk(mu_);
     ++pending_[b];  // (as in issue)

@@ -108,6 +108,8 @@ class ColdL3Reads : public ColdLayerSource {
   }
   int64_t halves_read() const { return halves_read_; }
   int64_t halves_late() const { return halves_late_; }  // of those, read after their layer's selection
+  // Halves the selection skipped: neither read nor of an entry that could not be read.
+  int64_t halves_skipped() const { return halves_total_ - halves_read_ - halves_unreadable_; }
 
  private:
   void issue(int32_t layer);
@@ -130,6 +132,7 @@ class ColdL3Reads : public ColdLayerSource {
   int64_t layer_bytes_ = 0;       // one layer of a block: a slice, or two halves
   std::vector<uint8_t> have_;     // halves: [buffer][entry] the parts read (or being read)
   int64_t halves_total_ = 0, halves_read_ = 0, halves_late_ = 0;
+  int64_t halves_unreadable_ = 0;  // of an entry lost or failed already (not read, not skipped)
   std::vector<uint8_t> kept_;     // halves: [entry][layer], set by need
   int depth_ = 2;                 // buffers in the ring
   std::vector<uint8_t*> buf_;

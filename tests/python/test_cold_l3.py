@@ -154,6 +154,27 @@ def test_corrupted_cold_pages_in_l3_are_recomputed_and_output_stays_correct(defa
     assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
 
 
+def test_corrupted_cold_pages_with_selective_reads_are_recomputed_and_tokens_stay_right(default_model, prompts,
+                                                                                        tmp_path):
+    # The same with dynamic sparsity's bound rule: each half of a layer has its own checksum,
+    # and a bad half read (here in a prompt step, which reads whole layers) makes the sequence
+    # recompute; its tokens are the all-resident sparse run's.
+    sparse = dict(SPARSE, sparsity_score_channels=0)
+    roomy = K25Model(K25Config(num_threads=2, kv_cache_bytes=48 * default_model.kv_block_bytes, block_size=BLOCK,
+                               prefill_chunk_size=64, max_num_batched_tokens=96, **sparse))
+    try:
+        want = roomy.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+    finally:
+        roomy.close()
+    model = with_l3(default_model, tmp_path, **sparse)
+    model._engine.corrupt_next_l3_writes_for_test(2)
+    outs, s, tiers, events = run(model, [prompts[0]])
+    assert outs[0].token_ids == want.token_ids
+    assert tiers["faults"]["checksum_mismatch"] >= 1 and s["l3_halves_skipped"] > 0
+    assert s["prefill_tokens"] > len(prompts[0])  # recomputed
+    assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
+
+
 def test_a_disk_that_keeps_failing_ends_the_request_with_a_clear_error(default_model, prompts, tmp_path):
     # A file size limit makes every L3 write past page 2 fail (EFBIG, as a full disk fails
     # with ENOSPC): the sequence recomputes a few times, then fails with the reason; the
