@@ -379,24 +379,15 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
       }
       ab.cold_blocks = reinterpret_cast<const float* const*>(cl->layer(l));
     }
-    if (cl && cl->selective()) {
-      // (Selected above, or in the first part.)
-      if (sparse && window == 0) {
-        attend_selected(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, sparse->summaries,
-                        sparse->layout, Hq, scale, sparse->params, selected, sel_kept, &sparse->lse);
-        std::swap(sparse->layers[l], sel_kept);  // this layer's selection, as the whole-layer path leaves it
-      } else {
-        if (sparse) {
-          LayerSelection& sel = sparse->layers[l];
-          sel.blocks_total = sel.blocks_kept = sel.selections = 0;
-        }
-        cpu::paged_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, Hq, scale,
-                             window);
+    if (sparse && window == 0) {
+      // Selected above (or in the first part) with selective cold reads, else here.
+      if (!(cl && cl->selective())) {
+        selected = select_blocks(q, qkv_dim, kv.data_ptr<float>(), sparse->summaries, sparse->layout, layout, l, ab,
+                                 Hq, scale, sparse->params, &sel_kept);
       }
-    } else if (sparse && window == 0) {
-      sparse_decode_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab,
-                              sparse->summaries, sparse->layout, Hq, scale, sparse->params, &sparse->layers[l],
-                              &sparse->lse);
+      attend_selected(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, sparse->summaries,
+                      sparse->layout, Hq, scale, sparse->params, selected, sel_kept, &sparse->lse);
+      std::swap(sparse->layers[l], sel_kept);  // this layer's selection, for the stats and block_reads
     } else {
       if (sparse) {
         LayerSelection& sel = sparse->layers[l];

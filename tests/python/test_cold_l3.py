@@ -98,6 +98,17 @@ SPARSE = dict(enable_dynamic_sparsity=True, sparsity_min_context=128, sparsity_r
               max_sparsity_ratio=0.8, sparsity_mass_target=0.5, sparsity_score_channels=8)
 
 
+def all_resident(default_model, prompt, **kw):
+    """The oracle of a tiered run with other settings (kw): the prompt's greedy output on a pool
+    that holds all of it."""
+    roomy = K25Model(K25Config(num_threads=2, kv_cache_bytes=48 * default_model.kv_block_bytes, block_size=BLOCK,
+                               prefill_chunk_size=64, max_num_batched_tokens=96, **kw))
+    try:
+        return roomy.generate([prompt], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
+    finally:
+        roomy.close()
+
+
 @pytest.mark.parametrize("channels,selective", [(0, None), (8, "1"), (8, None)])
 def test_cold_blocks_in_l3_with_dynamic_sparsity_read_only_what_the_selection_needs(default_model, prompts,
                                                                                     tmp_path, monkeypatch,
@@ -111,12 +122,7 @@ def test_cold_blocks_in_l3_with_dynamic_sparsity_read_only_what_the_selection_ne
     if selective:
         monkeypatch.setenv("K25_L3_SELECTIVE", selective)
     sparse = dict(SPARSE, sparsity_score_channels=channels)
-    roomy = K25Model(K25Config(num_threads=2, kv_cache_bytes=48 * default_model.kv_block_bytes, block_size=BLOCK,
-                               prefill_chunk_size=64, max_num_batched_tokens=96, **sparse))
-    try:
-        want = roomy.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
-    finally:
-        roomy.close()
+    want = all_resident(default_model, prompts[0], **sparse)
     model = with_l3(default_model, tmp_path, **sparse)
     try:
         out = model.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
@@ -160,12 +166,7 @@ def test_corrupted_cold_pages_with_selective_reads_are_recomputed_and_tokens_sta
     # and a bad half read (here in a prompt step, which reads whole layers) makes the sequence
     # recompute; its tokens are the all-resident sparse run's.
     sparse = dict(SPARSE, sparsity_score_channels=0)
-    roomy = K25Model(K25Config(num_threads=2, kv_cache_bytes=48 * default_model.kv_block_bytes, block_size=BLOCK,
-                               prefill_chunk_size=64, max_num_batched_tokens=96, **sparse))
-    try:
-        want = roomy.generate([prompts[0]], max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)[0]
-    finally:
-        roomy.close()
+    want = all_resident(default_model, prompts[0], **sparse)
     model = with_l3(default_model, tmp_path, **sparse)
     model._engine.corrupt_next_l3_writes_for_test(2)
     outs, s, tiers, events = run(model, [prompts[0]])
