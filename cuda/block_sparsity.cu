@@ -70,9 +70,20 @@ __device__ __forceinline__ void others_range(const SparseSelect& a, int nb, int*
   *oe = max(*ob, nb - max(a.recent_blocks, 0));
 }
 
-__device__ __forceinline__ int64_t summary_offset(const SparseSelect& a, int block, int h, int D) {
-  const int64_t row = is_cold_block(block) ? a.cold_summary_base + cold_slot_of(block) : block;
-  return ((row * a.num_layers + a.layer) * a.num_kv_heads + h) * 2 * D;
+// Where the summaries of (block, KV head) of this layer begin: a pool block's row of `summ`;
+// a cold one's row past the pool's (L2 slot s), or of cold_summaries (the step's cold entry j).
+template <typename T>
+__device__ __forceinline__ const T* summary_row(const SparseSelect& a, const T* summ, int block, int h, int D) {
+  int64_t row = block;
+  if (is_cold_block(block)) {
+    row = cold_slot_of(block);
+    if (a.cold_summaries != nullptr) {
+      summ = static_cast<const T*>(a.cold_summaries);
+    } else {
+      row += a.cold_summary_base;
+    }
+  }
+  return summ + ((row * a.num_layers + a.layer) * a.num_kv_heads + h) * 2 * D;
 }
 
 // ---- summaries ----------------------------------------------------------------------
@@ -163,7 +174,7 @@ __global__ void __launch_bounds__(kScoreThreads)
     const int my_block = lane < j1 - j0 ? a.block_tables[static_cast<int64_t>(s) * MB + j0 + lane] : 0;
     const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
     auto summary_at = [&](int j) {
-      return summ + summary_offset(a, __shfl_sync(0xffffffffu, my_block, j - j0), h, D) + lane * C;
+      return summary_row(a, summ, __shfl_sync(0xffffffffu, my_block, j - j0), h, D) + lane * C;
     };
     const int vi = lane / 4, vg = vi % kScorePass, centre = vi / kScorePass;  // this lane's value
     for (int g0 = 0; g0 < group; g0 += kScorePass) {

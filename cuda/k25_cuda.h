@@ -173,8 +173,11 @@ struct SparseSelect {
   int32_t* head_tables;           // [S][Hkv][max_blocks]: out (AttnBatch::head_tables)
   int32_t* context_lens_out;      // [S]: out, kept keys (sparse) or the context
   double* layer_stats;            // [4] of this layer, added to: blocks, kept, selections, entropy bits
-  // Cold blocks (KVCache): the summaries of L2 slot s are at summary block cold_summary_base + s.
+  // Cold blocks (KVCache): the summaries of L2 slot s are at summary block cold_summary_base + s;
+  // with cold_summaries (a step whose cold blocks are staged, cold blocks in L3), those of the
+  // step's cold entry j are its block j instead.
   int32_t cold_summary_base = 0;
+  const void* cold_summaries = nullptr;
   // Optional (null: not counted): [S][reads_stride], added to for every single-token row,
   // KV head and block position the head tables keep (sparse) or copy (dense): the passes
   // that read each block, which the tiered KV's predictor observes (docs/offload.md).

@@ -761,9 +761,9 @@ void Engine::build_inputs(const std::vector<ScheduledSeq>& seqs_in, StepInputs* 
           cold_l3_seq.emplace_back(i, static_cast<int32_t>(b));
         }
         meta.cold_blocks.push_back(data);
-        if (b < seq->cold_summaries.size() && !seq->cold_summaries[b].empty()) {
-          meta.cold_summaries.push_back(seq->cold_summaries[b].data());
-        }
+        // (null where the executor keeps none on the host: on CUDA, those of L2 blocks)
+        const bool sums = b < seq->cold_summaries.size() && !seq->cold_summaries[b].empty();
+        meta.cold_summaries.push_back(sums ? seq->cold_summaries[b].data() : nullptr);
       }
     }
     meta.max_query_len = std::max(meta.max_query_len, s.num_new_tokens);
@@ -811,8 +811,18 @@ void Engine::step() {
     // Device-side summaries of the blocks that just went cold (their L2 slots are known now).
     for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
       const uint64_t key = d.seq->cold_keys.at(static_cast<size_t>(d.index));
-      const void* data = key != 0 ? swap_->cold_l2_data(key) : nullptr;  // (L3 ones: no device summaries)
-      if (data) executor_->keep_cold_summaries(d.block, data);
+      const void* data = key != 0 ? swap_->cold_l2_data(key) : nullptr;
+      if (data) {
+        executor_->keep_cold_summaries(d.block, data);
+      } else if (key != 0 && cold_l3_) {
+        // In L3 (no slot for device rows): a host copy, for the staged steps that read it.
+        std::vector<float> sums = executor_->cold_l3_summaries(d.block);
+        if (sums.empty()) continue;
+        if (d.seq->cold_summaries.size() < d.seq->block_table.size()) {
+          d.seq->cold_summaries.resize(d.seq->block_table.size());
+        }
+        d.seq->cold_summaries[static_cast<size_t>(d.index)] = std::move(sums);
+      }
     }
   }
   for (const ScheduledSeq& s : plan.seqs) {
@@ -969,7 +979,7 @@ bool Engine::start_lane(StepPlan plan, double t0) {
   try {
     // The reads of the first layers start here, while the others' step runs.
     ColdReadPlan reads_plan = executor_->cold_read_plan(lane->in.meta);
-    if (reads_plan.halves) {
+    if (reads_plan.selective) {
       // What the last lane step's attention read of each block is read whole ahead.
       const size_t L = reads_plan.layers.size();
       reads_plan.ahead.assign(lane->in.meta.cold_blocks.size() * L, 0);

@@ -49,16 +49,19 @@ class ColdLayerSource {
   }
 };
 
-// How a step's cold blocks in L3 are read (ModelExecutor::cold_read_plan). Each layer of a
-// page then has two checksummed halves, its K and its V (TierConfig::l3_slices is twice
-// the layers). With dynamic sparsity a layer's selection runs before its attention, so
-// ahead of a layer only what the selection reads is read: the K halves when it estimates
-// from keys (the channel estimate), nothing with the bound rule; after it, the rest of the
-// blocks its attention reads (ColdLayerSource::need). Entries of rows that select nothing
-// (prompt chunks, short contexts) and layers that run no selection are read whole ahead.
+// How a step's cold blocks in L3 are read (ModelExecutor::cold_read_plan). Selective: with
+// dynamic sparsity a layer's selection runs before its attention, so ahead of a layer only
+// what the selection reads is read: the K halves when it estimates from keys (the CPU's
+// channel estimate), nothing with the bound rule; after it, the rest of the blocks its
+// attention reads (ColdLayerSource::need). Entries of rows that select nothing (prompt
+// chunks, short contexts) and layers that run no selection are read whole ahead. With
+// halves (the CPU), each layer of a page has two checksummed halves, its K and its V
+// (TierConfig::l3_slices is twice the layers); without (CUDA, staged), a layer's slice is
+// read whole or not at all.
 struct ColdReadPlan {
-  bool halves = false;          // pages have K and V halves (else one slice per layer, read whole ahead)
-  bool keys_ahead = false;      // the K halves of every entry are read ahead
+  bool selective = false;       // else every layer of every entry is read whole ahead
+  bool halves = false;          // pages have K and V halves (selective; else one slice per layer)
+  bool keys_ahead = false;      // the K halves of every entry are read ahead (halves only)
   std::vector<uint8_t> whole;   // per entry of the cold list: read whole ahead
   std::vector<uint8_t> layers;  // per layer: 1 when it may select (else read whole ahead)
   // Empty, or [entry of the cold list][layer]: 1 reads that layer of the entry whole ahead
@@ -95,7 +98,9 @@ struct BatchMeta {
   // at cold_blocks[j] (host memory, the pool's block layout). Only where
   // ModelExecutor::supports_cold_blocks().
   std::vector<const void*> cold_blocks;
-  std::vector<const float*> cold_summaries;  // with dynamic sparsity: [j] for cold_blocks[j]
+  // With dynamic sparsity: [j] for cold_blocks[j] (block_summaries; on CUDA cold_l3_summaries
+  // for L3 blocks, null for L2 ones, whose summaries are on the device).
+  std::vector<const float*> cold_summaries;
   // Not null when some cold blocks are in L3: the forward asks it for each layer's list
   // (cold_blocks' L3 entries are null). Not owned; CPU only.
   ColdLayerSource* cold_layers = nullptr;
@@ -241,6 +246,14 @@ class ModelExecutor {
   virtual void keep_cold_summaries(int32_t block, const void* cold_data) {
     (void)block;
     (void)cold_data;
+  }
+  // Where it keeps them on its device and the block went to L3 instead (no L2 slot for
+  // keep_cold_summaries): a host copy of them (the executor's own bytes in a float vector's
+  // storage; empty when it keeps none), which BatchMeta::cold_summaries hands back to the
+  // steps that read the block.
+  virtual std::vector<float> cold_l3_summaries(int32_t block) {
+    (void)block;
+    return {};
   }
 };
 

@@ -59,14 +59,16 @@ ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std:
       failed_(entries_.size()) {
   if (slice_bytes_ <= 0 || num_layers_ <= 0) fail(ErrorCode::kInternal, "cold L3 reads without slices");
   constexpr int64_t kAlign = 4096;
+  sel_ = plan_.selective || plan_.halves;
+  if (sel_ && (plan_.whole.size() != list_.size() || plan_.layers.size() != static_cast<size_t>(num_layers_) ||
+               !(plan_.ahead.empty() || plan_.ahead.size() == list_.size() * static_cast<size_t>(num_layers_)) ||
+               (plan_.keys_ahead && !plan_.halves))) {
+    fail(ErrorCode::kInternal, "cold L3 reads: a read plan of another step");
+  }
   if (plan_.halves) {
     // A layer's two halves read into one room, K then V as in a block: each half is whole
     // 4096-byte units (TorchExecutor::cold_read_plan offers halves only then).
     if (slice_bytes_ % kAlign != 0 || stage) fail(ErrorCode::kInternal, "cold L3 reads: halves must be aligned, unstaged");
-    if (plan_.whole.size() != list_.size() || plan_.layers.size() != static_cast<size_t>(num_layers_) ||
-        !(plan_.ahead.empty() || plan_.ahead.size() == list_.size() * static_cast<size_t>(num_layers_))) {
-      fail(ErrorCode::kInternal, "cold L3 reads: a read plan of another step");
-    }
     layer_bytes_ = 2 * slice_bytes_;
     stride_ = layer_bytes_;
   } else {
@@ -102,8 +104,8 @@ ColdL3Reads::ColdL3Reads(TierManager* tiers, std::vector<const void*> list, std:
   } else {
     for (uint8_t*& b : buf_) b = static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
   }
-  if (plan_.halves) have_.assign(static_cast<size_t>(depth_) * entries_.size(), 0);
-  if (plan_.halves) kept_.assign(entries_.size() * static_cast<size_t>(num_layers_), 0);
+  if (sel_) have_.assign(static_cast<size_t>(depth_) * entries_.size(), 0);
+  if (sel_) kept_.assign(entries_.size() * static_cast<size_t>(num_layers_), 0);
   zeros_ = static_cast<uint8_t*>(std::calloc(1, static_cast<size_t>(layer_bytes_)));
   const bool all = std::all_of(buf_.begin(), buf_.end(), [](uint8_t* b) { return b != nullptr; });
   if (!all || !zeros_) {
@@ -173,8 +175,8 @@ void ColdL3Reads::issue(int32_t layer) {
     --pending_[b];
     cv_.notify_all();
   };
-  if (plan_.halves) halves_total_ += 2 * static_cast<int64_t>(entries_.size());
-  if (plan_.halves) std::fill(have_.begin() + static_cast<std::ptrdiff_t>(b * entries_.size()),
+  if (sel_) halves_total_ += 2 * static_cast<int64_t>(entries_.size());
+  if (sel_) std::fill(have_.begin() + static_cast<std::ptrdiff_t>(b * entries_.size()),
                               have_.begin() + static_cast<std::ptrdiff_t>((b + 1) * entries_.size()), 0);
   // Staged, the L2 entries: their layer slice copied by the host, where an L3 read would put it.
   if (!staged_l2_.empty()) {
@@ -186,7 +188,7 @@ void ColdL3Reads::issue(int32_t layer) {
     }
   }
   // Ahead: whole layers, or with a selection to come what it reads (ColdReadPlan).
-  const bool selects = plan_.halves && plan_.layers[static_cast<size_t>(layer)];
+  const bool selects = sel_ && plan_.layers[static_cast<size_t>(layer)];
   try {
     for (size_t e = 0; e < entries_.size(); ++e) {
       const size_t j = static_cast<size_t>(entries_[e].list_index);
@@ -203,7 +205,7 @@ void ColdL3Reads::issue(int32_t layer) {
 
 bool ColdL3Reads::read(int b, int32_t layer, size_t e, uint8_t want) {
   uint8_t missing = want;
-  if (plan_.halves) {
+  if (sel_) {
     uint8_t& have = have_[static_cast<size_t>(b) * entries_.size() + e];
     missing = want & static_cast<uint8_t>(~have);
     have |= missing;
@@ -216,6 +218,7 @@ bool ColdL3Reads::read(int b, int32_t layer, size_t e, uint8_t want) {
     if (!(missing & (plan_.halves && !both ? 1 << part : kWhole))) continue;
     const int32_t slice = plan_.halves ? 2 * layer + part : layer;
     const int32_t count = both ? 2 : 1;
+    const int64_t halves = plan_.halves ? count : 2;  // (a whole slice is both halves)
     TierManager::SliceSpan sp = tiers_->l3_slice_span(slice);
     if (both) sp.bytes *= 2;  // (halves are whole 4096-byte units)
     uint8_t* dst = slot(b, e) + part * slice_bytes_;
@@ -223,7 +226,7 @@ bool ColdL3Reads::read(int b, int32_t layer, size_t e, uint8_t want) {
       std::lock_guard<std::mutex> lk(mu_);
       if (!failed_[e].empty()) {  // one bad slice spoils the block for this step
         if (staged_) std::memset(dst, 0, static_cast<size_t>(sp.bytes));
-        if (plan_.halves) halves_unreadable_ += count;
+        if (sel_) halves_unreadable_ += halves;
         continue;
       }
       ++pending_[b];
@@ -244,13 +247,13 @@ bool ColdL3Reads::read(int b, int32_t layer, size_t e, uint8_t want) {
       throw;
     }
     started = true;
-    if (plan_.halves) halves_read_ += count;
+    if (sel_) halves_read_ += halves;
   }
   return started;
 }
 
 bool ColdL3Reads::need(int32_t layer, const std::vector<uint8_t>& need) {
-  if (!plan_.halves) return false;
+  if (!sel_) return false;
   if (layer < 0 || layer >= num_layers_ || need.size() != list_.size()) fail(ErrorCode::kInternal, "cold L3 reads: bad need");
   const int b = layer % depth_;
   // After layer(layer), before the next one's: the buffer still holds this layer.

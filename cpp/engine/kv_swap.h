@@ -91,7 +91,7 @@ class ColdL3Reads : public ColdLayerSource {
   ColdL3Reads& operator=(const ColdL3Reads&) = delete;
   const void* const* layer(int32_t layer) override;
   Region layer_region(int32_t layer) override;
-  bool selective() const override { return plan_.halves; }
+  bool selective() const override { return sel_; }
   // The halves of the entries in `need` that `layer` has not read yet (its attention's).
   bool need(int32_t layer, const std::vector<uint8_t>& need) override;
   // Whether asking for `layer` now would not wait: its reads have all completed.
@@ -99,9 +99,10 @@ class ColdL3Reads : public ColdLayerSource {
   // Waits for the reads in flight. The entries whose bytes could not be had (index into
   // the entries, and why: the fault's evict_reason); the step read zeros in their place.
   std::vector<std::pair<size_t, std::string>> finish();
-  // Halves: of the layers issued, how many halves there were and how many were read.
+  // Selective: of the layers issued, how many halves (K and V of a layer of an entry; a
+  // whole slice read counts as both) there were and how many were read.
   int64_t halves_total() const { return halves_total_; }
-  // Halves: the layers whose attention read entry e (need), [layer].
+  // Selective: the layers whose attention read entry e (need), [layer].
   std::vector<uint8_t> kept_layers(size_t e) const {
     return std::vector<uint8_t>(kept_.begin() + static_cast<std::ptrdiff_t>(e * num_layers_),
                                 kept_.begin() + static_cast<std::ptrdiff_t>((e + 1) * num_layers_));
@@ -129,11 +130,12 @@ class ColdL3Reads : public ColdLayerSource {
   int32_t num_layers_;
   int64_t slice_bytes_, stride_;  // stride_: one entry's room in a buffer
   ColdReadPlan plan_;
+  bool sel_ = false;              // selective (plan_): what a layer's attention needs is read after its selection
   int64_t layer_bytes_ = 0;       // one layer of a block: a slice, or two halves
-  std::vector<uint8_t> have_;     // halves: [buffer][entry] the parts read (or being read)
+  std::vector<uint8_t> have_;     // selective: [buffer][entry] the parts read (or being read)
   int64_t halves_total_ = 0, halves_read_ = 0, halves_late_ = 0;
   int64_t halves_unreadable_ = 0;  // of an entry lost or failed already (not read, not skipped)
-  std::vector<uint8_t> kept_;     // halves: [entry][layer], set by need
+  std::vector<uint8_t> kept_;     // selective: [entry][layer], set by need
   int depth_ = 2;                 // buffers in the ring
   std::vector<uint8_t*> buf_;
   ColdStage stage_;               // staged: buf_ are its host buffers (not owned)

@@ -390,7 +390,13 @@ class TorchExecutor : public ModelExecutor {
     }
     bool block_reads(const BatchMeta& meta, BlockReads* out) const override {
       if (pass_->next_layer() < pass_->num_layers()) return false;
-      // (On CUDA a step with cold blocks in L3 runs no selection: every block is read.)
+#ifdef K25_WITH_CUDA
+      // On CUDA the device selections' counts, taken a layer at a time (staged steps).
+      if (ex_->sparse_ && ex_->kv_.is_cuda()) {
+        const std::vector<int32_t>* r = pass_->staged_reads();
+        return r != nullptr && ex_->device_block_reads(meta, r->data(), out);
+      }
+#endif
       return ex_->reads_of(meta, ex_->sparse_ && ex_->kv_.is_cpu() ? &layers_ : nullptr, out);
     }
     void finish(std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) override {
@@ -471,22 +477,25 @@ class TorchExecutor : public ModelExecutor {
   bool supports_cold_blocks() const override { return fused_ && (kv_.is_cpu() || cold_->device != nullptr); }
   // The CPU fused kernels read an L3 block's layer from a buffer the ColdLayerSource filled;
   // on CUDA every cold block of such a step is staged a layer at a time in mapped pinned
-  // memory (cold_stage). Not with the device selection, which ranks cold blocks by summary
-  // rows it keeps per L2 slot.
+  // memory (cold_stage), and the device selection ranks them by summary rows the step
+  // uploads for its cold entries (LlamaModel's stage_cold_summaries).
   int32_t cold_l3_slices() const override {
-    if (!fused_ || !(kv_.is_cpu() || !sparse_)) return 0;
+    if (!fused_) return 0;
     return cold_halves() ? 2 * layout_.num_layers : layout_.num_layers;
   }
-  // Selective cold reads (ColdReadPlan): the CPU's selection (selective_cold_), with halves of
-  // whole 4096-byte units (O_DIRECT reads them in place, K then V).
+  // Selective cold reads (ColdReadPlan, selective_cold_): on the CPU with halves of whole
+  // 4096-byte units (O_DIRECT reads them in place, K then V); on CUDA by whole layer slices
+  // (its rule, the bound, reads no keys to select).
   bool cold_halves() const {
     return kv_.is_cpu() && sparse_ && selective_cold_ && (kv_block_bytes() / (2 * layout_.num_layers)) % 4096 == 0;
   }
+  bool cold_selective() const { return sparse_ && selective_cold_ && (kv_.is_cuda() || cold_halves()); }
   ColdReadPlan cold_read_plan(const BatchMeta& meta) const override {
     ColdReadPlan p;
-    if (!cold_halves()) return p;
-    p.halves = true;
-    p.keys_ahead = sparse_->params.score_channels > 0;  // the channel estimate reads keys
+    if (!cold_selective()) return p;
+    p.selective = true;
+    p.halves = cold_halves();
+    p.keys_ahead = p.halves && sparse_->params.score_channels > 0;  // the channel estimate reads keys
     for (int32_t w : model_->config().layer_sliding_window) p.layers.push_back(w == 0);
     // Rows that select nothing read all their cold blocks (select_blocks' eligibility).
     p.whole.assign(meta.cold_blocks.size(), 0);
@@ -644,6 +653,24 @@ class TorchExecutor : public ModelExecutor {
 #else
     (void)block;
     (void)cold_data;
+#endif
+  }
+  // A block that went to L3 on CUDA: its device rows, copied to the host (a wait: the steps
+  // that demote to L3 are not pipelined anyway), for the staged steps that read it.
+  std::vector<float> cold_l3_summaries(int32_t block) override {
+#ifdef K25_WITH_CUDA
+    if (!sparse_ || !kv_.is_cuda()) return {};
+    const int64_t per = cuda_glue::block_summary_elems(layout_);
+    c10::cuda::CUDAGuard guard(model_->device());
+    c10::cuda::CUDAStreamGuard sg(engine_stream());  // after the writes of the block's rows
+    const at::Tensor row = sparse_->device_summaries.narrow(0, static_cast<int64_t>(block) * per, per);
+    std::vector<float> out(static_cast<size_t>((row.nbytes() + sizeof(float) - 1) / sizeof(float)));
+    at::Tensor host = at::from_blob(out.data(), {per}, row.options().device(at::kCPU));
+    host.copy_(row);
+    return out;
+#else
+    (void)block;
+    return {};
 #endif
   }
   int32_t max_async_batch() const override { return 128; }

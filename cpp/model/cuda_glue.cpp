@@ -461,14 +461,17 @@ namespace {
 struct ZeroedParts {
   int64_t maxima, mass_hist, est_hist, score_hist, head_mass, head_mlogm, bytes;
   ZeroedParts(int64_t S, int64_t Hq, int64_t Hkv) {
-    auto up8 = [](int64_t x) { return (x + 7) / 8 * 8; };
+    // Every part 16-byte aligned: the count kernel loads histograms 16 bytes at a time (with
+    // 8-byte alignment, an odd S * Hq, e.g. one sequence of the default model's 9 heads in an
+    // eager step's scratch, misaligned them).
+    auto up16 = [](int64_t x) { return (x + 15) / 16 * 16; };
     const int64_t bins = cuda::kSparsityBins;
     maxima = 0;
-    mass_hist = up8(maxima + S * Hq * 2 * 4);
-    est_hist = mass_hist + S * Hkv * bins * 8;
-    score_hist = est_hist + S * Hkv * bins * 4;
-    head_mass = up8(score_hist + S * Hkv * bins * 4);
-    head_mlogm = head_mass + S * Hkv * 2 * 8;
+    mass_hist = up16(maxima + S * Hq * 2 * 4);
+    est_hist = up16(mass_hist + S * Hkv * bins * 8);
+    score_hist = up16(est_hist + S * Hkv * bins * 4);
+    head_mass = up16(score_hist + S * Hkv * bins * 4);
+    head_mlogm = up16(head_mass + S * Hkv * 2 * 8);
     bytes = head_mlogm + S * Hkv * 8;
   }
 };
@@ -499,7 +502,8 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
 
 DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t layer, const at::Tensor& summaries,
                           int64_t pool_blocks, const DeviceBatch& b, int32_t num_heads, double scale,
-                          const SparsityParams& p, SparseScratch& x, at::Tensor& layer_stats) {
+                          const SparsityParams& p, SparseScratch& x, at::Tensor& layer_stats,
+                          const at::Tensor& cold_summaries) {
   const int32_t S = static_cast<int32_t>(b.context_lens.numel());
   need(layout.head_dim == 64 || layout.head_dim == 128, "CUDA block selection supports head_dim 64 and 128");
   need(layout.num_kv_heads <= cuda::kMaxSparseKvHeads && num_heads <= cuda::kMaxSparseHeads,
@@ -550,7 +554,13 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
     a.block_reads = x.reads.data_ptr<int32_t>();
     a.reads_stride = x.max_blocks;
   }
-  if (b.cold.data != nullptr) {
+  if (cold_summaries.defined()) {
+    need(cold_summaries.is_cuda() && cold_summaries.is_contiguous() &&
+             cold_summaries.scalar_type() == summaries.scalar_type() &&
+             cold_summaries.numel() >= b.cold.num_slots * block_summary_elems(layout),
+         "staged cold entries' summaries: a row per entry, the summaries' dtype");
+    a.cold_summaries = cold_summaries.data_ptr();
+  } else if (b.cold.data != nullptr) {
     const int64_t per_block = block_summary_elems(layout);
     need(summaries.numel() >= (pool_blocks + b.cold.num_slots) * per_block && pool_blocks + b.cold.num_slots <= INT32_MAX,
          "block summaries without rows for the L2 slots (cold blocks)");
@@ -563,6 +573,11 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
   out.head_tables = x.head_tables;  // rows of b.max_blocks, as the kernels index them
   out.context_lens = x.context_lens.narrow(0, 0, S);
   return out;
+}
+
+void synchronize_stream() {
+  const cudaError_t e = cudaStreamSynchronize(stream());
+  if (e != cudaSuccess) fail(ErrorCode::kInternal, std::string("stream synchronize: ") + cudaGetErrorString(e));
 }
 
 void copy_to_host_async(const at::Tensor& src, at::Tensor& dst) {

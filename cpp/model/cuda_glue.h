@@ -110,10 +110,15 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
 // added to (blocks, kept blocks, selections, entropy bits). p.score_channels must be 0
 // and p.compensation off: the device does neither (ConfigError before this). With cold
 // blocks (batch.cold), the summaries of L2 slot s are block row pool_blocks + s, past the
-// KV pool's pool_blocks rows (TorchExecutor::grow_cold_summaries).
+// KV pool's pool_blocks rows (TorchExecutor::grow_cold_summaries); with cold_summaries
+// defined (a staged step: cold blocks in L3, cold ids naming the step's cold entries), those
+// of cold entry j are its block row j (block_summary_elems each, the summaries' dtype).
 DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t layer, const at::Tensor& summaries,
                           int64_t pool_blocks, const DeviceBatch& batch, int32_t num_heads, double scale,
-                          const SparsityParams& p, SparseScratch& scratch, at::Tensor& layer_stats);
+                          const SparsityParams& p, SparseScratch& scratch, at::Tensor& layer_stats,
+                          const at::Tensor& cold_summaries = at::Tensor());
+// Waits for the work queued on the current stream.
+void synchronize_stream();
 
 // dst (pinned host) = src (device), same size, on the current stream without waiting
 // (a plain cudaMemcpyAsync: capturable in a CUDA graph).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "k25/status.h"
 #include "ops/attention_plan.h"
@@ -206,6 +207,15 @@ struct LlamaModel::Pass::State {
 #ifdef K25_WITH_CUDA
   cuda_glue::DeviceBatch db;
   std::unique_ptr<cuda_glue::HostFence> fence;
+  // Staged cold blocks with sparsity: the cold entries' summaries (entry j at block row j),
+  // a pinned copy of one layer's block reads, and a split layer's selection (its tables
+  // copied: a whole step of other sequences may run between the parts and select too).
+  at::Tensor cold_summ, layer_reads;
+  cuda_glue::DeviceBatch kept_db;
+  std::vector<int32_t> staged_reads;  // the layers' reads, summed (Pass::staged_reads)
+  void stage_cold_summaries();
+  // Layer l's selection is in scratch.reads: what its attention reads of the cold entries.
+  std::vector<uint8_t> staged_need();
 #endif
   int32_t next = 0;  // the next layer to run
   // A layer split by selective cold reads: its rows after RoPE, and its selection's result.
@@ -224,6 +234,13 @@ int32_t LlamaModel::Pass::num_layers() const { return s_->c.num_layers; }
 void LlamaModel::Pass::run_layer() {
   if (s_->next >= s_->c.num_layers) fail(ErrorCode::kInternal, "forward pass: every layer has run");
   if (s_->layer(s_->next)) ++s_->next;
+}
+
+const std::vector<int32_t>* LlamaModel::Pass::staged_reads() const {
+#ifdef K25_WITH_CUDA
+  if (!s_->staged_reads.empty()) return &s_->staged_reads;
+#endif
+  return nullptr;
 }
 
 at::Tensor LlamaModel::Pass::logits() {
@@ -279,7 +296,9 @@ void LlamaModel::Pass::State::begin() {
     if (!fused) {
       fail(ErrorCode::kUnsupported, "cold KV blocks (a sequence longer than the KV pool) need the fused kernels");
     }
-    if (!cuda && sparse && meta.cold_summaries.size() != meta.cold_blocks.size()) {
+    if (!cuda && sparse &&
+        (meta.cold_summaries.size() != meta.cold_blocks.size() ||
+         std::find(meta.cold_summaries.begin(), meta.cold_summaries.end(), nullptr) != meta.cold_summaries.end())) {
       fail(ErrorCode::kInternal, "cold blocks without their key summaries");
     }
     ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_blocks.data());
@@ -287,8 +306,8 @@ void LlamaModel::Pass::State::begin() {
     // Staged (cold blocks in L3 on CUDA): the tables keep entry ids, and each layer's launch
     // gets that layer's staging region as its cold pool (below).
     if (cuda && !meta.cold_layers) cold_tables = cold_slot_tables(meta, cold);
-    if (cuda && meta.cold_layers && (sparse || prepared)) {
-      fail(ErrorCode::kUnsupported, "cold KV blocks in L3 on CUDA: eager steps without dynamic sparsity only");
+    if (cuda && meta.cold_layers && prepared) {
+      fail(ErrorCode::kUnsupported, "cold KV blocks in L3 on CUDA: eager steps only");
     }
   }
 #ifdef K25_WITH_CUDA
@@ -319,6 +338,7 @@ void LlamaModel::Pass::State::begin() {
   // The step's block reads, counted by the selections of every layer (SparseScratch::reads).
   if (sparse && cuda && sparse->scratch.reads.defined()) sparse->scratch.reads.zero_();
   if (cuda && meta.cold_layers) fence = std::make_unique<cuda_glue::HostFence>();
+  if (cuda && meta.cold_layers && sparse) stage_cold_summaries();
 #endif
   if (fused) norm(h, W.layers[0].attn_norm, x);
 }
@@ -332,19 +352,40 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
   const int32_t window = c.layer_sliding_window[l];
   if (fused && cuda) {
 #ifdef K25_WITH_CUDA
-    cuda_glue::rope_write_kv(qkv, positions, slots, Hq, m.rope_cos_, m.rope_sin_, kv, layout, l);
-    if (sparse) cuda_glue::update_block_summaries(kv, layout, l, sparse->device_summaries, db);
-    if (meta.cold_layers) {
+    ColdLayerSource* const cl = meta.cold_layers;
+    if (!second) {
+      cuda_glue::rope_write_kv(qkv, positions, slots, Hq, m.rope_cos_, m.rope_sin_, kv, layout, l);
+      if (sparse) cuda_glue::update_block_summaries(kv, layout, l, sparse->device_summaries, db);
       // The device is done with layer l - 1's staging buffer before it is refilled (with
       // layer l + 1's slices, while this layer runs).
-      if (l > 0) fence->wait((l - 1) % 2);
-      const ColdLayerSource::Region r = meta.cold_layers->layer_region(l);
+      if (cl && l > 0) fence->wait((l - 1) % 2);
+    }
+    if (cl) {
+      // (The second part: waits for the reads its first part started.)
+      const ColdLayerSource::Region r = cl->layer_region(l);
       db.cold = {r.device, r.stride, r.count};
     }
     if (sparse && window == 0) {
-      const cuda_glue::DeviceBatch kept = cuda_glue::select_blocks(
-          qkv, layout, l, sparse->device_summaries, kv.numel() / layout.block_elems(), db, Hq, scale,
-          sparse->params, sparse->scratch, sparse->layer_stats);
+      cuda_glue::DeviceBatch kept;
+      if (second) {
+        kept = std::move(kept_db);
+        kept_db = {};
+      } else {
+        // Staged: each layer's reads are counted apart (zeroed first, copied back after).
+        if (cl) sparse->scratch.reads.zero_();
+        kept = cuda_glue::select_blocks(qkv, layout, l, sparse->device_summaries, kv.numel() / layout.block_elems(),
+                                        db, Hq, scale, sparse->params, sparse->scratch, sparse->layer_stats,
+                                        cl ? cold_summ : at::Tensor());
+        // Selective: the cold entries the kept tables name are read now, unless read ahead.
+        if (cl && cl->need(l, staged_need())) {
+          kept_db = kept;
+          kept_db.head_tables = kept.head_tables.clone();
+          kept_db.context_lens = kept.context_lens.clone();
+          qkv_kept = qkv;
+          split = true;
+          return false;
+        }
+      }
       cuda_glue::paged_attention(qkv, attn, kv, layout, l, kept, Hq, scale, window);
     } else {
       cuda_glue::paged_attention(qkv, attn, kv, layout, l, db, Hq, scale, window);
@@ -439,6 +480,67 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
   }
   return true;
 }
+
+#ifdef K25_WITH_CUDA
+void LlamaModel::Pass::State::stage_cold_summaries() {
+  // Entry j's rows at block j of cold_summ: an L3 block's from the host copy it took down
+  // (TorchExecutor::cold_l3_summaries), an L2 block's from its slot's rows on the device.
+  const at::Tensor& sm = sparse->device_summaries;
+  const int64_t per = cuda_glue::block_summary_elems(layout);
+  const int64_t n = static_cast<int64_t>(meta.cold_blocks.size());
+  const int64_t pool_blocks = kv.numel() / layout.block_elems();
+  if (static_cast<int64_t>(meta.cold_summaries.size()) != n) {
+    fail(ErrorCode::kInternal, "staged cold blocks without their key summaries");
+  }
+  if (!sparse->scratch.reads.defined()) fail(ErrorCode::kInternal, "staged cold blocks without counted block reads");
+  at::Tensor host = at::empty({std::max<int64_t>(n, 1), per}, sm.options().device(at::kCPU).pinned_memory(true));
+  std::vector<int64_t> entries, rows;
+  const int64_t row_bytes = per * static_cast<int64_t>(sm.element_size());
+  for (int64_t j = 0; j < n; ++j) {
+    if (meta.cold_blocks[j] != nullptr) {
+      entries.push_back(j);
+      rows.push_back(pool_blocks + cold_slot(*cold, meta.cold_blocks[j]));
+    } else if (meta.cold_summaries[j] != nullptr) {
+      std::memcpy(static_cast<uint8_t*>(host.data_ptr()) + j * row_bytes, meta.cold_summaries[j],
+                  static_cast<size_t>(row_bytes));
+    } else {
+      fail(ErrorCode::kInternal, "a cold block in L3 without its key summaries");
+    }
+  }
+  if (!rows.empty() && sm.numel() < (*std::max_element(rows.begin(), rows.end()) + 1) * per) {
+    fail(ErrorCode::kInternal, "no summary rows for the L2 slots");
+  }
+  cold_summ = host.to(dev, /*non_blocking=*/true);
+  if (!entries.empty()) {
+    cold_summ.index_copy_(0, on_device(entries, at::kLong, dev), sm.view({-1, per}).index_select(0, on_device(rows, at::kLong, dev)));
+  }
+  const int32_t S = meta.num_seqs();
+  const at::Tensor& reads = sparse->scratch.reads;
+  layer_reads = at::empty({S, reads.size(1)}, reads.options().device(at::kCPU).pinned_memory(true));
+  staged_reads.assign(static_cast<size_t>(S) * static_cast<size_t>(reads.size(1)), 0);
+}
+
+std::vector<uint8_t> LlamaModel::Pass::State::staged_need() {
+  const int32_t S = meta.num_seqs(), MB = meta.max_blocks_per_seq, bs = layout.block_size;
+  const int64_t stride = layer_reads.size(1);
+  at::Tensor dev_reads = sparse->scratch.reads.narrow(0, 0, S);
+  cuda_glue::copy_to_host_async(dev_reads, layer_reads);
+  cuda_glue::synchronize_stream();  // one wait a layer: the lane's steps are eager and disk-bound
+  const int32_t* c = layer_reads.data_ptr<int32_t>();
+  std::vector<uint8_t> need(meta.cold_blocks.size(), 0);
+  for (int32_t s = 0; s < S; ++s) {
+    const bool one = meta.query_start[s + 1] - meta.query_start[s] == 1;  // else not counted: reads every block
+    const int32_t nb = std::min<int32_t>((meta.context_lens[s] + bs - 1) / bs, MB);
+    for (int32_t b = 0; b < nb; ++b) {
+      const int32_t k = c[static_cast<int64_t>(s) * stride + b];
+      staged_reads[static_cast<size_t>(s * stride + b)] += k;
+      const int32_t id = meta.block_tables[static_cast<size_t>(s) * MB + b];
+      if (id <= cold_block_id(0) && (!one || k > 0)) need[static_cast<size_t>(cold_block_index(id))] = 1;
+    }
+  }
+  return need;
+}
+#endif
 
 at::Tensor LlamaModel::Pass::State::logits() {
 #ifdef K25_WITH_CUDA

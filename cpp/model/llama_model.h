@@ -132,6 +132,10 @@ class LlamaModel {
     int32_t num_layers() const;
     void run_layer();      // the next layer
     at::Tensor logits();   // after the last one: float32 [meta.logits_rows.size(), vocab]
+    // On CUDA, a step with dynamic sparsity whose cold blocks are staged (cold blocks in L3):
+    // the block reads its selections counted, summed over the layers so far, as
+    // cuda_glue::SparseScratch::reads lays them out; null otherwise.
+    const std::vector<int32_t>* staged_reads() const;
 
    private:
     friend class LlamaModel;

@@ -184,8 +184,7 @@ def test_with_a_small_l2_cold_blocks_go_to_l3_and_each_step_stages_them_a_layer_
     cold blocks in L3 runs eagerly: before each layer's attention the host has read that
     layer's slice of every L3 block (and copied every L2 one) into mapped pinned memory, and
     the kernels read the blocks there; tokens as the all-resident run's. Without L3 the same
-    request is refused, and with dynamic sparsity (whose device selection keeps summary rows
-    per L2 slot) cold blocks stay in L2."""
+    request is refused."""
     (prompt,), _ = make_prompts(model_dir, dtype, [(PROMPT, 12)])
     (want,), per_block = reference(model_dir, dtype, [prompt])
     need = -(-(PROMPT + NEW_TOKENS) // BLOCK)  # 39 blocks
@@ -203,14 +202,63 @@ def test_with_a_small_l2_cold_blocks_go_to_l3_and_each_step_stages_them_a_layer_
     assert tiers["offloads_to_l3"] >= need - 12 - 2
     assert tiers["l3_slice_reads"] >= tiers["offloads_to_l3"] and tiers["failures"] == 0
     assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
-    for kw, match in ((dict(), "the KV pool and L2 hold 16 blocks"),
-                      (dict(l3, enable_dynamic_sparsity=True, sparsity_min_context=256), "the KV pool and L2 hold 14")):
-        m = small_l1(model_dir, dtype, per_block, l1_blocks=12, l2_slots=4, **kw)
-        try:
-            with pytest.raises(errors.ResourceExhaustedError, match=match):
-                m.generate([prompt], max_new_tokens=NEW_TOKENS)
-        finally:
-            m.close()
+    m = small_l1(model_dir, dtype, per_block, l1_blocks=12, l2_slots=4)
+    try:
+        with pytest.raises(errors.ResourceExhaustedError, match="the KV pool and L2 hold 16 blocks"):
+            m.generate([prompt], max_new_tokens=NEW_TOKENS)
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("selective", [None, "0"])
+def test_with_dynamic_sparsity_cold_blocks_in_l3_are_read_where_the_device_selection_keeps_them(
+        model_dir, tmp_path, monkeypatch, selective):
+    """Sparsity on (the device selection) with most cold blocks in L3: a staged step ranks its
+    cold entries by the summaries they took down (an L3 block's copied to the host when it left,
+    an L2 one's from its slot's rows), and each layer reads, after its selection, the L3 blocks
+    its kept tables name that were not read ahead (the previous lane step's kept ones are). The
+    tokens and the skipped share are the all-resident sparse run's (float32), every L3 read is
+    one a selection kept, and the predictor sees the kept blocks as its reads. With
+    K25_L3_SELECTIVE=0 every layer of every L3 block is read ahead, as without sparsity."""
+    if selective:
+        monkeypatch.setenv("K25_L3_SELECTIVE", selective)
+    sp = dict(enable_dynamic_sparsity=True, sparsity_min_context=256, sparsity_recent_blocks=4)
+    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32"), **sp))
+    try:
+        prompt = prompt_for(m0, PROMPT, seed=13)
+        per_block = m0.kv_block_bytes
+        want = m0.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
+        want_ratio = m0.get_current_sparsity_ratio()
+    finally:
+        m0.close()
+    need = -(-(PROMPT + NEW_TOKENS) // BLOCK)
+    page = _C.kv_page_bytes(per_block)
+    m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=4, l3_path=str(tmp_path / "l3.bin"),
+                 l3_bytes=need * page, predictor_max_moves=0, **sp)
+    try:
+        got = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
+        ratio = m.get_current_sparsity_ratio()
+        s = m.stats()
+        tiers = m.tier_stats()
+    finally:
+        m.close()
+    assert want_ratio > 0.1  # the selection skipped blocks
+    assert got.token_ids == want.token_ids
+    assert ratio == pytest.approx(want_ratio)
+    assert s["preemptions"] == 0 and s["lane_steps"] >= NEW_TOKENS - 1
+    assert tiers["offloads_to_l3"] >= need - 12 - 2 and tiers["failures"] == 0
+    kept = sum(l["blocks_total"] - l["blocks_skipped"] for l in s["sparsity_layers"])
+    p = s["predictor"]
+    assert p["reads_l1"] + p["reads_lower"] == kept > 0 and p["reads_lower"] > 0
+    read, skipped, late = s["l3_halves_read"], s["l3_halves_skipped"], s["l3_halves_late"]
+    if selective == "0":
+        assert read == skipped == late == 0 and tiers["l3_slice_reads"] > 0
+        return
+    # A layer slice read is both halves of it (K and V); the prompt's steps read whole layers.
+    assert tiers["l3_slice_reads"] * 2 == read and skipped > 0
+    # Reads after a layer's selection: the first lane step's, and what a selection newly keeps.
+    assert 0 < late < read
+    assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
 
 
 def test_corrupted_l3_pages_on_the_gpu_are_recomputed_and_the_tokens_stay_right(model_dir, tmp_path):

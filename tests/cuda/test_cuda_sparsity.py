@@ -244,6 +244,15 @@ def test_selection_of_a_long_context_and_many_heads():
     check_selection(call, buf, info, layout, kv, 32, dict(PARAMS["capped"], max_ratio=0.8, recent_blocks=16))
 
 
+def test_selection_of_one_sequence_with_an_odd_number_of_query_heads():
+    # The default model's shape (9 query heads, 3 KV heads, head_dim 64) with one sequence:
+    # scratch for S * Hq = 9 rows of maxima, after which the histograms (loaded 16 bytes at a
+    # time) must still start 16-byte aligned (an eager step's scratch is sized like this).
+    call, buf, info, layout, kv = build(3, torch.bfloat16, 9, 3, 64, 16, [(3000, 1)], hot_frac=0.02)
+    _, _, heads = check_selection(call, buf, info, layout, kv, 9, PARAMS["mass"])
+    assert heads == 3
+
+
 def test_selection_leaves_its_scratch_clean():
     # The histograms and maxima are zero at rest: a second selection (another query, same
     # call and scratch) must equal one made with fresh scratch on the same inputs.
