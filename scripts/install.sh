@@ -29,4 +29,9 @@ fi
 if [ ! -e /usr/include/liburing.h ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   apt-get install -y -q liburing-dev >/dev/null 2>&1 || true
 fi
+if [ -e /usr/include/liburing.h ]; then
+  echo "install.sh: liburing-dev found: the L3 KV tier gets io_uring"
+else
+  echo "install.sh: no liburing-dev (apt-get install liburing-dev as root): L3 I/O will use pread/pwrite threads"
+fi
 pip install -q --no-build-isolation -e .

@@ -149,9 +149,11 @@ def decode_case(B, L, fi, results):
         out = call.run(qkv).view(B, HQ, D)
         row[name + "_err"] = rel(out, ref)
         row[name + "_TBps"] = gb / 1e3 / (time_ms(lambda: call.run(qkv)) / 1e3)
-    # Split counts past one wave (the graph form's rule fills exactly one): a sweep for
-    # the rule, not part of the comparison below.
-    for more in sorted({min(64, splits * 2), min(64, splits * 4)} - {splits}):
+    # Split counts past one wave (the graph form's rule fills exactly one, two CTAs an SM), and
+    # one CTA an SM (half the partials to merge): a sweep for the rule, not part of the
+    # comparison below.
+    one_per_sm = max(1, torch.cuda.get_device_properties(0).multi_processor_count // (B * HKV))
+    for more in sorted({min(64, splits * 2), min(64, splits * 4), min(splits, one_per_sm)} - {splits}):
         call = P.k25([1] * B, decode_splits=more)
         row[f"k25_splits{more}_err"] = rel(call.run(qkv).view(B, HQ, D), ref)
         row[f"k25_splits{more}_TBps"] = gb / 1e3 / (time_ms(lambda: call.run(qkv)) / 1e3)

@@ -176,7 +176,8 @@ void bind_engine(py::module_& m) {
       .def_readwrite("predictor_promote_heat", &EngineConfig::predictor_promote_heat)
       .def_readwrite("predictor_margin", &EngineConfig::predictor_margin)
       .def_readwrite("predictor_max_moves", &EngineConfig::predictor_max_moves)
-      .def_readwrite("predictor_free_watermark", &EngineConfig::predictor_free_watermark);
+      .def_readwrite("predictor_free_watermark", &EngineConfig::predictor_free_watermark)
+      .def_readwrite("predictor_max_entropy", &EngineConfig::predictor_max_entropy);
 
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init<>())

@@ -39,10 +39,14 @@ py::dict predictor_counters_dict(const PredictorCounters& c) {
   d["steps"] = c.steps;
   d["reads_l1"] = c.reads_l1;
   d["reads_lower"] = c.reads_lower;
+  d["reads_l2"] = c.reads_l2;
+  d["reads_l3"] = c.reads_l3;
   d["hit_rate"] = c.hit_rate();
   d["promotions"] = c.promotions;
   d["exchanges"] = c.exchanges;
   d["promotions_read"] = c.promotions_read;
+  d["entropy_holds"] = c.entropy_holds;
+  d["access_entropy"] = c.mean_entropy();
   return d;
 }
 
@@ -176,23 +180,29 @@ void bind_tiers(py::module_& m) {
           return crc32c_portable(s.data(), s.size(), crc);
         }, py::arg("data"), py::arg("crc") = 0u);
   py::class_<BlockPredictor>(m, "BlockPredictor", "The tier predictor of cold blocks (tests; predictor.h).")
-      .def(py::init([](double decay, double promote_heat, double margin, int32_t max_moves, double free_watermark) {
+      .def(py::init([](double decay, double promote_heat, double margin, int32_t max_moves, double free_watermark,
+                       double max_entropy) {
              PredictorConfig c;
              c.decay = decay;
              c.promote_heat = promote_heat;
              c.margin = margin;
              c.max_moves = max_moves;
              c.free_watermark = free_watermark;
+             c.max_entropy = max_entropy;
              return BlockPredictor(c);
            }),
            py::arg("decay") = 0.75, py::arg("promote_heat") = 0.5, py::arg("margin") = 0.25, py::arg("max_moves") = 2,
-           py::arg("free_watermark") = 0.1)
+           py::arg("free_watermark") = 0.1, py::arg("max_entropy") = 0.95)
       .def("observe",
-           [](BlockPredictor& p, int64_t seq, const std::vector<int32_t>& reads, const std::vector<bool>& cold,
+           [](BlockPredictor& p, int64_t seq, const std::vector<int32_t>& reads, const std::vector<int32_t>& cold,
               int32_t passes, bool sparse, int64_t step) {
+             // cold[b]: where block b was read, 0 (False) L1, 1 (True) L2, 2 L3.
              if (reads.size() != cold.size()) throw Error(ErrorCode::kInvalidArgument, "reads and cold differ in length");
              for (int32_t r : reads) {
                if (r < 0 || r > passes) throw Error(ErrorCode::kInvalidArgument, "reads must be in [0, passes]");
+             }
+             for (int32_t t : cold) {
+               if (t < 0 || t > 2) throw Error(ErrorCode::kInvalidArgument, "cold must be 0 (L1), 1 (L2) or 2 (L3)");
              }
              std::vector<uint8_t> c(cold.begin(), cold.end());
              p.observe(seq, reads.data(), c.data(), static_cast<int32_t>(reads.size()), passes, sparse, step);
@@ -200,13 +210,14 @@ void bind_tiers(py::module_& m) {
            py::arg("seq"), py::arg("reads"), py::arg("cold"), py::arg("passes"), py::arg("sparse") = true,
            py::arg("step") = INT64_MAX)
       .def("begin_plan", &BlockPredictor::begin_plan, py::arg("step"))
+      .def("entropy", &BlockPredictor::entropy, py::arg("seq"))
       .def("order_for_demotion",
            [](const BlockPredictor& p, int64_t seq, std::vector<int32_t> positions) {
              p.order_for_demotion(seq, &positions);
              return positions;
            })
       .def("decide",
-           [](const BlockPredictor& p, int64_t seq, const std::vector<int32_t>& cold,
+           [](BlockPredictor& p, int64_t seq, const std::vector<int32_t>& cold,
               const std::vector<int32_t>& resident, int32_t free_blocks) {
              py::list out;
              for (const BlockPredictor::Move& m : p.decide(seq, cold, resident, free_blocks)) {

@@ -130,6 +130,7 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
       pc.margin = config_.predictor_margin;
       pc.max_moves = config_.predictor_max_moves;
       pc.free_watermark = config_.predictor_free_watermark;
+      pc.max_entropy = config_.predictor_max_entropy;
       predictor_ = std::make_unique<BlockPredictor>(pc);
       scheduler_->set_predictor(predictor_.get());
     }
@@ -510,7 +511,13 @@ void Engine::observe_reads(const BatchMeta& meta, const std::vector<Sequence*>& 
     if (r.empty() || seqs[i] == nullptr) continue;  // a prompt chunk: it reads every block and predicts nothing
     const int32_t* row = meta.block_tables.data() + static_cast<std::ptrdiff_t>(i) * meta.max_blocks_per_seq;
     cold.assign(r.size(), 0);
-    for (size_t b = 0; b < r.size(); ++b) cold[b] = row[b] <= cold_block_id(0);
+    for (size_t b = 0; b < r.size(); ++b) {
+      if (row[b] > cold_block_id(0)) continue;
+      // A cold block's entry: its bytes in L2, or null (in L3, read back for the step).
+      const size_t j = static_cast<size_t>(cold_block_index(row[b]));
+      cold[b] = j < meta.cold_blocks.size() && meta.cold_blocks[j] != nullptr ? BlockPredictor::kReadFromL2
+                                                                              : BlockPredictor::kReadFromL3;
+    }
     predictor_->observe(seqs[i]->id, r.data(), cold.data(), static_cast<int32_t>(r.size()), reads.passes,
                         reads.sparse[i] != 0, step);
   }

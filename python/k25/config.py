@@ -55,6 +55,7 @@ class K25Config:
     predictor_margin: float = 0.25        # an exchange needs the resident block this much colder, [0, 1]
     predictor_max_moves: int = 2          # promotions per sequence per step, >= 0
     predictor_free_watermark: float = 0.1 # share of L1 that promotions leave free, [0, 1]
+    predictor_max_entropy: float = 0.95   # no exchanges while a sequence's access entropy is above, [0, 1]
     enable_kernel_fusion: bool = True
     batching_window_ms: float = 0.0  # an idle engine waits this long to gather a burst
     num_threads: Optional[int] = None  # None: every core this process may run on
@@ -173,6 +174,7 @@ class K25Config:
         in_range("predictor_promote_heat", 0, 1, lo_open=True)
         in_range("predictor_margin", 0, 1)
         in_range("predictor_free_watermark", 0, 1)
+        in_range("predictor_max_entropy", 0, 1)
         need(isinstance(self.predictor_max_moves, int) and not isinstance(self.predictor_max_moves, bool)
              and 0 <= self.predictor_max_moves <= 1024,
              f"predictor_max_moves must be an int in [0, 1024], got {self.predictor_max_moves!r}")

@@ -251,6 +251,7 @@ class K25Model:
             ec.predictor_margin = float(config.predictor_margin)
             ec.predictor_max_moves = int(config.predictor_max_moves)
             ec.predictor_free_watermark = float(config.predictor_free_watermark)
+            ec.predictor_max_entropy = float(config.predictor_max_entropy)
         token_bytes = self.tokenizer.token_bytes() if self.tokenizer is not None else []
         self._engine = _C.Engine(self._handle, ec, config.enable_kernel_fusion, token_bytes,
                                  self.eos_token_ids)

@@ -191,6 +191,7 @@ def test_the_predictor_brings_hot_cold_blocks_back_without_changing_tokens(defau
     assert p["exchanges"] > 0 and p["promotions"] >= p["exchanges"]
     assert 0 < p["promotions_read"] <= p["promotions"]
     assert p["reads_l1"] > 0 and p["reads_lower"] > 0 and 0 < p["hit_rate"] < 1
+    assert p["reads_l2"] == p["reads_lower"] and p["reads_l3"] == 0  # no L3 here
     # A promotion is a copy from L2 (counted as a fetch) that lands in the block table unless
     # the request ended first.
     assert 0 < s["cold_promotions"] <= tiers["fetches_from_l2"] <= p["promotions"]
@@ -227,6 +228,8 @@ def test_predictor_thresholds_are_checked_and_need_cold_blocks():
         K25Config(cache_mode="hierarchical", enable_async_offload=True, predictor_decay=1.0)
     with pytest.raises(errors.ConfigError, match="predictor_max_moves"):
         K25Config(cache_mode="hierarchical", enable_async_offload=True, predictor_max_moves=-1)
+    with pytest.raises(errors.ConfigError, match="predictor_max_entropy"):
+        K25Config(cache_mode="hierarchical", enable_async_offload=True, predictor_max_entropy=1.5)
     with pytest.raises(errors.ConfigError, match="predictor_margin"):
         K25Config(predictor_margin=0.5)  # no tiers, so no cold blocks to predict for
     with pytest.raises(errors.ConfigError, match="predictor_promote_heat"):

@@ -8,6 +8,7 @@ oracle is the same prompt on a pool that holds everything: the tokens must be eq
 A page that comes back wrong makes the sequence recompute; the output stays right.
 """
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -69,6 +70,15 @@ def test_a_sequence_longer_than_l1_and_l2_runs_with_cold_blocks_in_l3(default_mo
     assert tiers["bytes_from_l3"] > 0 and tiers["failures"] == 0
     assert tiers["l2_blocks"] == 0 and tiers["l3_blocks"] == 0  # every copy freed at the end
     assert s["blocks_used"] == 0 and not events
+    # The predictor counts every decode read (dense: each block in every pass) by the tier
+    # that served it: two cold blocks stayed in L2, the rest were read back from L3.
+    p = s["predictor"]
+    c = default_model.model_config
+    passes = c["num_layers"] * c["num_kv_heads"]
+    n = len(prompts[0])
+    read = sum(-(-(n + i) // BLOCK) for i in range(1, NEW_TOKENS))
+    assert p["reads_l1"] + p["reads_l2"] + p["reads_l3"] == passes * read
+    assert 0 < p["reads_l2"] < p["reads_l3"] and p["reads_lower"] == p["reads_l2"] + p["reads_l3"]
 
 
 def test_without_l3_the_same_request_is_refused_naming_the_sizes(default_model, prompts, tmp_path):
@@ -133,6 +143,7 @@ def test_cold_blocks_in_l3_with_dynamic_sparsity_read_only_what_the_selection_ne
         model.close()
     assert ratio > 0 and s["preemptions"] == 0 and s["lane_steps"] > 0
     assert out.token_ids == want.token_ids
+    assert s["predictor"]["reads_l3"] > 0
     read, skipped, late = s["l3_halves_read"], s["l3_halves_skipped"], s["l3_halves_late"]
     if channels and not selective:
         assert read == skipped == late == 0 and tiers["l3_slice_reads"] > 0  # whole layers, one slice each
@@ -157,6 +168,35 @@ def test_corrupted_cold_pages_in_l3_are_recomputed_and_output_stays_correct(defa
     assert tiers["faults"]["checksum_mismatch"] >= 1
     assert "checksum_mismatch" in {e[2] for e in events}
     assert s["prefill_tokens"] > len(prompts[0])  # recomputed from scratch
+    assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
+
+
+def test_an_l3_file_cut_short_under_a_running_request_is_a_short_read_and_tokens_stay_right(default_model, prompts,
+                                                                                          reference, tmp_path):
+    # Another process truncates the L3 file while the request decodes: the next lane step's
+    # reads come back short, a fault like a checksum mismatch (logged with its reason), so the
+    # sequence recomputes, its pages are written again, and the tokens are the all-resident run's.
+    model = with_l3(default_model, tmp_path)
+    path = tmp_path / "l3.bin"
+
+    async def decode():
+        ids = []
+        async for ev in model.stream_events(prompts[0], max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                            temperature=0.0):
+            ids.extend(ev.token_ids)
+            if len(ids) == 3:
+                os.truncate(path, 4096)
+        return ids
+
+    try:
+        ids = asyncio.run(decode())
+        s, tiers, events = model.stats(), model.tier_stats(), model.drain_kv_events()
+    finally:
+        model.close()
+    assert ids == reference[0]
+    assert tiers["faults"]["short_read"] >= 1
+    assert "short_read" in {e[2] for e in events}
+    assert s["prefill_tokens"] > len(prompts[0])  # recomputed
     assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
 
 

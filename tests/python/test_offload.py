@@ -161,6 +161,26 @@ def test_tier_sizes_and_paths_are_checked_when_the_model_starts(tmp_path):
         K25Model(K25Config(l2_bytes=64 << 20, l3_path="/nonexistent-k25/l3.bin", l3_bytes=64 << 20, **base))
 
 
+def test_an_l3_file_on_a_full_filesystem_is_refused_at_start_naming_enospc(tmp_path):
+    # A real ENOSPC: a 1 MB tmpfs cannot hold 64 MB of L3, and fallocate says so when the model
+    # starts (the tier reserves its whole file then, so a full disk is never found mid-run; a
+    # write that fails anyway, e.g. on a filesystem without fallocate, is a fault the engine
+    # recomputes: test_cold_l3's disk that keeps failing). Needs mount(8) permission.
+    import subprocess
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        base = dict(num_threads=1, kv_cache_bytes=64 << 20, cache_mode="hierarchical", enable_async_offload=True)
+        with pytest.raises(errors.ResourceExhaustedError, match=r"No space left on device \(errno 28\); free disk space"):
+            K25Model(K25Config(l2_bytes=64 << 20, l3_path=str(mnt / "l3.bin"), l3_bytes=64 << 20, **base))
+        assert not (mnt / "l3.bin").exists()  # the file it created is gone again
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
 def test_aborts_while_swapped_or_fetching_leak_nothing(tmp_path, reference):
     """Requests cancelled at every point of a swap; the rest still get their tokens."""
     import asyncio

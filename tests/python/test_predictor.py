@@ -3,6 +3,8 @@ model of its rules: heat as an exponentially weighted mean of the fraction of at
 passes that read a block, demotion order (coldest, least recently read, oldest), and the
 promotion decisions (hottest cold blocks above the threshold, into free blocks first,
 then in exchange for resident blocks at least `margin` colder)."""
+import math
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -52,6 +54,17 @@ def test_heat_is_the_weighted_mean_of_read_fractions(steps, decay):
     assert p.counters["steps"] == len(steps)
 
 
+def test_reads_are_counted_by_the_tier_that_served_them():
+    p = _C.BlockPredictor()
+    p.observe(1, [3, 1, 2, 4], [0, 1, 2, 2], passes=4)
+    c = p.counters
+    assert (c["reads_l1"], c["reads_l2"], c["reads_l3"], c["reads_lower"]) == (3, 1, 6, 7)
+    assert c["hit_rate"] == pytest.approx(3 / 10)
+    with pytest.raises(errors.InvalidArgumentError, match="0 \\(L1\\), 1 \\(L2\\) or 2 \\(L3\\)"):
+        p.observe(1, [1], [3], passes=4)
+    assert p.counters == c  # the bad call changed nothing
+
+
 def test_dense_steps_count_hits_and_misses_but_leave_heat_alone():
     p = _C.BlockPredictor(decay=0.5)
     p.observe(1, [4, 0, 2], [False, True, False], passes=4)
@@ -89,7 +102,8 @@ def test_demotion_order_is_coldest_then_least_recently_read_then_oldest(steps, c
        max_moves=st.integers(0, 5), free=st.integers(0, 4))
 def test_decisions_promote_the_hottest_cold_blocks_within_the_limits(reads, data, promote, margin, max_moves, free):
     n = len(reads)
-    p = _C.BlockPredictor(decay=0.0, promote_heat=promote, margin=margin, max_moves=max_moves)
+    # (max_entropy 1: no access entropy holds a decision back; its own test is below)
+    p = _C.BlockPredictor(decay=0.0, promote_heat=promote, margin=margin, max_moves=max_moves, max_entropy=1.0)
     p.observe(5, reads, [False] * n, passes=8)  # decay 0: heat = reads / 8 exactly
     heat = [r / 8 for r in reads]
     cold = data.draw(st.lists(st.sampled_from(range(n)), unique=True))
@@ -118,6 +132,32 @@ def test_decisions_promote_the_hottest_cold_blocks_within_the_limits(reads, data
         nxt = max(heat[c] for c in left)
         spare = sorted(heat[r] for r in resident if r not in demoted)
         assert nxt < promote or len(frees) == free and (not spare or spare[0] + margin > nxt)
+
+
+def test_evenly_spread_reads_hold_exchanges_back_by_their_access_entropy():
+    def predictor(max_entropy):
+        p = _C.BlockPredictor(decay=0.5, promote_heat=0.5, margin=0.25, max_entropy=max_entropy)
+        assert p.entropy(3) == 1.0  # nothing observed: as spread as can be
+        for _ in range(2):  # block 1 unread (heat 1 -> 0.25), three read alike
+            p.observe(3, [4, 0, 4, 4], [1, 0, 0, 0], passes=4)
+        return p
+
+    h = math.log(3) / math.log(4)  # each step's entropy: three of four blocks alike
+    p = predictor(0.9)
+    assert p.entropy(3) == pytest.approx(h) and p.counters["access_entropy"] == pytest.approx(h)
+    assert p.decide(3, cold=[0], resident=[1], free_blocks=0) == [(0, 1)]
+    assert p.counters["entropy_holds"] == 0
+    # The same reads count as spread under a lower bound: no exchange for the hot cold block...
+    p = predictor(0.7)
+    assert p.decide(3, cold=[0], resident=[1], free_blocks=0) == []
+    assert p.counters["entropy_holds"] == 1
+    # ... but a free L1 block still takes it.
+    assert p.decide(3, cold=[0], resident=[1], free_blocks=1) == [(0, -1)]
+    # Every read on one block: entropy 0; every block read alike: 1.
+    p.observe(4, [0, 4, 0], [0, 0, 0], passes=4)
+    assert p.entropy(4) == 0.0
+    p.observe(5, [4, 4, 4], [0, 0, 0], passes=4)
+    assert p.entropy(5) == pytest.approx(1.0)
 
 
 def test_promoted_blocks_are_counted_and_watched_for_a_read():
@@ -161,7 +201,8 @@ def test_watermark_keeps_a_share_of_l1_free():
 
 
 @pytest.mark.parametrize("kw", [dict(decay=1.0), dict(decay=-0.1), dict(promote_heat=0.0), dict(promote_heat=1.5),
-                                dict(margin=-0.1), dict(max_moves=-1), dict(free_watermark=1.1)])
+                                dict(margin=-0.1), dict(max_moves=-1), dict(free_watermark=1.1),
+                                dict(max_entropy=-0.1), dict(max_entropy=1.5)])
 def test_bad_thresholds_are_errors(kw):
     with pytest.raises(errors.InvalidArgumentError, match="predictor_"):
         _C.BlockPredictor(**kw)

@@ -1068,6 +1068,7 @@ def test_tiered_kv_server_swaps_and_exports_offload_metrics(tmp_path):
         # Every sequence fits L1 alone: no cold blocks, so every decode block read is a hit.
         assert m.get("k25_kv_predictor_reads_total", tier="l1") > 0
         assert m.get("k25_kv_predictor_reads_total", tier="l2") == 0
+        assert m.get("k25_kv_predictor_reads_total", tier="l3") == 0
         assert m.get("k25_kv_predictor_promotions_total") == 0
         assert "preempt_swap" in s.log()
     finally:

@@ -43,6 +43,7 @@ struct EngineConfig {
   double predictor_margin = 0.25;         // an exchange needs the resident block this much colder
   int32_t predictor_max_moves = 2;        // promotions per sequence per step
   double predictor_free_watermark = 0.1;  // share of L1 that promotions leave free
+  double predictor_max_entropy = 0.95;    // no exchanges for a sequence whose access entropy is above this
 };
 
 }  // namespace k25

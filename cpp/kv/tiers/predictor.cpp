@@ -23,14 +23,20 @@ BlockPredictor::BlockPredictor(const PredictorConfig& c) : config_(c) {
   check_range(c.max_moves >= 0, "predictor_max_moves", c.max_moves, "[0, inf)");
   check_range(c.free_watermark >= 0 && c.free_watermark <= 1, "predictor_free_watermark", c.free_watermark,
               "[0, 1]");
+  check_range(c.max_entropy >= 0 && c.max_entropy <= 1, "predictor_max_entropy", c.max_entropy, "[0, 1]");
 }
 
 void BlockPredictor::observe(int64_t seq, const int32_t* reads, const uint8_t* cold, int32_t num_blocks,
                              int32_t passes, bool sparse, int64_t step) {
   if (num_blocks <= 0 || passes <= 0) return;
   for (int32_t b = 0; b < num_blocks; ++b) {
-    (cold[b] ? counters_.reads_lower : counters_.reads_l1) += reads[b];
+    if (cold[b] > kReadFromL3) fail(ErrorCode::kInvalidArgument, "a block read from no such tier");
   }
+  for (int32_t b = 0; b < num_blocks; ++b) {
+    (cold[b] == kReadFromL1 ? counters_.reads_l1 : cold[b] == kReadFromL2 ? counters_.reads_l2 : counters_.reads_l3) +=
+        reads[b];
+  }
+  counters_.reads_lower = counters_.reads_l2 + counters_.reads_l3;
   SeqState& s = seqs_[seq];
   if (static_cast<int32_t>(s.heat.size()) < num_blocks) {
     s.heat.resize(num_blocks, 1.0f);  // unknown: as hot as can be (a new block is read by every pass)
@@ -50,10 +56,24 @@ void BlockPredictor::observe(int64_t seq, const int32_t* reads, const uint8_t* c
   ++counters_.steps;
   ++s.observations;
   const float keep = static_cast<float>(config_.decay), take = 1.0f - keep;
+  int64_t total = 0;
   for (int32_t b = 0; b < num_blocks; ++b) {
     s.heat[b] = keep * s.heat[b] + take * static_cast<float>(reads[b]) / static_cast<float>(passes);
     if (reads[b] > 0) s.last_read[b] = s.observations;
+    total += reads[b];
   }
+  // The step's access entropy over its blocks, normalized to [0, 1] (one block: 0).
+  double h = 0;
+  if (total > 0 && num_blocks > 1) {
+    for (int32_t b = 0; b < num_blocks; ++b) {
+      if (reads[b] == 0) continue;
+      const double p = static_cast<double>(reads[b]) / static_cast<double>(total);
+      h -= p * std::log(p);
+    }
+    h = std::min(1.0, h / std::log(static_cast<double>(num_blocks)));
+  }
+  s.entropy = s.entropy < 0 ? h : config_.decay * s.entropy + (1 - config_.decay) * h;
+  counters_.entropy_sum += h;
 }
 
 // Strict weak order: a before b when a is the better block to demote.
@@ -77,11 +97,13 @@ void BlockPredictor::order_for_demotion(int64_t seq, std::vector<int32_t>* posit
 
 std::vector<BlockPredictor::Move> BlockPredictor::decide(int64_t seq, const std::vector<int32_t>& cold,
                                                          const std::vector<int32_t>& resident,
-                                                         int32_t free_blocks) const {
+                                                         int32_t free_blocks) {
   std::vector<Move> moves;
   auto it = seqs_.find(seq);
   if (it == seqs_.end() || config_.max_moves == 0 || cold.empty()) return moves;
   const SeqState* s = &it->second;
+  // Reads spread nearly evenly: heat differences are noise that an exchange would chase.
+  const bool spread = s->entropy < 0 || s->entropy > config_.max_entropy;
   std::vector<int32_t> hot = cold;
   std::sort(hot.begin(), hot.end(), [&](int32_t a, int32_t b) { return colder(s, b, a); });  // hottest first
   std::vector<int32_t> out = resident;
@@ -97,6 +119,10 @@ std::vector<BlockPredictor::Move> BlockPredictor::decide(int64_t seq, const std:
       continue;
     }
     if (next_out >= out.size() || heat(seq, out[next_out]) + config_.margin > hc) break;
+    if (spread) {
+      ++counters_.entropy_holds;
+      break;
+    }
     moves.push_back({c, out[next_out++]});
   }
   return moves;
@@ -109,6 +135,11 @@ void BlockPredictor::moved(int64_t seq, const Move& m) {
 }
 
 void BlockPredictor::forget(int64_t seq) { seqs_.erase(seq); }
+
+double BlockPredictor::entropy(int64_t seq) const {
+  auto it = seqs_.find(seq);
+  return it == seqs_.end() || it->second.entropy < 0 ? 1.0 : it->second.entropy;
+}
 
 double BlockPredictor::heat(int64_t seq, int32_t pos) const {
   auto it = seqs_.find(seq);

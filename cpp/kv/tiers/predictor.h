@@ -9,6 +9,12 @@
 //
 //   heat <- decay * heat + (1 - decay) * reads / passes      (new blocks start at 1)
 //
+// and each sequence an access entropy, the same mean of each step's normalized entropy of
+// its reads over its blocks (p_b = reads_b / sum of reads; H = -sum p_b log p_b / log nb:
+// 1 when every block is read alike, as dense attention reads them; 0 when one is):
+//
+//   entropy <- decay * entropy + (1 - decay) * H            (from the first step's H)
+//
 // Decisions:
 //   - demotion order (L1 is short): coldest first, then least recently read, then oldest
 //     position. Without sparsity every pass reads every block, so heat and recency tie
@@ -17,9 +23,13 @@
 //     most max_moves per sequence and step: into a free L1 block while more than the
 //     watermark's share of L1 is free, else in exchange for the coldest resident
 //     candidate, only when that one is at least `margin` colder (so two blocks of similar
-//     heat never swap back and forth).
+//     heat never swap back and forth), and only while the sequence's access entropy is at
+//     most max_entropy: reads spread nearly evenly say little about which block the next
+//     steps read, so heat differences there are noise that an exchange (two copies, one of
+//     them out of L1) would chase. Promotions into free blocks cost L1 nothing and go on.
 // Counted: reads served by L1 (hits) and by a lower tier (misses), promotions, exchanges,
-// and promoted blocks that the next observed step read.
+// promoted blocks that the next observed step read, exchanges the entropy held back, and
+// the mean access entropy of the observed steps.
 //
 // Plain C++, no locks: the engine thread owns it.
 #pragma once
@@ -39,6 +49,7 @@ struct PredictorConfig {
   double margin = 0.25;         // an exchange needs the resident block this much colder, [0, 1]
   int32_t max_moves = 2;        // promotions per sequence per step (bounds the copy traffic a step starts)
   double free_watermark = 0.1;  // share of L1 kept free: promotions take free blocks only above it
+  double max_entropy = 0.95;    // no exchanges for a sequence whose access entropy is above this, [0, 1]
 };
 
 class BlockPredictor {
@@ -46,8 +57,10 @@ class BlockPredictor {
   // Throws kInvalidArgument for a value out of its range.
   explicit BlockPredictor(const PredictorConfig& config);
 
+  // Where a block was read (observe's cold[b]).
+  static constexpr uint8_t kReadFromL1 = 0, kReadFromL2 = 1, kReadFromL3 = 2;
   // One decode step of one sequence: reads[b] of `passes` attention passes read block
-  // position b (b < num_blocks); cold[b] != 0 when that block was read outside L1. Heat
+  // position b (b < num_blocks); cold[b] where that block was read (kReadFrom*). Heat
   // changes only when sparse is true (a dense pass reads everything and says nothing about
   // the next step); hits and misses are counted either way. step: the plan the step ran
   // (begin_plan); a pipelined step is observed after the next plan, whose promotions it
@@ -66,13 +79,15 @@ class BlockPredictor {
   };
   // cold: positions the sequence holds outside L1; resident: positions it may demote;
   // free_blocks: L1 blocks free beyond the watermark (Scheduler computes it).
+  // Not const: it counts the exchanges the access entropy held back.
   std::vector<Move> decide(int64_t seq, const std::vector<int32_t>& cold, const std::vector<int32_t>& resident,
-                           int32_t free_blocks) const;
+                           int32_t free_blocks);
   // A decided move was carried out (counted; the promoted block is watched for a read).
   void moved(int64_t seq, const Move& m);
   void forget(int64_t seq);
 
   double heat(int64_t seq, int32_t pos) const;
+  double entropy(int64_t seq) const;  // the sequence's access entropy; 1 before any sparse step
   int32_t free_blocks_above_watermark(int32_t free_blocks, int32_t total_blocks) const;
   const PredictorConfig& config() const { return config_; }
   const PredictorCounters& counters() const { return counters_; }
@@ -83,6 +98,7 @@ class BlockPredictor {
     std::vector<int64_t> last_read;  // observation count at the last read, -1: never
     std::vector<std::pair<int32_t, int64_t>> watched;  // promoted positions not yet observed, and their plan
     int64_t observations = 0;
+    double entropy = -1;  // the access entropy (mean of normalized H); < 0: none observed yet
   };
   bool colder(const SeqState* s, int32_t a, int32_t b) const;
 

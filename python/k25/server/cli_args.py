@@ -35,9 +35,11 @@ def add_arguments(p) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true", default=None,
                    help="share the KV of identical token prefixes between requests (README 'Prefix caching')")
     p.add_argument("--cache-mode", default=None, choices=["standard", "hierarchical"],
-                   help="hierarchical: tiered KV (needs --enable-async-offload; CPU backend; docs/offload.md)")
+                   help="hierarchical: tiered KV (needs --enable-async-offload; CPU and CUDA; docs/offload.md)")
     p.add_argument("--enable-async-offload", action="store_true", default=None,
-                   help="with --cache-mode hierarchical: preempted sequences' KV goes to L2/L3, not recomputed")
+                   help="with --cache-mode hierarchical: preempted sequences' KV goes to L2/L3 instead of being "
+                        "recomputed (when cheaper), sequences longer than the KV pool keep cold blocks there, and "
+                        "evicted prefix blocks spill there")
     p.add_argument("--l2-bytes", type=int, default=None, help="L2 host pool of the tiered KV cache")
     p.add_argument("--l3-path", default=None, help="L3 file of the tiered KV cache (with --l3-bytes)")
     p.add_argument("--l3-bytes", type=int, default=None, help="size of the L3 file")

@@ -93,7 +93,8 @@ def tier_metrics(engine_stats: Dict[str, Dict]):
     held = GaugeMetricFamily("k25_kv_tier_blocks", "KV block copies a tier holds now (parked, cached prefix, cold)",
                              labels=["model", "tier"])
     reads = CounterMetricFamily("k25_kv_predictor_reads", "Decode attention block reads (one per layer and KV head) "
-                                "by where the block was: l1 (a hit) or l2 (a cold block read in place, a miss)",
+                                "by where the block was: l1 (a hit), l2 (a cold block read in place) or l3 (a cold "
+                                "block read back from the file), the last two misses",
                                 labels=["model", "tier"])
     promotions = CounterMetricFamily("k25_kv_predictor_promotions",
                                      "Cold blocks the tier predictor started copying back to L1", labels=["model"])
@@ -118,6 +119,7 @@ def tier_metrics(engine_stats: Dict[str, Dict]):
             faults.add_metric([model, reason], n)
         p = s.get("predictor", {})
         reads.add_metric([model, "l1"], p.get("reads_l1", 0))
-        reads.add_metric([model, "l2"], p.get("reads_lower", 0))
+        reads.add_metric([model, "l2"], p.get("reads_l2", 0))
+        reads.add_metric([model, "l3"], p.get("reads_l3", 0))
         promotions.add_metric([model], p.get("promotions", 0))
     yield from (latency, moved, fetches, faults, held, reads, promotions)
