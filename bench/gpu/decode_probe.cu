@@ -45,7 +45,10 @@ int main(int argc, char** argv) {
 
   // The engine's split rule for the graph form (cuda_glue::decode_splits_for): one wave.
   const int wave = cuda::decode_attention_wave(cuda::DType::kBF16, kD, group);
-  const int splits = std::max(1, std::min(64, wave / std::max(1, B * kHkv)));
+#ifndef K25_PROBE_WAVE_DIV
+#define K25_PROBE_WAVE_DIV 1  // 2: one CTA an SM instead of the wave's two (half the partials to merge)
+#endif
+  const int splits = std::max(1, std::min(64, wave / K25_PROBE_WAVE_DIV / std::max(1, B * kHkv)));
 
   __nv_bfloat16 *d_q, *d_out;
   int* d_counters;
