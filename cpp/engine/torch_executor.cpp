@@ -951,8 +951,12 @@ class TorchExecutor : public ModelExecutor {
     }
     if (!graphs_.empty()) fail(ErrorCode::kInternal, "the sparse scratch cannot grow under captured CUDA graphs");
     const ModelConfig& c = model_->config();
-    x = cuda_glue::make_sparse_scratch(std::max(num_seqs, x.num_seqs), std::max(max_blocks, x.max_blocks),
-                                       c.num_heads, c.num_kv_heads, model_->device(), count_reads);
+    // Rows as wide as any sequence can need (as the graphs' are), so that the width never
+    // changes once made: a lane step's per-layer read counts (LlamaModel's staged_need) keep
+    // its stride while eager steps of other sequences run between its layers.
+    const int32_t width = std::max({max_blocks, x.max_blocks, graph_blocks()});
+    x = cuda_glue::make_sparse_scratch(std::max(num_seqs, x.num_seqs), width, c.num_heads, c.num_kv_heads,
+                                       model_->device(), count_reads);
   }
 
   DecodeGraph& graph_for(int32_t bucket) {

@@ -461,7 +461,7 @@ namespace {
 struct ZeroedParts {
   int64_t maxima, mass_hist, est_hist, score_hist, head_mass, head_mlogm, bytes;
   ZeroedParts(int64_t S, int64_t Hq, int64_t Hkv) {
-    // Every part 16-byte aligned: the count kernel loads histograms 16 bytes at a time (with
+    // Every part 16-byte aligned (not 8): the count kernel loads histograms 16 bytes at a time (with
     // 8-byte alignment, an odd S * Hq, e.g. one sequence of the default model's 9 heads in an
     // eager step's scratch, misaligned them).
     auto up16 = [](int64_t x) { return (x + 15) / 16 * 16; };

@@ -523,6 +523,9 @@ void LlamaModel::Pass::State::stage_cold_summaries() {
 std::vector<uint8_t> LlamaModel::Pass::State::staged_need() {
   const int32_t S = meta.num_seqs(), MB = meta.max_blocks_per_seq, bs = layout.block_size;
   const int64_t stride = layer_reads.size(1);
+  if (sparse->scratch.reads.size(1) != stride) {
+    fail(ErrorCode::kInternal, "the sparse scratch changed its width during a staged step");
+  }
   at::Tensor dev_reads = sparse->scratch.reads.narrow(0, 0, S);
   cuda_glue::copy_to_host_async(dev_reads, layer_reads);
   cuda_glue::synchronize_stream();  // one wait a layer: the lane's steps are eager and disk-bound

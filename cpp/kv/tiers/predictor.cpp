@@ -62,12 +62,20 @@ void BlockPredictor::observe(int64_t seq, const int32_t* reads, const uint8_t* c
     if (reads[b] > 0) s.last_read[b] = s.observations;
     total += reads[b];
   }
-  // The step's access entropy over its blocks, normalized to [0, 1] (one block: 0).
-  double h = 0;
-  if (total > 0 && num_blocks > 1) {
+  // The step's access entropy over its blocks, normalized to [0, 1] (one block: 0), of the
+  // reads above the floor every block got (the passes that ran no selection, e.g. layers
+  // with a sliding window, read every block: they would make any selection look spread).
+  // Every block read alike: 1.
+  const int32_t floor = *std::min_element(reads, reads + num_blocks);
+  total -= static_cast<int64_t>(floor) * num_blocks;
+  double h = 1;
+  if (num_blocks <= 1) {
+    h = 0;
+  } else if (total > 0) {
+    h = 0;
     for (int32_t b = 0; b < num_blocks; ++b) {
-      if (reads[b] == 0) continue;
-      const double p = static_cast<double>(reads[b]) / static_cast<double>(total);
+      if (reads[b] == floor) continue;
+      const double p = static_cast<double>(reads[b] - floor) / static_cast<double>(total);
       h -= p * std::log(p);
     }
     h = std::min(1.0, h / std::log(static_cast<double>(num_blocks)));

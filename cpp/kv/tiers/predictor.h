@@ -10,8 +10,9 @@
 //   heat <- decay * heat + (1 - decay) * reads / passes      (new blocks start at 1)
 //
 // and each sequence an access entropy, the same mean of each step's normalized entropy of
-// its reads over its blocks (p_b = reads_b / sum of reads; H = -sum p_b log p_b / log nb:
-// 1 when every block is read alike, as dense attention reads them; 0 when one is):
+// its reads over its blocks, counted above the floor every block got (passes that ran no
+// selection read them all): p_b = (reads_b - floor) / sum; H = -sum p_b log p_b / log nb,
+// 1 when every block is read alike, as dense attention reads them; 0 when one is:
 //
 //   entropy <- decay * entropy + (1 - decay) * H            (from the first step's H)
 //
