@@ -806,12 +806,15 @@ void Engine::step() {
                                      [&](const SwapOut& so) { return so.seq->id == plan.preempted[i]; });
     if (!swapped) record_kv_event(plan.preempted[i], plan.preempted_blocks[i], "preempt_recompute");
   }
-  for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
-    // Before this step's writes reset the L1 block's summaries for its new content.
-    std::vector<float> sums = executor_->block_summaries(d.block);
-    if (sums.empty()) continue;
+  // A demoted block's summaries kept on the host with its sequence (none: the executor keeps none).
+  auto keep_host_summaries = [](const StepPlan::ColdDemote& d, std::vector<float> sums) {
+    if (sums.empty()) return;
     if (d.seq->cold_summaries.size() < d.seq->block_table.size()) d.seq->cold_summaries.resize(d.seq->block_table.size());
     d.seq->cold_summaries[static_cast<size_t>(d.index)] = std::move(sums);
+  };
+  for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
+    // Before this step's writes reset the L1 block's summaries for its new content.
+    keep_host_summaries(d, executor_->block_summaries(d.block));
   }
   if (swap_) swap_->start(plan);  // records preempt_swap (or preempt_recompute) itself
   if (swap_) {
@@ -823,12 +826,7 @@ void Engine::step() {
         executor_->keep_cold_summaries(d.block, data);
       } else if (key != 0 && cold_l3_) {
         // In L3 (no slot for device rows): a host copy, for the staged steps that read it.
-        std::vector<float> sums = executor_->cold_l3_summaries(d.block);
-        if (sums.empty()) continue;
-        if (d.seq->cold_summaries.size() < d.seq->block_table.size()) {
-          d.seq->cold_summaries.resize(d.seq->block_table.size());
-        }
-        d.seq->cold_summaries[static_cast<size_t>(d.index)] = std::move(sums);
+        keep_host_summaries(d, executor_->cold_l3_summaries(d.block));
       }
     }
   }

@@ -108,6 +108,21 @@ def test_two_long_sequences_on_the_gpu_share_the_pool_by_preemption_and_cold_blo
     assert s["cold_demotes"] > 0
 
 
+SPARSE = dict(enable_dynamic_sparsity=True, sparsity_min_context=256, sparsity_recent_blocks=4)
+
+
+def sparse_reference(model_dir, seed):
+    """A prompt of the checkpoint's vocabulary, its KV block bytes, and its greedy float32 output
+    and skipped share with SPARSE on a device pool that holds everything."""
+    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32"), **SPARSE))
+    try:
+        prompt = prompt_for(m0, PROMPT, seed=seed)
+        want = m0.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
+        return prompt, m0.kv_block_bytes, want, m0.get_current_sparsity_ratio()
+    finally:
+        m0.close()
+
+
 def test_with_dynamic_sparsity_cold_blocks_are_ranked_by_the_summaries_they_left_with(model_dir):
     """Sparsity on in both runs (the device selection, from 256 tokens on, 4 recent blocks):
     a block that goes cold takes its key summaries to its L2 slot's rows, so the cold run
@@ -115,19 +130,11 @@ def test_with_dynamic_sparsity_cold_blocks_are_ranked_by_the_summaries_they_left
     gives the same tokens (float32) with the same share of blocks skipped. The predictor sees
     the device selection's reads: as many as the selections kept, some of them in L2; and with
     promotions allowed it brings the hottest cold blocks back, tokens unchanged."""
-    sp = dict(enable_dynamic_sparsity=True, sparsity_min_context=256, sparsity_recent_blocks=4)
-    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32"), **sp))
-    try:
-        prompt = prompt_for(m0, PROMPT, seed=10)
-        per_block = m0.kv_block_bytes
-        want = m0.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
-        want_ratio = m0.get_current_sparsity_ratio()
-    finally:
-        m0.close()
+    prompt, per_block, want, want_ratio = sparse_reference(model_dir, seed=10)
     need = -(-(PROMPT + NEW_TOKENS) // BLOCK)
     for moves in (0, 2):
         m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=need, predictor_max_moves=moves,
-                     predictor_promote_heat=0.3, **sp)
+                     predictor_promote_heat=0.3, **SPARSE)
         try:
             got = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
             s = m.stats()
@@ -223,19 +230,11 @@ def test_with_dynamic_sparsity_cold_blocks_in_l3_are_read_where_the_device_selec
     K25_L3_SELECTIVE=0 every layer of every L3 block is read ahead, as without sparsity."""
     if selective:
         monkeypatch.setenv("K25_L3_SELECTIVE", selective)
-    sp = dict(enable_dynamic_sparsity=True, sparsity_min_context=256, sparsity_recent_blocks=4)
-    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32"), **sp))
-    try:
-        prompt = prompt_for(m0, PROMPT, seed=13)
-        per_block = m0.kv_block_bytes
-        want = m0.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
-        want_ratio = m0.get_current_sparsity_ratio()
-    finally:
-        m0.close()
+    prompt, per_block, want, want_ratio = sparse_reference(model_dir, seed=13)
     need = -(-(PROMPT + NEW_TOKENS) // BLOCK)
     page = _C.kv_page_bytes(per_block)
     m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=4, l3_path=str(tmp_path / "l3.bin"),
-                 l3_bytes=need * page, predictor_max_moves=0, **sp)
+                 l3_bytes=need * page, predictor_max_moves=0, **SPARSE)
     try:
         got = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
         ratio = m.get_current_sparsity_ratio()
