@@ -40,6 +40,13 @@ import numpy as np
 
 
 def text_ids(model, n):
+    """n token ids of pydoc text; for a model without a tokenizer (a random-weight checkpoint,
+    --model), n seeded random ids below its vocabulary (the speed does not depend on them)."""
+    from k25.errors import RequestError
+    try:
+        model.tokenize(["x"])
+    except RequestError:
+        return np.random.default_rng(0).integers(1, model.model_config["vocab_size"], n).tolist()
     from pydoc_data import topics
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
     ids = model.tokenize([text])[0]
@@ -156,6 +163,8 @@ def main():
                     help="with --l3 --sparse: one more tiered run (first --max-moves) that reads whole layers of "
                          "its L3 blocks ahead (K25_L3_SELECTIVE=0) instead of only what the selection needs")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default=None,
+                    help="model_path (default: the default model); e.g. bench/gpu/model_bench.py's 8B-shape checkpoint")
     ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -164,6 +173,8 @@ def main():
                 max_seq_len=max(args.tokens + args.new + 8, 8192),
                 prefill_chunk_size=512, max_num_batched_tokens=512, block_size=16,
                 enable_dynamic_sparsity=args.sparse)
+    if args.model:
+        base["model_path"] = args.model
     if args.sparse and args.score_channels is not None:
         base["sparsity_score_channels"] = args.score_channels
     w = workload(base, args.tokens, args.new, args.l1_fraction, args.l3, args.l2_slots)

@@ -1,11 +1,14 @@
 """A short request beside a long one whose cold blocks are in L3 (issue #6 point 5), CPU or CUDA.
 
-One process, the default model, three runs of the same short request (greedy, streamed; its
+One process, the default model, four runs of the same short request (greedy, streamed; its
 token arrival gaps are its decode step latencies):
   alone          the short request by itself on the tiered configuration (the reference);
   lane           a long request (--tokens) arrives after the short one's first token; its
                  blocks past L1 + L2 go to the L3 file, and its steps run in the L3 lane, a
                  layer at a time between the short request's steps (docs/offload.md);
+  write wait     the lane with K25_L3_WRITE_WAIT=1: the step that plans a lane step waits for
+                 the page writes of its cold demotes to L3 (the engine before a lane step's
+                 reads could start after the others' step), the others with it;
   lane off       the same with K25_L3_LANE=0: a lane step runs whole inside the step that
                  plans it, so the short request waits for the disk (the engine before the lane).
 Prints the short request's time from its first to its last token and its P50 / P99 / max gap,
@@ -98,11 +101,12 @@ def main():
                   l3_bytes=(blocks + 4) * page)
 
     results = {}
-    for name, with_long, lane_env in (("alone", False, None), ("lane", True, None), ("lane off", True, "0")):
-        if lane_env is None:
-            os.environ.pop("K25_L3_LANE", None)
-        else:
-            os.environ["K25_L3_LANE"] = lane_env  # read when the engine starts
+    runs = (("alone", False, {}), ("lane", True, {}), ("write wait", True, {"K25_L3_WRITE_WAIT": "1"}),
+            ("lane off", True, {"K25_L3_LANE": "0"}))
+    for name, with_long, env in runs:
+        for k in ("K25_L3_LANE", "K25_L3_WRITE_WAIT"):
+            os.environ.pop(k, None)
+        os.environ.update(env)  # read when the engine starts
         model = K25Model(K25Config(**tiered))
         try:
             stamps, short_out, long_out = asyncio.run(
@@ -118,7 +122,8 @@ def main():
         if with_long:
             r.update(long_ttft_s=long_out["ttft"], long_tokens=long_out["ids"])
         results[name] = r
-    os.environ.pop("K25_L3_LANE", None)
+    for k in ("K25_L3_LANE", "K25_L3_WRITE_WAIT"):
+        os.environ.pop(k, None)
 
     ref = results["alone"]
     same = all(r["short_tokens"] == ref["short_tokens"] for r in results.values())
@@ -127,12 +132,12 @@ def main():
           f"{args.tokens} + 2 tokens ({blocks} blocks of {args.block}: L1 {args.l1_blocks}, L2 {args.l2_slots} slots, "
           f"the rest in L3)")
     for name, r in results.items():
-        line = (f"{name:9s} short: {r['short_s']:6.2f} s first to last token ({r['short_s'] / ref['short_s']:6.2f}x alone),"
+        line = (f"{name:10s} short: {r['short_s']:6.2f} s first to last token ({r['short_s'] / ref['short_s']:6.2f}x alone),"
                 f" gap P50 {r['p50']:7.2f} ms P99 {r['p99']:8.2f} ms max {r['max']:8.2f} ms"
                 f" (P99 / alone {r['p99'] / ref['p99']:6.2f})")
         if r["in_l3_phase"]:
             p = r["in_l3_phase"]
-            line += (f"\n{'':9s} while the long one reads L3 ({r['l3_gaps']} gaps): P50 {p['p50']:7.2f} ms"
+            line += (f"\n{'':10s} while the long one reads L3 ({r['l3_gaps']} gaps): P50 {p['p50']:7.2f} ms"
                      f" P99 {p['p99']:8.2f} ms max {p['max']:8.2f} ms (P99 / alone {p['p99'] / ref['p99']:6.2f})")
         if "long_ttft_s" in r:
             line += (f"  long TTFT {r['long_ttft_s']:6.2f} s, {r['offloads_to_l3']} blocks to L3, "

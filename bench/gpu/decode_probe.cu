@@ -68,6 +68,11 @@ int main(int argc, char** argv) {
   b.decode_splits = splits;
   b.num_seqs = B;
   b.split_counters = splits > 1 ? d_counters : nullptr;
+  int used = std::max(1, std::min(splits, (L + b.min_split_keys - 1) / b.min_split_keys));  // derived_splits
+#ifdef K25_PROBE_SPLIT_TARGET  // with variants/decode_split_target.patch
+  b.split_target_keys = K25_PROBE_SPLIT_TARGET;
+  used = std::min(used, std::max((splits + 1) / 2, (L + K25_PROBE_SPLIT_TARGET - 1) / K25_PROBE_SPLIT_TARGET));
+#endif
   const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
   const int items = B * kHkv * splits;
   auto run = [&] {
@@ -86,7 +91,7 @@ int main(int argc, char** argv) {
   double med = 0, best = 0;
   time_calls(run, rounds, 20, &med, &best);
   const double bytes = static_cast<double>(B) * L * kHkv * kD * 2 * 2;  // K and V, bf16
-  std::printf("%-24s B=%d L=%d splits=%d  %.1f us (min %.1f)  %.2f TB/s  rel_err %.2e\n", K25_PROBE_VARIANT, B, L,
-              splits, med * 1e3, best * 1e3, bytes / (med * 1e-3) / 1e12, rel);
+  std::printf("%-24s B=%d L=%d splits=%d/%d  %.1f us (min %.1f)  %.2f TB/s  rel_err %.2e\n", K25_PROBE_VARIANT, B, L,
+              used, splits, med * 1e3, best * 1e3, bytes / (med * 1e-3) / 1e12, rel);
   return rel < 1e-2 ? 0 : 2;
 }

@@ -47,6 +47,7 @@ py::dict stats_dict(const EngineStats& s) {
   d["pipelined_steps"] = s.pipelined_steps;
   d["lane_steps"] = s.lane_steps;
   d["lane_deferred_aborts"] = s.lane_deferred_aborts;
+  d["lane_deferred_starts"] = s.lane_deferred_starts;
   d["l3_halves_read"] = s.l3_halves_read;
   d["l3_halves_skipped"] = s.l3_halves_skipped;
   d["l3_halves_late"] = s.l3_halves_late;
@@ -282,6 +283,8 @@ void bind_engine(py::module_& m) {
       .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })
       .def("corrupt_next_l3_writes_for_test", &Engine::corrupt_next_l3_writes_for_test, py::arg("n"))
       .def("delay_l3_reads_for_test", &Engine::delay_l3_reads_for_test, py::arg("seconds"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("delay_l3_writes_for_test", &Engine::delay_l3_writes_for_test, py::arg("seconds"),
            py::call_guard<py::gil_scoped_release>())
       .def("set_swap_cost_for_test", &Engine::set_swap_cost_for_test, py::arg("s_per_block"))
       .def("fail_next_kv_release_for_test", &Engine::fail_next_kv_release_for_test)

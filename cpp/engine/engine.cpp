@@ -149,6 +149,10 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
   // for its disk reads (the behaviour before the lane; for measuring what the lane saves).
   const char* lane = std::getenv("K25_L3_LANE");
   lane_waits_ = lane && std::string(lane) == "0";
+  // K25_L3_WRITE_WAIT=1: the step that plans a lane step waits for its demotes' page writes
+  // (the behaviour before the lane's reads could start later; for measuring what that saves).
+  const char* write_wait = std::getenv("K25_L3_WRITE_WAIT");
+  lane_write_wait_ = write_wait && std::string(write_wait) == "1";
   const char* pipe = std::getenv("K25_ASYNC_SCHEDULING");
   pipeline_ = !(pipe && std::string(pipe) == "0");
   thread_ = std::thread([this] { loop(); });
@@ -318,6 +322,12 @@ void Engine::delay_l3_reads_for_test(double seconds) {
   std::lock_guard<std::mutex> lk(mu_);
   if (!swap_ || !swap_->l3_cold()) fail(ErrorCode::kInvalidArgument, "this engine keeps no cold blocks in L3");
   swap_->set_l3_read_delay_for_test(seconds);
+}
+
+void Engine::delay_l3_writes_for_test(double seconds) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!swap_ || !swap_->l3_cold()) fail(ErrorCode::kInvalidArgument, "this engine keeps no cold blocks in L3");
+  swap_->set_l3_write_delay_for_test(seconds);
 }
 
 void Engine::fail_next_kv_release_for_test() {
@@ -979,6 +989,20 @@ bool Engine::start_lane(StepPlan plan, double t0) {
   lane->t0 = t0;
   lane->plan_serial = plan_serial_;
   build_inputs(lane->plan.seqs, &lane->in);
+  for (Sequence* s : lane->in.seqs) s->in_lane = true;
+  lane_ = std::move(lane);
+  // This plan's demotes to L3 may still be writing pages the step reads back: then its reads
+  // start after the others' step, once the pages are written (advance_lane), so that the
+  // others do not wait for the disk's writes either.
+  if (!swap_->cold_l3_written(lane_->in.cold_l3, /*wait=*/lane_write_wait_)) {
+    ++stats_.lane_deferred_starts;
+    return true;
+  }
+  return begin_lane_reads();
+}
+
+bool Engine::begin_lane_reads() {
+  Lane* lane = lane_.get();
   std::function<ColdStage(int64_t)> stage;
   if (executor_->stages_cold_blocks()) stage = [this](int64_t bytes) { return executor_->cold_stage(bytes); };
   try {
@@ -1002,18 +1026,20 @@ bool Engine::start_lane(StepPlan plan, double t0) {
     lane->in.meta.cold_layers = lane->reads.get();
     lane->step = executor_->begin_layered(lane->in.meta, lane->in.samples);
   } catch (const std::exception& e) {  // e.g. no memory for the read buffers: these requests fail
-    lane->step.reset();
-    lane->reads.reset();  // its reads end before failing frees the keys they read
-    fail_step(lane->in.seqs, std::string("model step failed: ") + e.what());
+    std::unique_ptr<Lane> failed = std::move(lane_);
+    // Its reads end before failing frees the keys they read; aborts that came meanwhile end too.
+    std::vector<Sequence*> seqs = end_lane(failed.get());
+    fail_step(seqs, std::string("model step failed: ") + e.what());
     return false;
   }
-  for (Sequence* s : lane->in.seqs) s->in_lane = true;
-  lane_ = std::move(lane);
   return true;
 }
 
 void Engine::advance_lane(bool wait, double budget_s) {
   if (!lane_) return;
+  if (!lane_->reads) {  // its reads wait for its pages' writes (start_lane)
+    if (!swap_->cold_l3_written(lane_->in.cold_l3, wait) || !begin_lane_reads()) return;
+  }
   Lane& ln = *lane_;
   try {
     const double start = now_s();

@@ -360,6 +360,8 @@ std::unique_ptr<ColdL3Reads> KVSwap::read_cold_l3(const std::vector<const void*>
   if (!l3_cold()) fail(ErrorCode::kInternal, "cold blocks in L3 without L3 cold support");
   // Staged, the host copies the L2 entries: this step's demotes must have landed there.
   if (stage) settle_cold_demotes();
+  // And the pages it reads back are written (the engine starts a lane step's reads when they are).
+  cold_l3_written(entries, /*wait=*/true);
   std::vector<ColdL3Reads::Entry> es;
   for (const auto& [j, key] : entries) {
     auto it = cold_lost_.find(key);
@@ -371,7 +373,13 @@ std::unique_ptr<ColdL3Reads> KVSwap::read_cold_l3(const std::vector<const void*>
 }
 
 void KVSwap::free_cold_key(uint64_t key) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [k, why] : cold_lost_new_) cold_lost_[k] = std::move(why);
+    cold_lost_new_.clear();
+  }
   cold_lost_.erase(key);
+  l3_write_ready_at_.erase(key);
   tiers_->free(key);
 }
 
@@ -475,28 +483,53 @@ void KVSwap::demote_cold(const StepPlan& plan) {
   // Before anything else of this plan takes an L2 slot: the scheduler counted the room.
   auto copies = std::make_shared<StepCopies>();
   CopyBatch batch(tiers_->copier());
+  const double write_delay_s = l3_write_delay_s_.load();
   for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
     TierCallback done = step_copy(copies);
+    std::function<void(uint64_t)> copied;
     if (l3_cold()) {
+      // A demote to L3 counts for the step once its L1 block is copied out (into its staging
+      // slot), which is what the step's writes to that block need; the page write goes on,
+      // and only the lane step that reads the page back waits for it (cold_l3_written). A
+      // demote to L2 counts at its end, when its slot is readable. Whichever comes first.
+      auto counted = std::make_shared<std::atomic<bool>>(false);
+      TierCallback count = std::move(done);
+      copied = [this, count, counted](uint64_t key) {
+        const std::optional<TierEntry> e = tiers_->map().entry(key);
+        if (!e || e->via != Tier::kL3 || counted->exchange(true)) return;
+        TierResult r;
+        r.key = key;
+        r.op = TierOp::kDemote;
+        r.tier = Tier::kL3;
+        r.ok = true;
+        count(r);
+      };
       // A page that could not be written (no space, I/O error) is not a failed step: the
-      // sequence reads zeros for it this step and recomputes (the engine, ColdL3Reads).
-      done = [this, done](const TierResult& r) {
-        if (r.ok || r.cancelled || r.tier != Tier::kL3) return done(r);
-        {
+      // sequence reads zeros for it and recomputes (the engine, ColdL3Reads).
+      done = [this, count, counted](const TierResult& r) {
+        TierResult settled = r;
+        if (!r.ok && !r.cancelled && r.tier == Tier::kL3) {
           std::lock_guard<std::mutex> lk(mu_);
           cold_lost_new_.emplace_back(r.key, tier_fault_name(r.fault));
+          settled.ok = true;
         }
-        TierResult settled = r;
-        settled.ok = true;
-        done(settled);
+        if (!counted->exchange(true)) return count(settled);
+        std::lock_guard<std::mutex> lk(mu_);  // a lane waiting in cold_l3_written
+        copied_cv_.notify_all();
       };
     }
-    // Where the executor reads cold blocks in L3 too, the page is written before the step
-    // reads it back, layer by layer (wait_step_copies waits for `done`, the write's end).
-    const uint64_t key = tiers_->demote(d.block, done, {}, /*allow_l3=*/l3_cold());
+    const uint64_t key = tiers_->demote(d.block, done, copied, /*allow_l3=*/l3_cold());
     if (key == 0) fail(ErrorCode::kInternal, "no tier room for a cold block although the plan counted one");
     d.seq->cold_keys.at(static_cast<size_t>(d.index)) = key;
     ++counters_.cold_demotes;
+    if (write_delay_s > 0) {
+      const std::optional<TierEntry> e = tiers_->map().entry(key);
+      if (e && e->via == Tier::kL3) {
+        l3_write_ready_at_[key] =
+            std::chrono::steady_clock::now() +
+            std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(write_delay_s));
+      }
+    }
   }
   batch.close();  // before waiting for its copies
   // The step reads them in L2 and may reuse their L1 blocks. On CUDA the compute stream waits
@@ -505,7 +538,8 @@ void KVSwap::demote_cold(const StepPlan& plan) {
   // a host wait here would put the whole completion path (host function, worker thread,
   // wake-up) in front of this step. Elsewhere, wait until they are there.
   BlockCopier* copier = tiers_->copier();
-  // A block that went to L3 is read back from the file by this step: its write must be done.
+  // A block that goes to L3 may still wait for a staging slot, so the device cannot order
+  // the step after its copy out of L1: the host waits for that copy (not for the write).
   bool to_l3 = false;
   for (const StepPlan::ColdDemote& d : plan.cold_demotes) {
     const std::optional<TierEntry> e = tiers_->map().entry(d.seq->cold_keys.at(static_cast<size_t>(d.index)));
@@ -517,9 +551,34 @@ void KVSwap::demote_cold(const StepPlan& plan) {
   }
   // An L1 -> L2 copy is a memcpy (or a copy-stream transfer) that has no failure of its own.
   if (!wait_step_copies(*copies)) fail(ErrorCode::kInternal, "copying a cold block to L2 failed");
-  std::lock_guard<std::mutex> lk(mu_);
+}
+
+bool KVSwap::cold_l3_written(const std::vector<std::pair<int32_t, uint64_t>>& entries, bool wait) {
+  for (const auto& [j, key] : entries) {
+    auto it = l3_write_ready_at_.find(key);
+    if (it == l3_write_ready_at_.end()) continue;
+    if (std::chrono::steady_clock::now() < it->second) {
+      if (!wait) return false;
+      std::this_thread::sleep_until(it->second);
+    }
+    l3_write_ready_at_.erase(it);
+  }
+  auto writing = [&] {
+    for (const auto& [j, key] : entries) {
+      const std::optional<TierEntry> e = tiers_->map().entry(key);
+      if (e && e->state == BlockState::kDemoting) return true;
+    }
+    return false;
+  };
+  std::unique_lock<std::mutex> lk(mu_);
+  if (wait) {
+    copied_cv_.wait(lk, [&] { return !writing(); });  // each write's `done` notifies under mu_
+  } else if (writing()) {
+    return false;
+  }
   for (auto& [key, why] : cold_lost_new_) cold_lost_[key] = std::move(why);
   cold_lost_new_.clear();
+  return true;
 }
 
 void KVSwap::settle_cold_demotes() {

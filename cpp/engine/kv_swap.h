@@ -210,6 +210,14 @@ class KVSwap {
   bool l3_cold_in_use(const std::vector<Sequence*>& running) const;
   // Tests: every layer of a step's L3 reads takes at least this long (ColdL3Reads).
   void set_l3_read_delay_for_test(double s) { l3_read_delay_s_.store(s); }
+  // Whether no page write of these cold keys (a step's L3 entries) is still in flight; with
+  // wait, waits until none is. A cold demote to L3 holds its step only until its L1 block is
+  // copied out; the lane step that reads the page back starts its reads once this is true.
+  // Moves the faults of the writes that ended into what read_cold_l3 reports as lost.
+  bool cold_l3_written(const std::vector<std::pair<int32_t, uint64_t>>& entries, bool wait);
+  // Tests: every cold page write to L3 counts as ending this long after its demote started
+  // (a slow disk's stand-in for cold_l3_written).
+  void set_l3_write_delay_for_test(double s) { l3_write_delay_s_.store(s); }
   // Frees cold copies the engine took from a sequence (Scheduler::recompute).
   void free_cold_keys(const std::vector<uint64_t>& keys);
   // The most blocks one sequence may have: L1's and L2's resident slots, and L3's pages
@@ -306,6 +314,9 @@ class KVSwap {
   std::shared_ptr<StepCopies> unsettled_;
 
   std::atomic<double> l3_read_delay_s_{0};
+  std::atomic<double> l3_write_delay_s_{0};
+  // Tests (l3_write_delay_s_): when each cold page write to L3 counts as ended. Engine thread.
+  std::unordered_map<uint64_t, std::chrono::steady_clock::time_point> l3_write_ready_at_;
   std::vector<TierResult> held_;  // promotions of sequences in the L3 lane (apply_completions)
   int32_t l3_slices_ = 0;  // > 0: cold blocks may go to L3 (one slice a layer)
   // Cold blocks whose copy to L3 failed (no space, I/O error): key -> evict_reason, until

@@ -363,6 +363,43 @@ def test_a_request_beside_a_sequence_reading_l3_is_not_held_up_by_the_disk(defau
     assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
 
 
+def test_a_cold_page_write_to_l3_holds_no_step_and_its_lane_step_reads_after_it(default_model, prompts, tmp_path):
+    # The setup above, with a slow disk's writes instead of its reads: every cold page written
+    # to L3 counts as written WRITE_DELAY_S after its demote began. The demote holds its step
+    # only until its L1 block is copied out; the lane step that reads the page back starts its
+    # reads once it is written, after the others' steps. So the short request's tokens keep
+    # coming (no gap near WRITE_DELAY_S) while a lane step waits for a write, and both requests
+    # give their all-resident tokens. Were the step to wait for the write, the short request
+    # would stall for the whole delay (and no lane start would be deferred).
+    write_delay_s = 3.0
+    short_prompt = default_model.tokenize("Count with me: 1, 2, 3,")
+    want_short = default_model.generate([short_prompt], max_new_tokens=48, ignore_eos=True, temperature=0.0)[0]
+    want_long = default_model.generate([prompts[0]], max_new_tokens=1, ignore_eos=True, temperature=0.0)[0]
+    page = _C.kv_page_bytes(default_model.kv_block_bytes * 4)
+    model = K25Model(K25Config(num_threads=2, kv_cache_bytes=6 * 4 * default_model.kv_block_bytes, block_size=64,
+                               prefill_chunk_size=256, max_num_batched_tokens=288, max_batch_size=4,
+                               cache_mode="hierarchical", enable_async_offload=True, l2_bytes=L2_SLOTS * page,
+                               l3_path=str(tmp_path / "l3.bin"), l3_bytes=20 * page))
+    model._engine.delay_l3_writes_for_test(write_delay_s)
+
+    def at_short_end():
+        deferred = model.stats()["lane_deferred_starts"]
+        model._engine.delay_l3_writes_for_test(0)  # the writes begun after this count as they end
+        return deferred
+
+    try:
+        times, short_ids, long_ids, deferred = beside(model, short_prompt, 48, prompts[0], 1, at_short_end)
+        s, tiers = model.stats(), model.tier_stats()
+    finally:
+        model.close()
+    assert short_ids == want_short.token_ids and long_ids == want_long.token_ids
+    assert deferred >= 1, (deferred, times)  # a lane step waited for a write while the short one ran
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) < write_delay_s / 2, gaps
+    assert tiers["offloads_to_l3"] >= 1 and s["lane_steps"] >= 2
+    assert tiers["l3_blocks"] == 0 and s["blocks_used"] == 0
+
+
 def test_a_request_aborted_during_its_lane_step_ends_after_it_and_frees_everything(default_model, prompts,
                                                                                    reference, tmp_path):
     model = with_l3(default_model, tmp_path)

@@ -81,6 +81,9 @@ struct EngineStats {
   int64_t pipelined_steps = 0;  // launched before the previous step's samples were known
   int64_t lane_steps = 0;       // of steps, those of the L3 lane (sequences with cold blocks in L3)
   int64_t lane_deferred_aborts = 0;  // aborts that came during their request's lane step (applied at its end)
+  // Lane steps whose reads started after the others' step: their plan's demotes were still
+  // writing the pages they read back (an L3 page write holds no step).
+  int64_t lane_deferred_starts = 0;
   // Halves (K or V of one layer of one block) of cold blocks in L3 that lane steps read, and
   // those they left unread because the selection skipped the block (ColdReadPlan).
   int64_t l3_halves_read = 0;
@@ -173,6 +176,9 @@ class Engine {
   // Tests: each layer of a lane step's L3 reads takes at least this long (a slow disk).
   // Throws kInvalidArgument without cold blocks in L3.
   void delay_l3_reads_for_test(double seconds);
+  // Tests: each cold page written to L3 counts as written this long after its demote
+  // started (a slow disk's writes). Throws kInvalidArgument without cold blocks in L3.
+  void delay_l3_writes_for_test(double seconds);
   // Tests: the tiers' release of the next request to finish throws (an engine bug's stand-in).
   void fail_next_kv_release_for_test();
   // Tests: the swap-or-recompute choice sees this cost per block instead of the measured one.
@@ -206,7 +212,11 @@ class Engine {
   // The L3 lane (engine.cpp): sequences with cold blocks in L3 step there.
   struct Lane;
   bool reads_l3(const Sequence& s) const;  // some cold block of s is in L3
-  bool start_lane(StepPlan plan, double t0);  // false: it failed its sequences
+  // The lane step of `plan` (its sequences in the lane); its reads start now, or later
+  // (advance_lane) when this step's demotes are still writing pages it reads. False: it
+  // failed its sequences.
+  bool start_lane(StepPlan plan, double t0);
+  bool begin_lane_reads();  // the lane's reads and executor step; false: it failed them
   // Runs the lane step's layers whose reads are in (with `wait`, the next one in any case),
   // for up to budget_s (one layer at least); ends the step after its last layer.
   void advance_lane(bool wait, double budget_s = 1e30);
@@ -238,6 +248,7 @@ class Engine {
   int64_t plan_serial_ = 0;  // steps planned with a predictor (BlockPredictor::begin_plan)
   std::unique_ptr<Lane> lane_;  // the L3 lane's step, while one runs
   bool lane_waits_ = false;     // K25_L3_LANE=0: the step that plans a lane step runs it whole
+  bool lane_write_wait_ = false;  // K25_L3_WRITE_WAIT=1: ... waits for its demotes' page writes
 
   mutable std::mutex mu_;  // guards inbox_, aborts_, stop_, stats_ snapshot
   std::condition_variable cv_;
