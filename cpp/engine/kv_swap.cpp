@@ -375,8 +375,7 @@ std::unique_ptr<ColdL3Reads> KVSwap::read_cold_l3(const std::vector<const void*>
 void KVSwap::free_cold_key(uint64_t key) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (auto& [k, why] : cold_lost_new_) cold_lost_[k] = std::move(why);
-    cold_lost_new_.clear();
+    take_cold_lost_locked();
   }
   cold_lost_.erase(key);
   l3_write_ready_at_.erase(key);
@@ -576,9 +575,13 @@ bool KVSwap::cold_l3_written(const std::vector<std::pair<int32_t, uint64_t>>& en
   } else if (writing()) {
     return false;
   }
+  take_cold_lost_locked();
+  return true;
+}
+
+void KVSwap::take_cold_lost_locked() {
   for (auto& [key, why] : cold_lost_new_) cold_lost_[key] = std::move(why);
   cold_lost_new_.clear();
-  return true;
 }
 
 void KVSwap::settle_cold_demotes() {

@@ -270,6 +270,7 @@ class KVSwap {
   bool wait_step_copies(const StepCopies& c);  // false when one failed
   void demote_cold(const StepPlan& plan);
   void free_cold_key(uint64_t key);
+  void take_cold_lost_locked();  // with mu_ held: cold_lost_new_ into cold_lost_
   // Waits for the callbacks of the cold demotes an earlier step left to the device's ordering
   // (demote_cold); fails the step if one of those copies failed.
   void settle_cold_demotes();

@@ -328,13 +328,10 @@ def beside(model, short_prompt, short_new, long_prompt, long_new, at_short_end=l
     return asyncio.run(both())
 
 
-def test_a_request_beside_a_sequence_reading_l3_is_not_held_up_by_the_disk(default_model, prompts, tmp_path):
-    # Blocks of 64 tokens: the short request (11 + 48 tokens) runs first in one block, which
-    # it never outgrows (a sequence that needs a block preempts the lowest-ranked one, here
-    # the long one, lane step or not). The long one (600 tokens in chunks of 256, 4 blocks:
-    # from its second chunk on it needs more than L1's 6 blocks, so it moves some of its own
-    # to L2 and L3 rather than preempt itself) then streams its cold blocks from L3 in the
-    # lane, and the short request's steps go on between the lane's layers.
+def short_beside_long(default_model, prompts, tmp_path):
+    """The two tests below: a short request (48 new tokens, one block of 64 tokens) and the
+    long prompts[0] (1 new token), their all-resident outputs, and a tiered model with L1 of 6
+    blocks of 64, L2_SLOTS slots and an L3 file, where the long one's cold blocks reach L3."""
     short_prompt = default_model.tokenize("Count with me: 1, 2, 3,")
     want_short = default_model.generate([short_prompt], max_new_tokens=48, ignore_eos=True, temperature=0.0)[0]
     want_long = default_model.generate([prompts[0]], max_new_tokens=1, ignore_eos=True, temperature=0.0)[0]
@@ -344,6 +341,17 @@ def test_a_request_beside_a_sequence_reading_l3_is_not_held_up_by_the_disk(defau
                                prefill_chunk_size=256, max_num_batched_tokens=288, max_batch_size=4,
                                cache_mode="hierarchical", enable_async_offload=True, l2_bytes=L2_SLOTS * page,
                                l3_path=str(tmp_path / "l3.bin"), l3_bytes=20 * page))
+    return short_prompt, want_short, want_long, model
+
+
+def test_a_request_beside_a_sequence_reading_l3_is_not_held_up_by_the_disk(default_model, prompts, tmp_path):
+    # Blocks of 64 tokens: the short request (11 + 48 tokens) runs first in one block, which
+    # it never outgrows (a sequence that needs a block preempts the lowest-ranked one, here
+    # the long one, lane step or not). The long one (600 tokens in chunks of 256, 4 blocks:
+    # from its second chunk on it needs more than L1's 6 blocks, so it moves some of its own
+    # to L2 and L3 rather than preempt itself) then streams its cold blocks from L3 in the
+    # lane, and the short request's steps go on between the lane's layers.
+    short_prompt, want_short, want_long, model = short_beside_long(default_model, prompts, tmp_path)
     model._engine.delay_l3_reads_for_test(DELAY_S)
 
     try:
@@ -365,21 +373,14 @@ def test_a_request_beside_a_sequence_reading_l3_is_not_held_up_by_the_disk(defau
 
 def test_a_cold_page_write_to_l3_holds_no_step_and_its_lane_step_reads_after_it(default_model, prompts, tmp_path):
     # The setup above, with a slow disk's writes instead of its reads: every cold page written
-    # to L3 counts as written WRITE_DELAY_S after its demote began. The demote holds its step
+    # to L3 counts as written write_delay_s after its demote began. The demote holds its step
     # only until its L1 block is copied out; the lane step that reads the page back starts its
     # reads once it is written, after the others' steps. So the short request's tokens keep
-    # coming (no gap near WRITE_DELAY_S) while a lane step waits for a write, and both requests
+    # coming (no gap near write_delay_s) while a lane step waits for a write, and both requests
     # give their all-resident tokens. Were the step to wait for the write, the short request
     # would stall for the whole delay (and no lane start would be deferred).
     write_delay_s = 3.0
-    short_prompt = default_model.tokenize("Count with me: 1, 2, 3,")
-    want_short = default_model.generate([short_prompt], max_new_tokens=48, ignore_eos=True, temperature=0.0)[0]
-    want_long = default_model.generate([prompts[0]], max_new_tokens=1, ignore_eos=True, temperature=0.0)[0]
-    page = _C.kv_page_bytes(default_model.kv_block_bytes * 4)
-    model = K25Model(K25Config(num_threads=2, kv_cache_bytes=6 * 4 * default_model.kv_block_bytes, block_size=64,
-                               prefill_chunk_size=256, max_num_batched_tokens=288, max_batch_size=4,
-                               cache_mode="hierarchical", enable_async_offload=True, l2_bytes=L2_SLOTS * page,
-                               l3_path=str(tmp_path / "l3.bin"), l3_bytes=20 * page))
+    short_prompt, want_short, want_long, model = short_beside_long(default_model, prompts, tmp_path)
     model._engine.delay_l3_writes_for_test(write_delay_s)
 
     def at_short_end():
