@@ -142,6 +142,30 @@ __device__ __forceinline__ void cp_async_wait() {
 // Floats of shared memory that merge_in_cta needs.
 constexpr int kFusedMergeFloats = 2 * kDecodeMaxGroup * kMaxFusedSplits + kDecodeMaxGroup;
 
+// merge_in_cta's accumulation over nk staged slots: runs [0, U) of this thread, each the
+// next partial's 4 elements at staged + slot * slot_floats + off[j], times the slot's weight
+// wt[wrow[j] + slot] where its sum lsum[wrow[j] + slot] is positive and the run is live.
+template <int U, int N>
+__device__ __forceinline__ void accumulate_runs(float4 (&acc)[N], const int (&off)[N], const int (&wrow)[N],
+                                                const bool (&live)[N], const float* staged, const float* wt,
+                                                const float* lsum, int slot_floats, int nk) {
+  static_assert(U <= N, "runs held");
+  const float* sk = staged;
+#pragma unroll 4
+  for (int k = 0; k < nk; ++k, sk += slot_floats) {
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const float4 v = *reinterpret_cast<const float4*>(sk + off[j]);
+      const float f = wt[wrow[j] + k];
+      const bool use = live[j] && lsum[wrow[j] + k] > 0.0f;
+      acc[j].x = use ? fmaf(v.x, f, acc[j].x) : acc[j].x;
+      acc[j].y = use ? fmaf(v.y, f, acc[j].y) : acc[j].y;
+      acc[j].z = use ? fmaf(v.z, f, acc[j].z) : acc[j].z;
+      acc[j].w = use ? fmaf(v.w, f, acc[j].w) : acc[j].w;
+    }
+  }
+}
+
 // Called by every thread of a decode CTA (uniformly: it has barriers) after the CTA wrote
 // its partial of merge `s` (rows [0, rows) of group, at stride D + kPartialPad): counts the
 // CTA on the merge's counter and, in the CTA that counts last, merges the merge's partials
@@ -234,24 +258,29 @@ __device__ __forceinline__ void merge_in_cta(const AttnBatch& batch, const Split
     }
   }
   // Each output element: its partials in slot order, batch after batch from shared memory.
-  // A thread holds kPer pairs of elements. A slot's loads do not wait on whether it is empty
-  // (a select keeps an empty partial's bytes out of the sums), so the slots' loads pipeline:
-  // with a branch around them, each slot's three shared-memory round trips ran in series
-  // (5.4 us of the merge at 33 slots, per-CTA stamps, bench/gpu/NOTES.md).
-  static_assert(D % 2 == 0 && kStride % 2 == 0, "float2 pairs");
-  constexpr int kPer = (kDecodeMaxGroup * D / 2 + kThreads - 1) / kThreads;
-  const int n = rows * D / 2;  // pairs
-  float2 acc[kPer];
-  int row[kPer], col[kPer];
+  // A thread holds runs of 4 elements of one row (float4: one shared-memory load a slot, its
+  // offset computed once); with 4 warps a CTA, one a scheduler, the loop was issue- and
+  // latency-bound (3.8 us at 33 slots with float2 pairs and per-slot address arithmetic,
+  // per-CTA stamps, bench/gpu/NOTES.md). Nothing in the loop branches: a run past the rows
+  // loads a valid address and is masked like an empty partial, and the run count is a
+  // template argument (accumulate_runs), so the slots' loads pipeline across iterations
+  // (with a branch per run, each slot's loads waited in series: 2.0 us at 33 slots).
+  static_assert(D % 4 == 0 && kStride % 4 == 0, "float4 runs");
+  constexpr int kPer = (kDecodeMaxGroup * D / 4 + kThreads - 1) / kThreads;
+  const int n = rows * D / 4;  // runs
+  float4 acc[kPer];
+  int off[kPer], wrow[kPer];
   bool live[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    acc[j] = make_float2(0.0f, 0.0f);
-    const int e = 2 * (threadIdx.x + j * kThreads);
-    live[j] = e < 2 * n;
-    row[j] = live[j] ? e / D : 0;
-    col[j] = e % D;
+    acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const int e = 4 * (threadIdx.x + j * kThreads);
+    live[j] = e < 4 * n;
+    const int r = live[j] ? e / D : 0;
+    off[j] = live[j] ? r * kStride + e % D : 0;
+    wrow[j] = r * kMaxFusedSplits;
   }
+  const int slot_floats = group * kStride;
   for (int k0 = 0; k0 < count; k0 += per_batch) {
     if (k0 > 0) {
       __syncthreads();  // the previous batch is consumed
@@ -260,28 +289,21 @@ __device__ __forceinline__ void merge_in_cta(const AttnBatch& batch, const Split
     cp_async_wait<0>();
     __syncthreads();  // every thread's pieces (and, the first time, the weights above)
     const int nk = min(per_batch, count - k0);
-#pragma unroll 4
-    for (int k = 0; k < nk; ++k) {
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        if (!live[j]) continue;
-        const int r = row[j];
-        const float2 v = *reinterpret_cast<const float2*>(staged + (k * group + r) * kStride + col[j]);
-        const float f = wt[r * kMaxFusedSplits + k0 + k];
-        const bool use = lsum[r * kMaxFusedSplits + k0 + k] > 0.0f;
-        const float x = fmaf(v.x, f, acc[j].x), y = fmaf(v.y, f, acc[j].y);
-        acc[j].x = use ? x : acc[j].x;
-        acc[j].y = use ? y : acc[j].y;
-      }
+    if (kPer == 1 || n <= kThreads) {
+      accumulate_runs<1>(acc, off, wrow, live, staged, wt + k0, lsum + k0, slot_floats, nk);
+    } else {
+      accumulate_runs<kPer>(acc, off, wrow, live, staged, wt + k0, lsum + k0, slot_floats, nk);
     }
   }
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    const int e = 2 * (threadIdx.x + j * kThreads);
-    if (e < 2 * n) {
+    const int e = 4 * (threadIdx.x + j * kThreads);
+    if (e < 4 * n) {
       const float iv = inv[e / D];
       out_heads[e] = from_f<T>(acc[j].x * iv);
       out_heads[e + 1] = from_f<T>(acc[j].y * iv);
+      out_heads[e + 2] = from_f<T>(acc[j].z * iv);
+      out_heads[e + 3] = from_f<T>(acc[j].w * iv);
     }
   }
 }
