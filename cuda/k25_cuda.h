@@ -97,6 +97,12 @@ void rms_norm(DType t, const void* x, int64_t x_stride, const void* w, void* out
 void add_rms_norm(DType t, void* h, const void* delta, const void* w, void* out, int64_t rows, int32_t n,
                   float eps, cudaStream_t stream);
 void silu_mul(DType t, const void* gu, void* out, int64_t rows, int32_t n, cudaStream_t stream);
+// Cold blocks gathered a layer ahead (cuda/cold_stage.cu): slots[0] entries (at most
+// capacity), entry j's slice_bytes at `offset` in L2 slot slots[1 + j] (slots slot_bytes apart
+// from l2, a device pointer) copied to dst + j * slice_bytes. slice_bytes, slot_bytes and offset
+// are multiples of 16; the count is read on the device (a CUDA graph replays one launch).
+void gather_cold_layer(void* dst, const void* l2, int64_t slot_bytes, int64_t offset, int64_t slice_bytes,
+                       const int32_t* slots, int32_t capacity, cudaStream_t stream);
 // RoPE (rotate-half) on q in place and on k, with the k/v cache write fused.
 void rope_write_kv(DType t, void* qkv, int64_t row_stride, const int32_t* positions, const int64_t* slots,
                    int64_t rows, int32_t num_heads, const float* cos, const float* sin, KVCache kv,

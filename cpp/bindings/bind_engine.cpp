@@ -75,6 +75,7 @@ py::dict stats_dict(const EngineStats& s) {
   d["prefix_tier_blocks"] = s.prefix_tier_blocks;
   d["cold_blocks"] = s.cold_blocks;
   d["cold_demotes"] = s.cold_demotes;
+  d["cold_gathered"] = s.cold_gathered;
   d["cold_promotions"] = s.cold_promotions;
   d["predictor"] = predictor_counters_dict(s.predictor);
   d["block_size"] = s.block_size;

@@ -615,6 +615,11 @@ bool Engine::can_pipeline() const {
   if (cold_l3_ && swap_->l3_cold_in_use(scheduler_->running())) return false;
   const std::vector<Sequence*>& run = scheduler_->running();
   if (static_cast<int32_t>(run.size()) > executor_->max_async_batch()) return false;
+  // Its cold blocks (one more each if it demotes one for its next token) within what a launched
+  // step reads of them.
+  int64_t cold = 0;
+  for (const Sequence* s : run) cold += s->num_cold + 1;
+  if (cold > executor_->max_async_cold_blocks()) return false;
   for (const Sequence* s : run) {
     const SamplingParams& p = s->params;
     // Penalties read the token history, which the step in flight extends.
@@ -1227,6 +1232,7 @@ void Engine::tier_counters_locked() {
   stats_.prefix_spilled_blocks = c.prefix_spills;
   stats_.prefix_tier_blocks = swap_->num_prefix_blocks();
   stats_.cold_demotes = c.cold_demotes;
+  stats_.cold_gathered = executor_->cold_gathered();
   stats_.cold_promotions = c.cold_promotions;
   if (predictor_) stats_.predictor = predictor_->counters();
   int32_t cold = 0;

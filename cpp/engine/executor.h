@@ -177,6 +177,9 @@ class ModelExecutor {
   // are in flight; execute() must not be called while one is.
   virtual bool supports_async() const { return false; }
   virtual int32_t max_async_batch() const { return 0; }
+  // Cold blocks a launched step may read (its graph gathers them a layer ahead: TorchExecutor's
+  // prefetch_capacity); a step with more runs whole and eager.
+  virtual int64_t max_async_cold_blocks() const { return INT64_MAX; }
   virtual void launch_async(const BatchMeta&, const std::vector<SampleRequest>&) {
     fail(ErrorCode::kUnsupported, "this executor runs steps synchronously");
   }
@@ -201,6 +204,8 @@ class ModelExecutor {
     return false;
   }
   virtual int64_t kv_block_bytes() const { return 0; }
+  // Cold entries gathered a layer ahead so far (CUDA; Stats::cold_gathered).
+  virtual int64_t cold_gathered() const { return 0; }
   // KV fetched back from the tiers into L1 (tokens [context_lens[s] - query length,
   // context_lens[s]) of each sequence of `runs`, through its block table): rebuild what
   // the executor derives from the keys as they are written (dynamic-sparsity summaries).

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -332,6 +333,14 @@ class TorchExecutor : public ModelExecutor {
     (void)config;
     return false;
 #endif
+  }
+  int64_t cold_gathered() const override { return cold_gathered_.load(); }
+  int64_t max_async_cold_blocks() const override {
+#ifdef K25_WITH_CUDA
+    const int32_t n = prefetch_capacity();
+    if (n > 0) return n;
+#endif
+    return INT64_MAX;
   }
   int64_t kv_block_bytes() const override { return layout_.block_elems() * static_cast<int64_t>(kv_.element_size()); }
   int32_t max_positions() const override { return handle_->max_positions(); }
@@ -809,6 +818,14 @@ class TorchExecutor : public ModelExecutor {
                   std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) {
 #ifdef K25_WITH_CUDA
     ensure_sparse_scratch(meta.num_seqs(), meta.max_blocks_per_seq);
+    // (LlamaModel gathers a dense step's cold entries ahead when they fit, else reads them in place.)
+    if (!meta.cold_blocks.empty()) {
+      cold_->prefetch = cold_prefetch();
+      const int64_t n = static_cast<int64_t>(meta.cold_blocks.size());
+      if (cold_->prefetch != nullptr && meta.cold_layers == nullptr && n <= cold_->prefetch->capacity()) {
+        cold_gathered_ += n;
+      }
+    }
 #endif
     at::Tensor logits = model_->forward(meta, kv_, layout_, fused_, nullptr, sparse_.get(), cold_.get());
     for (size_t l = 0; l < stats_.size(); ++l) add_layer_stats(l);
@@ -924,6 +941,31 @@ class TorchExecutor : public ModelExecutor {
     sm = grown;
   }
 
+  // Cold blocks gathered a layer ahead (cuda_glue::ColdPrefetch, docs/offload.md "Cold blocks
+  // on CUDA"): for dense attention with a mapped L2 pool. Entries per step: as many as two
+  // buffers of kPrefetchBytes in all hold, at most the L2 pool's slots; a step with more reads
+  // its cold blocks in place, eagerly. K25_COLD_PREFETCH=0 turns it off, =N caps the entries
+  // (tests and benches).
+  static constexpr int64_t kPrefetchBytes = int64_t{32} << 20;
+  int32_t prefetch_capacity() const {
+    if (!kv_.is_cuda() || !fused_ || sparse_ || cold_->device == nullptr) return 0;
+    const int64_t slice = kv_block_bytes() / layout_.num_layers;
+    if (slice % 16 != 0 || cold_->slot_bytes % 16 != 0) return 0;
+    int64_t n = std::min<int64_t>(cold_->num_slots, kPrefetchBytes / (2 * slice));
+    const char* env = std::getenv("K25_COLD_PREFETCH");
+    if (env != nullptr && *env != '\0') n = std::min<int64_t>(n, std::max(0, std::atoi(env)));
+    return static_cast<int32_t>(n);
+  }
+  cuda_glue::ColdPrefetch* cold_prefetch() {
+    if (prefetch_) return prefetch_.get();
+    const int32_t capacity = prefetch_capacity();
+    if (capacity <= 0) return nullptr;
+    c10::cuda::CUDAGuard guard(model_->device());
+    prefetch_ = std::make_unique<cuda_glue::ColdPrefetch>(kv_block_bytes() / layout_.num_layers, capacity,
+                                                          model_->device());
+    return prefetch_.get();
+  }
+
   int32_t graph_blocks() const {
     return (handle_->max_positions() + layout_.block_size - 1) / layout_.block_size;
   }
@@ -931,7 +973,10 @@ class TorchExecutor : public ModelExecutor {
   bool graph_eligible(const BatchMeta& meta, const std::vector<LogitsCopy>& copies) const {
     // Cold blocks: the graphs' batches carry the L2 pool (graph_for), when there is one.
     // Cold blocks in L3 are read layer by layer on the host, between the layers' kernels: eager.
+    // Gathered cold entries: at most the buffers' capacity (the graphs' layers read them there).
+    const int32_t gather = prefetch_capacity();
     return meta.is_decode_only() && copies.empty() && (meta.cold_blocks.empty() || cold_->device != nullptr) &&
+           (gather == 0 || static_cast<int64_t>(meta.cold_blocks.size()) <= gather) &&
            meta.cold_layers == nullptr &&
            meta.num_seqs() <= kBuckets[7] &&
            meta.max_blocks_per_seq <= graph_blocks() &&
@@ -969,7 +1014,10 @@ class TorchExecutor : public ModelExecutor {
     // The ids each step samples, shared by every bucket: a step's graph reads the previous
     // step's from here (pipelined decode) before its own argmax overwrites them.
     if (!last_ids_.defined()) last_ids_ = at::full({kBuckets[7]}, -1, i32.device(dev));
-    g.ints = at::empty({bucket * 4 + bucket * MB}, i32.device(dev));
+    // Gathered cold entries: [count, slot...] after the tables.
+    cuda_glue::ColdPrefetch* pf = cold_prefetch();
+    const int64_t gather_ints = pf ? 1 + pf->capacity() : 0;
+    g.ints = at::empty({bucket * 4 + bucket * MB + gather_ints}, i32.device(dev));
     g.slots = at::empty({bucket}, at::TensorOptions().dtype(at::kLong).device(dev));
     g.host_ints = at::empty({g.ints.numel()}, i32.pinned_memory(true));
     g.host_slots = at::empty({bucket}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
@@ -987,6 +1035,12 @@ class TorchExecutor : public ModelExecutor {
     // The tiers (and so the L2 pool) exist before warm_up captures: replays then read cold
     // blocks as eager steps do (replay_graph stages their slot ids).
     if (cold_->device != nullptr) b.cold = {cold_->device, cold_->slot_bytes, cold_->num_slots};
+    if (pf) {
+      g.step.prefetch = pf;
+      g.step.cold_slots = g.ints.narrow(0, bucket * 4 + bucket * MB, gather_ints);
+      g.step.cold_l2 = b.cold;
+      g.host_ints.data_ptr<int32_t>()[bucket * 4 + bucket * MB] = 0;  // no entries while warming up and capturing
+    }
     const ModelConfig& c = model_->config();
     // Enough key ranges per (sequence, KV head) to fill one wave of the decode kernel.
     b.decode_splits = cuda_glue::decode_splits_for(model_->dtype(), c.head_dim, c.num_heads / c.num_kv_heads, bucket,
@@ -1081,7 +1135,16 @@ class TorchExecutor : public ModelExecutor {
     const bool prev = !meta.prev_rows.empty();
     std::vector<int32_t> cold_tables;
     const int32_t* tables = meta.block_tables.data();
-    if (!meta.cold_blocks.empty()) {
+    int32_t* gathered = g.step.prefetch ? h + 4 * bucket + bucket * MB : nullptr;  // [count, slot...]
+    if (gathered) gathered[0] = 0;
+    if (!meta.cold_blocks.empty() && gathered) {
+      // The tables keep entry ids; the entries' slots go to the graph's gathers.
+      const int64_t n = static_cast<int64_t>(meta.cold_blocks.size());
+      if (n > g.step.prefetch->capacity()) fail(ErrorCode::kInternal, "more cold entries than the graphs gather");
+      gathered[0] = static_cast<int32_t>(n);
+      for (int64_t j = 0; j < n; ++j) gathered[j + 1] = cold_slot(*cold_, meta.cold_blocks[static_cast<size_t>(j)]);
+      cold_gathered_ += n;
+    } else if (!meta.cold_blocks.empty()) {
       cold_tables = cold_slot_tables(meta, cold_.get());
       tables = cold_tables.data();
     }
@@ -1204,7 +1267,11 @@ class TorchExecutor : public ModelExecutor {
   std::shared_ptr<BlockReads> collected_reads_;   // the last collected step's (collected_block_reads)
 #ifdef K25_WITH_CUDA
   std::unique_ptr<c10::cuda::CUDAStream> stream_;
+  // Cold blocks gathered a layer ahead (cold_prefetch()); made at the first graph capture or
+  // step with cold blocks (a graph captured before it reads cold blocks in place).
+  std::unique_ptr<cuda_glue::ColdPrefetch> prefetch_;
 #endif
+  std::atomic<int64_t> cold_gathered_{0};  // cold entries gathered a layer ahead, summed over steps
 };
 
 }  // namespace

@@ -730,6 +730,88 @@ void argmax_rows_into(const at::Tensor& logits, at::Tensor& out) {
   check_launch("argmax_rows");
 }
 
+namespace {
+void* new_event(const char* what) {
+  cudaEvent_t ev = nullptr;
+  if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+    (void)cudaGetLastError();
+    fail(ErrorCode::kInternal, std::string(what) + ": cudaEventCreate failed");
+  }
+  return ev;
+}
+void cuda_call(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    fail(ErrorCode::kInternal, std::string("ColdPrefetch: ") + what + " failed: " + cudaGetErrorString(e));
+  }
+}
+}  // namespace
+
+ColdPrefetch::ColdPrefetch(int64_t slice_bytes, int32_t capacity, const at::Device& device)
+    : slice_bytes_(slice_bytes), capacity_(capacity) {
+  need(slice_bytes > 0 && slice_bytes % 16 == 0 && capacity > 0, "cold prefetch: 16-byte slices, capacity > 0");
+  c10::cuda::CUDAGuard guard(device);
+  buffer_ = at::empty({2 * capacity * slice_bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  cudaStream_t side = nullptr;
+  cuda_call(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
+  side_ = side;
+  try {
+    forked_ = new_event("ColdPrefetch");
+    for (int i = 0; i < 2; ++i) {
+      gathered_[i] = new_event("ColdPrefetch");
+      read_[i] = new_event("ColdPrefetch");
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+ColdPrefetch::~ColdPrefetch() { release(); }
+
+void ColdPrefetch::release() {
+  for (void* e : {forked_, gathered_[0], gathered_[1], read_[0], read_[1]}) {
+    if (e) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  }
+  forked_ = gathered_[0] = gathered_[1] = read_[0] = read_[1] = nullptr;
+  if (side_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(side_));
+  side_ = nullptr;
+}
+
+void ColdPrefetch::begin_step() {
+  // The side stream's first gather of this step refills the buffers the previous step's last
+  // layers read: it starts after everything enqueued so far.
+  cuda_call(cudaEventRecord(static_cast<cudaEvent_t>(forked_), stream()), "cudaEventRecord");
+  cuda_call(cudaStreamWaitEvent(static_cast<cudaStream_t>(side_), static_cast<cudaEvent_t>(forked_), 0),
+            "cudaStreamWaitEvent");
+}
+
+void ColdPrefetch::gather(int32_t layer, const ColdPool& l2, const at::Tensor& slots) {
+  need(slots.is_cuda() && slots.scalar_type() == at::kInt && slots.numel() >= 1 + capacity_,
+       "cold prefetch slots: int32 [1 + capacity] on the device");
+  need(l2.data != nullptr && l2.slot_bytes % 16 == 0, "cold prefetch: a mapped L2 pool of 16-byte slots");
+  cudaStream_t side = static_cast<cudaStream_t>(side_);
+  const int p = layer % 2;
+  if (layer >= 2) cuda_call(cudaStreamWaitEvent(side, static_cast<cudaEvent_t>(read_[p]), 0), "cudaStreamWaitEvent");
+  uint8_t* dst = buffer_.data_ptr<uint8_t>() + p * capacity_ * slice_bytes_;
+  cuda::gather_cold_layer(dst, l2.data, l2.slot_bytes, layer * slice_bytes_, slice_bytes_, slots.data_ptr<int32_t>(),
+                          capacity_, side);
+  check_launch("gather_cold_layer");
+  cuda_call(cudaEventRecord(static_cast<cudaEvent_t>(gathered_[p]), side), "cudaEventRecord");
+}
+
+ColdPool ColdPrefetch::ready(int32_t layer) {
+  const int p = layer % 2;
+  cuda_call(cudaStreamWaitEvent(stream(), static_cast<cudaEvent_t>(gathered_[p]), 0), "cudaStreamWaitEvent");
+  // Placed so that entry j's layer-l bytes lie at the kernels' own offset for layer l.
+  const uint8_t* base = buffer_.data_ptr<uint8_t>() + p * capacity_ * slice_bytes_ - layer * slice_bytes_;
+  return {base, slice_bytes_, capacity_};
+}
+
+void ColdPrefetch::attended(int32_t layer) {
+  cuda_call(cudaEventRecord(static_cast<cudaEvent_t>(read_[layer % 2]), stream()), "cudaEventRecord");
+}
+
 HostFence::HostFence() {
   for (void*& e : ev_) {
     cudaEvent_t ev = nullptr;

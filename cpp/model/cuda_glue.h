@@ -190,6 +190,44 @@ void take_previous_ids(at::Tensor& ids, const at::Tensor& prev_rows, const at::T
 // Two events on the current stream, for a host that refills a buffer the device reads: the
 // host records one after the kernels that read buffer i and waits on it before refilling i
 // (cold blocks in L3 staged a layer at a time). Throws kInternal when an event call fails.
+// Cold blocks gathered a layer ahead (docs/offload.md "Cold blocks on CUDA"): for a dense
+// step whose cold blocks lie in the L2 pool, layer l + 1's K and V of every cold entry are
+// copied from L2 into a device buffer on a stream beside the layers while layer l runs, and
+// layer l + 1's attention reads them there instead of over the bus. Two buffers of
+// capacity() entries (layer parity); the entries' L2 slots come in a device int32 tensor
+// [1 + capacity]: the count, then entry j's slot (read on the device: one CUDA graph replays
+// any count). The calls go on the current stream in this order within a step: begin_step,
+// gather(0), then per layer l: gather(l + 1) (before its GEMMs), ready(l) (before its
+// attention), attended(l) (after it). Under stream capture the side stream forks from and
+// joins the captured stream.
+class ColdPrefetch {
+ public:
+  ColdPrefetch(int64_t slice_bytes, int32_t capacity, const at::Device& device);
+  ~ColdPrefetch();
+  ColdPrefetch(const ColdPrefetch&) = delete;
+  ColdPrefetch& operator=(const ColdPrefetch&) = delete;
+  int32_t capacity() const { return capacity_; }
+  int64_t bytes() const { return 2 * capacity_ * slice_bytes_; }
+  void begin_step();
+  // Enqueues layer's gather from `l2` (the mapped pool) into buffer layer % 2, after the
+  // attention that last read that buffer (layer - 2's).
+  void gather(int32_t layer, const ColdPool& l2, const at::Tensor& slots);
+  // The current stream waits for layer's gather; returns the buffer as layer's kernels
+  // address cold blocks (cuda::KVCache: entry j's layer-l bytes at the slot's layer offset).
+  ColdPool ready(int32_t layer);
+  void attended(int32_t layer);
+
+ private:
+  void release();
+  int64_t slice_bytes_ = 0;
+  int32_t capacity_ = 0;
+  at::Tensor buffer_;  // uint8 [2 * capacity * slice_bytes]
+  void* side_ = nullptr;  // cudaStream_t
+  void* forked_ = nullptr;  // cudaEvent_t
+  void* gathered_[2] = {nullptr, nullptr};
+  void* read_[2] = {nullptr, nullptr};
+};
+
 class HostFence {
  public:
   HostFence();

@@ -207,6 +207,10 @@ struct LlamaModel::Pass::State {
 #ifdef K25_WITH_CUDA
   cuda_glue::DeviceBatch db;
   std::unique_ptr<cuda_glue::HostFence> fence;
+  // Cold blocks gathered a layer ahead (DeviceStep::prefetch): its entries' slots, their pool.
+  cuda_glue::ColdPrefetch* prefetch = nullptr;
+  at::Tensor prefetch_slots;
+  cuda_glue::ColdPool prefetch_l2;
   // Staged cold blocks with sparsity: the cold entries' summaries (entry j at block row j),
   // a pinned copy of one layer's block reads, and a split layer's selection (its tables
   // copied: a whole step of other sequences may run between the parts and select too).
@@ -305,7 +309,24 @@ void LlamaModel::Pass::State::begin() {
     ab.cold_summaries = sparse ? meta.cold_summaries.data() : nullptr;
     // Staged (cold blocks in L3 on CUDA): the tables keep entry ids, and each layer's launch
     // gets that layer's staging region as its cold pool (below).
-    if (cuda && !meta.cold_layers) cold_tables = cold_slot_tables(meta, cold);
+#ifdef K25_WITH_CUDA
+    // Dense, all in L2, few enough: gathered a layer ahead, the tables naming entries.
+    if (cuda && !prepared && !sparse && !meta.cold_layers && cold != nullptr && cold->prefetch != nullptr &&
+        static_cast<int64_t>(meta.cold_blocks.size()) <= cold->prefetch->capacity()) {
+      std::vector<int32_t> s(meta.cold_blocks.size() + 1);
+      s[0] = static_cast<int32_t>(meta.cold_blocks.size());
+      for (size_t j = 0; j < meta.cold_blocks.size(); ++j) s[j + 1] = cold_slot(*cold, meta.cold_blocks[j]);
+      s.resize(static_cast<size_t>(cold->prefetch->capacity()) + 1, 0);
+      prefetch = cold->prefetch;
+      prefetch_slots = on_device(s, at::kInt, dev);
+      prefetch_l2 = {cold->device, cold->slot_bytes, cold->num_slots};
+    }
+#endif
+    bool gathered = false;
+#ifdef K25_WITH_CUDA
+    gathered = prefetch != nullptr;
+#endif
+    if (cuda && !meta.cold_layers && !gathered) cold_tables = cold_slot_tables(meta, cold);
     if (cuda && meta.cold_layers && prepared) {
       fail(ErrorCode::kUnsupported, "cold KV blocks in L3 on CUDA: eager steps only");
     }
@@ -313,6 +334,9 @@ void LlamaModel::Pass::State::begin() {
 #ifdef K25_WITH_CUDA
   if (prepared) {
     db = prepared->batch;
+    prefetch = prepared->prefetch;
+    prefetch_slots = prepared->cold_slots;
+    prefetch_l2 = prepared->cold_l2;
   } else if (cuda && fused) {
     AttentionPlanParams pp;
     pp.num_kv_heads = Hkv;
@@ -339,6 +363,10 @@ void LlamaModel::Pass::State::begin() {
   if (sparse && cuda && sparse->scratch.reads.defined()) sparse->scratch.reads.zero_();
   if (cuda && meta.cold_layers) fence = std::make_unique<cuda_glue::HostFence>();
   if (cuda && meta.cold_layers && sparse) stage_cold_summaries();
+  if (prefetch) {
+    prefetch->begin_step();
+    prefetch->gather(0, prefetch_l2, prefetch_slots);
+  }
 #endif
   if (fused) norm(h, W.layers[0].attn_norm, x);
 }
@@ -347,6 +375,10 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
   const LayerWeights& L = W.layers[l];
   const bool second = split;  // the rest of a layer split below
   split = false;
+#ifdef K25_WITH_CUDA
+  // The next layer's cold slices cross the bus while this layer's GEMMs run.
+  if (prefetch && l + 1 < c.num_layers) prefetch->gather(l + 1, prefetch_l2, prefetch_slots);
+#endif
   if (!fused) x = rms_norm_aten(h, L.attn_norm, c.rms_norm_eps);
   at::Tensor qkv = second ? std::move(qkv_kept) : linear(x, L.wqkv, L.bqkv);
   const int32_t window = c.layer_sliding_window[l];
@@ -365,6 +397,7 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
       const ColdLayerSource::Region r = cl->layer_region(l);
       db.cold = {r.device, r.stride, r.count};
     }
+    if (prefetch) db.cold = prefetch->ready(l);
     if (sparse && window == 0) {
       cuda_glue::DeviceBatch kept;
       if (second) {
@@ -391,6 +424,7 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
       cuda_glue::paged_attention(qkv, attn, kv, layout, l, db, Hq, scale, window);
     }
     if (meta.cold_layers) fence->record(l % 2);
+    if (prefetch) prefetch->attended(l);
 #endif
   } else if (fused) {
     float* q = qkv.data_ptr<float>();

@@ -47,6 +47,12 @@ struct DeviceStep {
   at::Tensor ids, positions, slots, logits_rows;
 #ifdef K25_WITH_CUDA
   cuda_glue::DeviceBatch batch;
+  // Cold blocks gathered a layer ahead (cuda_glue::ColdPrefetch): the block tables name
+  // cold entries (cold_block_id(j)), whose L2 slots are in cold_slots ([count, slot...]),
+  // and cold_l2 is where they lie. Null: cold ids name L2 slots (batch.cold).
+  cuda_glue::ColdPrefetch* prefetch = nullptr;
+  at::Tensor cold_slots;
+  cuda_glue::ColdPool cold_l2;
 #endif
 };
 
@@ -88,6 +94,12 @@ struct ColdRegion {
   const void* device = nullptr;
   int64_t slot_bytes = 0;
   int32_t num_slots = 0;
+#ifdef K25_WITH_CUDA
+  // Set: a dense eager step with at most prefetch->capacity() cold entries gathers each
+  // layer's ahead into device memory (cuda_glue::ColdPrefetch) instead of reading them over
+  // the bus.
+  cuda_glue::ColdPrefetch* prefetch = nullptr;
+#endif
 };
 
 // The slot of `region` whose block lies at host address `block` (a cold block's KV);

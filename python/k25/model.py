@@ -306,6 +306,10 @@ class K25Model:
         per_token = (4 * c["hidden_size"] + qkv + 3 * c["intermediate_size"]) * elem
         workspace = (config.max_num_batched_tokens * per_token * 2
                      + config.max_batch_size * c["vocab_size"] * 4 * 3 + (512 << 20))
+        if config.cache_mode == "hierarchical" and not config.enable_dynamic_sparsity:
+            # Two device buffers that cold blocks are gathered into a layer ahead (docs/offload.md
+            # "Cold blocks on CUDA"; at most 32 MiB in all).
+            workspace += 32 << 20
         if config.enable_dynamic_sparsity:
             # Block summaries (min and max of the keys in the KV dtype) for every block, and
             # the selection's scratch for max_batch_size (at least the largest CUDA-graph

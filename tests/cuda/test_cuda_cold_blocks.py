@@ -94,6 +94,38 @@ def test_a_sequence_three_times_longer_than_the_device_pool_reads_cold_blocks_in
     assert s["preemptions"] == 0 and s["prefill_tokens"] == PROMPT
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("prefetch", ["0", "8", None])
+def test_dense_steps_gather_their_cold_blocks_a_layer_ahead_or_read_them_in_place(model_dir, dtype, prefetch,
+                                                                                 monkeypatch):
+    """Cold entries gathered into device memory a layer ahead (the default), read in place over the
+    bus (K25_COLD_PREFETCH=0), or both in one request (=8: at most 8 entries a step are gathered;
+    later steps have more cold blocks, which makes them eager and read in place): the same tokens
+    as the all-resident run, and cold_gathered says which path ran."""
+    if prefetch is not None:
+        monkeypatch.setenv("K25_COLD_PREFETCH", prefetch)
+    (prompt,), _ = make_prompts(model_dir, dtype, [(PROMPT, 11)])
+    (want,), per_block = reference(model_dir, dtype, [prompt])
+    need = -(-(PROMPT + NEW_TOKENS) // BLOCK)
+    m = small_l1(model_dir, dtype, per_block, l1_blocks=12, l2_slots=need)
+    try:
+        got = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)[0]
+        s = m.stats()
+    finally:
+        m.close()
+    same_tokens(got, want, dtype)
+    cold = need - 12  # cold entries of the last steps
+    assert s["cold_demotes"] >= cold
+    if prefetch == "0":
+        assert s["cold_gathered"] == 0
+    elif prefetch == "8":
+        # Prefill steps with up to 8 cold blocks gathered them; none of the decode steps did.
+        assert 0 < s["cold_gathered"] <= 8 * (PROMPT // 64)
+    else:
+        # The decode steps gathered theirs (the prefill chunks alone gather fewer than half this).
+        assert s["cold_gathered"] >= (cold // 2) * (NEW_TOKENS - 1)
+
+
 def test_two_long_sequences_on_the_gpu_share_the_pool_by_preemption_and_cold_blocks(model_dir):
     prompts, _ = make_prompts(model_dir, "float32", [(PROMPT, 8), (300, 9)])
     want, per_block = reference(model_dir, "float32", prompts)

@@ -129,6 +129,9 @@ struct EngineStats {
   // that live in L2 now, and blocks moved there so far.
   int32_t cold_blocks = 0;
   int64_t cold_demotes = 0;
+  // On CUDA, cold entries that dense steps gathered into device memory a layer ahead instead of
+  // reading them over the bus, summed over steps (docs/offload.md "Cold blocks on CUDA").
+  int64_t cold_gathered = 0;
   // Cold blocks whose copy back to L1 landed in the block table (a request may end before
   // one of its promotions lands: <= predictor.promotions).
   int64_t cold_promotions = 0;
