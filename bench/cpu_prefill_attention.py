@@ -13,26 +13,13 @@ checked against SDPA's first. Prints ms, GFLOP/s (4 * pairs * heads * head_dim) 
 import argparse
 import json
 import math
-import time
 
 import torch
 import torch.nn.functional as F
 
 from k25 import _C
 
-HQ, HKV, D, BS = 9, 3, 64, 16
-
-
-def best_of(fns, rounds):
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            t = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t)
-    return best
+from cpu_sparse_attention import BS, D, HKV, HQ, timed_rounds  # same shape, same turn-taking timer
 
 
 def case(ctx, chunk, rounds, seed):
@@ -71,7 +58,7 @@ def case(ctx, chunk, rounds, seed):
     ref = sdpa().transpose(0, 1).reshape(chunk, HQ * D)
     err = ((k25() - ref).norm() / ref.norm()).item()
     assert err < 1e-4, err
-    t_k25, t_sdpa = best_of([k25, sdpa], rounds)
+    t_k25, t_sdpa = timed_rounds([k25, sdpa], 1, rounds)
     pairs = sum(ctx - chunk + i + 1 for i in range(chunk))
     flops = 4.0 * pairs * HQ * D
     return {"context": ctx, "chunk": chunk, "k25_ms": t_k25 * 1e3, "sdpa_ms": t_sdpa * 1e3,

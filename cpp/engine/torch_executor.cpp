@@ -818,14 +818,16 @@ class TorchExecutor : public ModelExecutor {
                   std::vector<SampleResult>* results, const std::vector<LogitsCopy>& copies) {
 #ifdef K25_WITH_CUDA
     ensure_sparse_scratch(meta.num_seqs(), meta.max_blocks_per_seq);
-    // (LlamaModel gathers a dense step's cold entries ahead when they fit, else reads them in place.)
-    if (!meta.cold_blocks.empty()) {
-      cold_->prefetch = cold_prefetch();
+    // A dense step's cold entries are gathered a layer ahead when the buffers hold them, else
+    // read in place (ColdRegion::prefetch tells LlamaModel).
+    cuda_glue::ColdPrefetch* pf = nullptr;
+    if (!meta.cold_blocks.empty() && meta.cold_layers == nullptr) {
       const int64_t n = static_cast<int64_t>(meta.cold_blocks.size());
-      if (cold_->prefetch != nullptr && meta.cold_layers == nullptr && n <= cold_->prefetch->capacity()) {
-        cold_gathered_ += n;
-      }
+      pf = cold_prefetch();
+      if (pf != nullptr && n > pf->capacity()) pf = nullptr;
+      if (pf != nullptr) cold_gathered_ += n;
     }
+    cold_->prefetch = pf;
 #endif
     at::Tensor logits = model_->forward(meta, kv_, layout_, fused_, nullptr, sparse_.get(), cold_.get());
     for (size_t l = 0; l < stats_.size(); ++l) add_layer_stats(l);
@@ -1141,8 +1143,7 @@ class TorchExecutor : public ModelExecutor {
       // The tables keep entry ids; the entries' slots go to the graph's gathers.
       const int64_t n = static_cast<int64_t>(meta.cold_blocks.size());
       if (n > g.step.prefetch->capacity()) fail(ErrorCode::kInternal, "more cold entries than the graphs gather");
-      gathered[0] = static_cast<int32_t>(n);
-      for (int64_t j = 0; j < n; ++j) gathered[j + 1] = cold_slot(*cold_, meta.cold_blocks[static_cast<size_t>(j)]);
+      cold_entry_slots(meta, *cold_, gathered);
       cold_gathered_ += n;
     } else if (!meta.cold_blocks.empty()) {
       cold_tables = cold_slot_tables(meta, cold_.get());

@@ -152,6 +152,11 @@ std::vector<int32_t> cold_slot_tables(const BatchMeta& meta, const ColdRegion* r
   return t;
 }
 
+void cold_entry_slots(const BatchMeta& meta, const ColdRegion& region, int32_t* out) {
+  out[0] = static_cast<int32_t>(meta.cold_blocks.size());
+  for (size_t j = 0; j < meta.cold_blocks.size(); ++j) out[j + 1] = cold_slot(region, meta.cold_blocks[j]);
+}
+
 // What a forward pass keeps between its layers (LlamaModel::Pass): the step's inputs, the
 // residual stream and the layer buffers, and on CUDA the attention batch.
 struct LlamaModel::Pass::State {
@@ -310,23 +315,17 @@ void LlamaModel::Pass::State::begin() {
     // Staged (cold blocks in L3 on CUDA): the tables keep entry ids, and each layer's launch
     // gets that layer's staging region as its cold pool (below).
 #ifdef K25_WITH_CUDA
-    // Dense, all in L2, few enough: gathered a layer ahead, the tables naming entries.
-    if (cuda && !prepared && !sparse && !meta.cold_layers && cold != nullptr && cold->prefetch != nullptr &&
-        static_cast<int64_t>(meta.cold_blocks.size()) <= cold->prefetch->capacity()) {
-      std::vector<int32_t> s(meta.cold_blocks.size() + 1);
-      s[0] = static_cast<int32_t>(meta.cold_blocks.size());
-      for (size_t j = 0; j < meta.cold_blocks.size(); ++j) s[j + 1] = cold_slot(*cold, meta.cold_blocks[j]);
-      s.resize(static_cast<size_t>(cold->prefetch->capacity()) + 1, 0);
+    // Gathered a layer ahead (the executor's choice, ColdRegion::prefetch): the tables keep
+    // entry ids. Else read in place: the tables name L2 slots.
+    if (cuda && !prepared && !meta.cold_layers && cold != nullptr && cold->prefetch != nullptr) {
       prefetch = cold->prefetch;
+      std::vector<int32_t> s(static_cast<size_t>(prefetch->capacity()) + 1, 0);
+      cold_entry_slots(meta, *cold, s.data());
       prefetch_slots = on_device(s, at::kInt, dev);
       prefetch_l2 = {cold->device, cold->slot_bytes, cold->num_slots};
     }
+    if (cuda && !meta.cold_layers && prefetch == nullptr) cold_tables = cold_slot_tables(meta, cold);
 #endif
-    bool gathered = false;
-#ifdef K25_WITH_CUDA
-    gathered = prefetch != nullptr;
-#endif
-    if (cuda && !meta.cold_layers && !gathered) cold_tables = cold_slot_tables(meta, cold);
     if (cuda && meta.cold_layers && prepared) {
       fail(ErrorCode::kUnsupported, "cold KV blocks in L3 on CUDA: eager steps only");
     }

@@ -95,9 +95,9 @@ struct ColdRegion {
   int64_t slot_bytes = 0;
   int32_t num_slots = 0;
 #ifdef K25_WITH_CUDA
-  // Set: a dense eager step with at most prefetch->capacity() cold entries gathers each
-  // layer's ahead into device memory (cuda_glue::ColdPrefetch) instead of reading them over
-  // the bus.
+  // Set by the executor for an eager step whose cold entries it has gathered (dense, no more
+  // than prefetch->capacity()): each layer's are gathered ahead into device memory
+  // (cuda_glue::ColdPrefetch) instead of read over the bus.
   cuda_glue::ColdPrefetch* prefetch = nullptr;
 #endif
 };
@@ -110,6 +110,10 @@ int32_t cold_slot(const ColdRegion& region, const void* block);
 // its slot in `region` (cuda::KVCache's encoding, the same -2 - j form): the block tables the
 // CUDA kernels read.
 std::vector<int32_t> cold_slot_tables(const BatchMeta& meta, const ColdRegion* region);
+
+// The step's cold entries as cuda_glue::ColdPrefetch reads them: out[0] their count, out[1 + j]
+// entry j's slot in `region` (out holds 1 + meta.cold_blocks.size() ints).
+void cold_entry_slots(const BatchMeta& meta, const ColdRegion& region, int32_t* out);
 
 class LlamaModel {
  public:

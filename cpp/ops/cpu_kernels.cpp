@@ -214,28 +214,9 @@ constexpr int kLanes = static_cast<int>(sizeof(vn) / sizeof(float));
 constexpr int kParts = 16 / kLanes;  // vn per 16 keys (or 16 output columns)
 inline vn loadn(const float* p) { return *reinterpret_cast<const vnu*>(p); }
 
-// vexp16, hmax16 and hsum16 (vec16.h) over 16 lanes held as kParts vn: the same operations
-// lane for lane, and the sum in the same tree (lanes i and i + 8 first, then i ^ 4, i ^ 2,
-// i ^ 1), so the results are those of the v16 functions bit for bit.
-inline vn vexpn(vn x) {
-  const vn lo = vn{} - 87.0f, hi = vn{} + 88.0f;
-  const auto under = x < lo;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const vn n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  vn r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vn p = vn{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vni e = (__builtin_convertvector(n, vni) + 127) << 23;
-  const vn out = p * (vn)e;
-  return under ? vn{} : out;
-}
+// hmax16 and hsum16 (vec16.h) over 16 lanes held as kParts vn: the same operations lane for
+// lane, and the sum in the same tree (lanes i and i + 8 first, then i ^ 4, i ^ 2, i ^ 1), so
+// the results are those of the v16 functions bit for bit (exp: vec16.h's vexp_lanes on vn).
 template <bool kMax>
 inline float reduce16(const vn (&x)[kParts]) {
   vn parts[kParts];
@@ -296,7 +277,7 @@ inline void score_group(const TileRows& t, int r0, const float* Kt, int32_t bs, 
     const float alpha = vexp(t.m[row] - m_new);  // 0 while m is -inf
     vn p[kParts];
     for (int h = 0; h < kParts; ++h) {
-      p[h] = vexpn(sr[h] - m_new);
+      p[h] = vexp_lanes<vn, vni>(sr[h] - m_new);
       *reinterpret_cast<vnu*>(pr + h * kLanes) = p[h];
     }
     t.l[row] = t.l[row] * alpha + reduce16<false>(p);

@@ -40,27 +40,32 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned a
 
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 
-// exp of 16 floats; the same algorithm as vexp.
-inline v16 vexp16(v16 x) {
-  const v16 lo = v16{} - 87.0f, hi = v16{} + 88.0f;
+// exp of a float vector of any width V (VI: the int32 vector of the same width); the same
+// algorithm as vexp. vexp16 below, and the CPU attention's native-width vectors, use it.
+template <typename V, typename VI>
+inline V vexp_lanes(V x) {
+  const V lo = V{} - 87.0f, hi = V{} + 88.0f;
   const auto under = x < lo;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   // Round to nearest by the 1.5 * 2^23 trick (|x * log2 e| < 2^22 here).
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  v16 r = x - n * 0.693359375f;
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  V r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  const v16 out = p * (v16)e;  // same-size vector cast: reinterprets the bits
-  return under ? v16{} : out;
+  const VI e = (__builtin_convertvector(n, VI) + 127) << 23;
+  const V out = p * (V)e;  // same-size vector cast: reinterprets the bits
+  return under ? V{} : out;
 }
+
+// exp of 16 floats.
+inline v16 vexp16(v16 x) { return vexp_lanes<v16, v16i>(x); }
 
 // 8 doubles as one vector, and their exp with an error of a few double ulps: Cody-Waite
 // reduction to |r| <= log(2)/2, then the Taylor series to r^13 (truncation below 1e-17).
