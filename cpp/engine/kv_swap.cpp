@@ -562,10 +562,18 @@ bool KVSwap::cold_l3_written(const std::vector<std::pair<int32_t, uint64_t>>& en
     }
     l3_write_ready_at_.erase(it);
   }
+  // Under mu_. A write that fails settles its key as lost (TierManager::complete) just before
+  // its callback records why, under mu_ (cold_lost_new_): in between, the key is neither
+  // writing nor readable nor known lost, so it still counts as writing.
   auto writing = [&] {
     for (const auto& [j, key] : entries) {
       const std::optional<TierEntry> e = tiers_->map().entry(key);
-      if (e && e->state == BlockState::kDemoting) return true;
+      if (!e) continue;
+      if (e->state == BlockState::kDemoting) return true;
+      if (e->state == BlockState::kLost && cold_lost_.count(key) == 0 &&
+          std::none_of(cold_lost_new_.begin(), cold_lost_new_.end(), [&](const auto& x) { return x.first == key; })) {
+        return true;
+      }
     }
     return false;
   };

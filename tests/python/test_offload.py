@@ -346,3 +346,121 @@ def test_swapping_with_dynamic_sparsity_rebuilds_the_block_summaries(tmp_path, r
     assert s["swap_ins"] > 0 and s["swap_fallbacks"] == 0 and ratio > 0
     for i, (o, w) in enumerate(zip(outs, want)):
         assert o.token_ids == w, f"prompt {i} differs after swapping with sparsity"
+
+
+# ---- a swap-in in flight holds no one else (issue #6 point 5) -----------------------------
+
+SLOW_COPY_S = 4.0  # every copy into L1 calls back this long after it began (a slow bus)
+
+
+def swap_in_scene(default_model, tmp_path):
+    """A (bronze, 300 tokens) decodes until B (gold, 600 tokens) needs its room: L1 holds one
+    of them, not both, so A is preempted and swapped out to L2, and comes back once B is done.
+    E (a short prompt) arrives right after B ends, while A's blocks are coming back."""
+    tok, text = default_model.tokenizer, long_text()
+    scene = {"A": (tok.encode(text[3000:12000])[:300], 24, "bronze"),
+             "B": (tok.encode(text[30000:45000])[:600], 4, "gold"),
+             "E": (tok.encode("1, 2, 3, 4,"), 8, "silver")}
+    want = {k: default_model.generate([ids], max_new_tokens=n, ignore_eos=True, temperature=0.0)[0].token_ids
+            for k, (ids, n, _) in scene.items()}
+    per_block = default_model.kv_block_bytes
+    need_a, need_b = (-(-(len(scene[k][0]) + scene[k][1]) // BLOCK) for k in "AB")
+    l1 = need_b + need_a // 2 + 2  # B and half of A: never both
+    model = K25Model(K25Config(num_threads=2, kv_cache_bytes=l1 * per_block, block_size=BLOCK,
+                               prefill_chunk_size=64, max_num_batched_tokens=96, max_batch_size=4,
+                               cache_mode="hierarchical", enable_async_offload=True,
+                               l2_bytes=(need_a + 4) * _C.kv_page_bytes(per_block)))
+    model._engine.set_swap_cost_for_test(0.0)  # swap, never recompute
+    return scene, want, model
+
+
+async def stamped(model, scene, key, stamps):
+    """The request's tokens, and (arrival time, tokens so far) of each event that carried some."""
+    import time
+    ids, n, priority = scene[key]
+    got = []
+    async for ev in model.stream_events(ids, max_new_tokens=n, ignore_eos=True, temperature=0.0, priority=priority):
+        if ev.token_ids:
+            got += ev.token_ids
+            stamps.append((time.monotonic(), len(got)))
+    return got
+
+
+def test_a_sequence_waiting_for_its_swap_in_holds_no_one_else(default_model, tmp_path):
+    """While a preempted sequence's blocks come back (each copy held SLOW_COPY_S here), the
+    scheduler skips it and everyone else keeps running: a request that arrives meanwhile gets
+    all its tokens before the swapped sequence moves on, and every output is exact."""
+    import asyncio
+    import time
+
+    scene, want, model = swap_in_scene(default_model, tmp_path)
+    stamps = {k: [] for k in scene}
+
+    async def main():
+        a = asyncio.create_task(stamped(model, scene, "A", stamps["A"]))
+        while not stamps["A"]:
+            await asyncio.sleep(0.01)
+        model._engine.delay_tier_copies_in_for_test(SLOW_COPY_S)
+        got = {"B": await stamped(model, scene, "B", stamps["B"])}
+        b_done = time.monotonic()  # B has ended: A's blocks are coming back
+        got["E"] = await stamped(model, scene, "E", stamps["E"])
+        got["A"] = await a
+        return got, b_done
+
+    try:
+        got, b_done = asyncio.run(main())
+        s, tiers = model.stats(), model.tier_stats()
+    finally:
+        model.close()
+    assert got == want
+    assert s["preemptions"] >= 1 and s["swap_outs"] == s["swap_ins"] >= 1 and s["swap_fallbacks"] == 0
+    assert s["prefill_tokens"] == sum(len(ids) for ids, _, _ in scene.values())  # nothing recomputed
+    fetches = tiers["fetch_latency"]
+    assert fetches["count"] > 0 and fetches["sum"] / fetches["count"] >= SLOW_COPY_S
+    a_back = next(t for t, _ in stamps["A"] if t > b_done)  # A's first token after its swap-in
+    e_last = stamps["E"][-1][0]
+    assert a_back - b_done >= SLOW_COPY_S / 2, "the swap-in was not slow: the scene tests nothing"
+    # E ran start to end while A's copies were in flight.
+    assert e_last < a_back and e_last - b_done < SLOW_COPY_S / 2, (e_last - b_done, a_back - b_done)
+
+
+def test_closing_the_model_during_a_swap_in_waits_for_its_copies(default_model, tmp_path):
+    """Shutdown waits for transfers in flight: closed while a swapped-out sequence's blocks
+    are coming back (each copy held SLOW_COPY_S), close() returns only once those copies have
+    called back (the tiers' last counters, taken after the drain, include them), nothing
+    crashes, and the request that was waiting for them ends instead of hanging."""
+    import asyncio
+    import time
+
+    scene, _, model = swap_in_scene(default_model, tmp_path)
+    stamps = {k: [] for k in scene}
+
+    async def main():
+        a = asyncio.create_task(stamped(model, scene, "A", stamps["A"]))
+        while not stamps["A"]:
+            await asyncio.sleep(0.01)
+        model._engine.delay_tier_copies_in_for_test(SLOW_COPY_S)
+        await stamped(model, scene, "B", stamps["B"])
+        await asyncio.sleep(SLOW_COPY_S / 8)  # A's swap-in begins in the step after B's last
+        t0 = time.monotonic()
+        model.close()
+        closed_after = time.monotonic() - t0
+        try:
+            await asyncio.wait_for(a, 30)
+        except asyncio.TimeoutError:
+            raise AssertionError("the request waiting for its swap-in hangs after close()") from None
+        except Exception:
+            pass  # it ends with an error: the engine stopped under it
+        return closed_after
+
+    try:
+        closed_after = asyncio.run(main())
+        tiers = model.tier_stats()
+    finally:
+        model.close()
+    # Every block A swapped out was on its way back when close() aborted A: each copy called
+    # back (cancelled: its key was freed meanwhile) before close() returned, which took the
+    # copies' time.
+    assert tiers["offloads"] > 0 and tiers["fetches"] + tiers["cancelled"] == tiers["offloads"], tiers
+    assert closed_after >= SLOW_COPY_S / 2, closed_after
+    assert tiers["failures"] == 0

@@ -182,6 +182,10 @@ class Engine {
   // Tests: each cold page written to L3 counts as written this long after its demote
   // started (a slow disk's writes). Throws kInvalidArgument without cold blocks in L3.
   void delay_l3_writes_for_test(double seconds);
+  // Tests: each copy into L1 begun from now on (a swap-in's or prefix fetch's blocks, a
+  // promotion) calls back no earlier than this long after it began (a slow bus). Throws
+  // kInvalidArgument without tiers.
+  void delay_tier_copies_in_for_test(double seconds);
   // Tests: the tiers' release of the next request to finish throws (an engine bug's stand-in).
   void fail_next_kv_release_for_test();
   // Tests: the swap-or-recompute choice sees this cost per block instead of the measured one.

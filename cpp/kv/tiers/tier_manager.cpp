@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 
 #include "kv/tiers/crc32c.h"
 #include "kv/tiers/page_format.h"
@@ -251,7 +252,11 @@ void TierManager::start(const TierMove& mv, TierOp op, Clock::time_point t0, Tie
     return;
   }
   auto copy_in = [this, slot, t0, op](const TierMove& m, TierCallback cb) {
-    copier_->copy_in(slot, m.l1_block, [this, m, t0, op, cb = std::move(cb)](bool ok) {
+    const double delay_s = copy_in_delay_s_.load();
+    const Clock::time_point ready =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(delay_s));
+    copier_->copy_in(slot, m.l1_block, [this, m, t0, op, delay_s, ready, cb = std::move(cb)](bool ok) {
+      if (delay_s > 0) std::this_thread::sleep_until(ready);
       complete(m, op, ok ? TierFault::kNone : TierFault::kCopyFailed, "", t0, cb);
     });
   };

@@ -27,6 +27,7 @@
 // key, a block that is already moving) throw kInternal.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -156,6 +157,9 @@ class TierManager {
   // Tests: the next n pages written to L3 get one byte flipped on disk right after the
   // write succeeds (so their fetch must fail its checksum).
   void corrupt_next_l3_writes_for_test(int32_t n);
+  // Tests: a copy into L1 (fetch, copy-up) begun from now on calls back no earlier than
+  // `seconds` after it began (a slow bus's stand-in: its worker sleeps until then).
+  void delay_copies_in_for_test(double seconds) { copy_in_delay_s_.store(seconds); }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -191,6 +195,7 @@ class TierManager {
   int32_t in_flight_ = 0;
   TierStats stats_;
   int32_t corrupt_next_ = 0;  // tests
+  std::atomic<double> copy_in_delay_s_{0};  // tests
   std::unordered_map<uint64_t, std::vector<uint32_t>> slice_crcs_;  // l3_slices > 0: by key (mu_)
   std::mutex wait_mu_;
   std::deque<Waiting> waiting_;  // L3 transfers without a staging slot yet, oldest first
