@@ -36,8 +36,11 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = Path(tmp) / f"{name}.log"
+        # The spool under the test's own directory: a server stopped with SIGKILL (kill()) cannot
+        # remove the default one (the system temp dir, named by port) the way a clean exit does.
+        spool = [] if "--spool-dir" in args else ["--spool-dir", str(Path(tmp) / f"{name}-spool")]
         cmd = [sys.executable, "-m", "k25.cli", "serve", "--port", str(self.port), "--threads", str(threads),
-               "--kv-cache-bytes", str(kv_bytes), "--max-seq-len", str(max_seq_len), *args]
+               "--kv-cache-bytes", str(kv_bytes), "--max-seq-len", str(max_seq_len), *spool, *args]
         full_env = dict(os.environ, PYTHONUNBUFFERED="1")
         full_env.pop("K25_API_KEY", None)
         full_env.update(env or {})

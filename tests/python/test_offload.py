@@ -441,7 +441,7 @@ def test_closing_the_model_during_a_swap_in_waits_for_its_copies(default_model, 
             await asyncio.sleep(0.01)
         model._engine.delay_tier_copies_in_for_test(SLOW_COPY_S)
         await stamped(model, scene, "B", stamps["B"])
-        await asyncio.sleep(SLOW_COPY_S / 8)  # A's swap-in begins in the step after B's last
+        await asyncio.sleep(SLOW_COPY_S / 4)  # A's swap-in begins in the step after B's last
         t0 = time.monotonic()
         model.close()
         closed_after = time.monotonic() - t0
