@@ -386,6 +386,18 @@ async def stamped(model, scene, key, stamps):
     return got
 
 
+async def preempt_a_then_end_b(model, scene, stamps):
+    """A runs until its first token; B (gold) then takes its room and runs to its end, with
+    every copy into L1 held SLOW_COPY_S from then on. Returns A's task: A's blocks are coming
+    back (or about to) when this returns."""
+    import asyncio
+    a = asyncio.create_task(stamped(model, scene, "A", stamps["A"]))
+    while not stamps["A"]:
+        await asyncio.sleep(0.01)
+    model._engine.delay_tier_copies_in_for_test(SLOW_COPY_S)
+    return a, await stamped(model, scene, "B", stamps["B"])
+
+
 def test_a_sequence_waiting_for_its_swap_in_holds_no_one_else(default_model, tmp_path):
     """While a preempted sequence's blocks come back (each copy held SLOW_COPY_S here), the
     scheduler skips it and everyone else keeps running: a request that arrives meanwhile gets
@@ -397,11 +409,8 @@ def test_a_sequence_waiting_for_its_swap_in_holds_no_one_else(default_model, tmp
     stamps = {k: [] for k in scene}
 
     async def main():
-        a = asyncio.create_task(stamped(model, scene, "A", stamps["A"]))
-        while not stamps["A"]:
-            await asyncio.sleep(0.01)
-        model._engine.delay_tier_copies_in_for_test(SLOW_COPY_S)
-        got = {"B": await stamped(model, scene, "B", stamps["B"])}
+        a, got_b = await preempt_a_then_end_b(model, scene, stamps)
+        got = {"B": got_b}
         b_done = time.monotonic()  # B has ended: A's blocks are coming back
         got["E"] = await stamped(model, scene, "E", stamps["E"])
         got["A"] = await a
@@ -436,11 +445,7 @@ def test_closing_the_model_during_a_swap_in_waits_for_its_copies(default_model, 
     stamps = {k: [] for k in scene}
 
     async def main():
-        a = asyncio.create_task(stamped(model, scene, "A", stamps["A"]))
-        while not stamps["A"]:
-            await asyncio.sleep(0.01)
-        model._engine.delay_tier_copies_in_for_test(SLOW_COPY_S)
-        await stamped(model, scene, "B", stamps["B"])
+        a, _ = await preempt_a_then_end_b(model, scene, stamps)
         await asyncio.sleep(SLOW_COPY_S / 4)  # A's swap-in begins in the step after B's last
         t0 = time.monotonic()
         model.close()
