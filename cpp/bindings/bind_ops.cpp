@@ -294,6 +294,24 @@ void bind_ops(py::module_& m) {
     }
     return out;
   });
+  ops.def("linear_few_rows", [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+    check_rows(x, "x");
+    check_rows(w, "w");
+    if (!w.is_contiguous() || w.size(1) != x.size(1)) {
+      throw Error(ErrorCode::kInvalidArgument, "w must be contiguous [N, K] with x's K");
+    }
+    const int64_t N = w.size(0);
+    at::Tensor bc;
+    if (b) {
+      check(*b, at::kFloat, "b");
+      bc = b->contiguous();
+      if (bc.numel() != N) throw Error(ErrorCode::kInvalidArgument, "b must have N elements");
+    }
+    at::Tensor y = at::empty({x.size(0), N}, x.options());
+    cpu::linear_few_rows(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), b ? bc.data_ptr<float>() : nullptr,
+                         y.data_ptr<float>(), N, x.size(0), 0, N, x.size(1));
+    return y;
+  }, py::arg("x"), py::arg("w"), py::arg("b") = py::none());
   ops.def("rms_norm", [](const at::Tensor& x, const at::Tensor& w, double eps) {
     check_rows(x, "x");
     check(w, at::kFloat, "w");

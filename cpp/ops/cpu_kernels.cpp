@@ -174,22 +174,26 @@ struct KVBlocks {
 };
 
 // Query rows of one tile (the heads of a GQA group for a few tokens of one sequence)
-// against every key they may see, 16 keys at a time, with an online softmax. One pass over
-// the keys serves all rows, so each K/V vector is loaded once per tile rather than once per
-// row. The rows go through each 16-key chunk in groups of up to kRowGroup, so that a group's
-// scores (kRowGroup x 16 lanes) and, later, its output columns (kRowGroup x 16 lanes) stay in
-// registers on AVX2 (16 ymm) as on AVX-512; the output rows live in an L1-resident buffer
-// between chunks. (Holding every row's accumulators in registers, as before, spilled them on
-// AVX2: 5-6 GFLOP/s at 4K-token prefills on 2 cores, bench notes.) The arithmetic and its
-// order per row are the same either way: scores over d in order, the running max and sum,
-// the accumulator scaled by alpha and then added to key by key.
+// against every key they may see, with an online softmax over chunks of kChunkKeys keys at
+// positions aligned to kChunkKeys. One pass over the keys serves all rows, so each K/V vector
+// is loaded once per tile rather than once per row. A chunk is three steps: the rows' raw
+// scores, in groups of up to kRowGroup rows and 16 keys at a time (a group's scores, kRowGroup
+// x 16 lanes, stay in registers on AVX2 as on AVX-512); each row's softmax step over the
+// whole chunk (one max, one rescale of the accumulators and one sum per kChunkKeys keys,
+// where 16 keys a step spent 40% of the time on them on an AVX2 host); and the rows' output
+// columns, kRowGroup x 16 at a time, accumulated over the chunk's keys. The output rows live
+// in an L1-resident buffer between chunks. A row's arithmetic depends only on its own query,
+// position and window, not on the other rows of its tile: chunks are aligned to absolute
+// key positions, and a key a row may not see is masked to -inf (so p = 0) whatever the tile.
 constexpr int kRowGroup = 4;
 constexpr int kMaxTileRows = 32;
+constexpr int kChunkKeys = 64;
+constexpr int kPieces = kChunkKeys / 16;  // 16-key pieces of a chunk
 
 struct TileRows {
   const float* const* q;
   float* o;                  // [rows][kD] accumulators
-  float* p;                  // [rows][16] this chunk's probabilities
+  float* s;                  // [rows][kChunkKeys] this chunk's scores, then probabilities
   float* alpha;              // [rows] this chunk's rescale of the accumulators
   float* m;                  // [rows] running max
   float* l;                  // [rows] running sum
@@ -200,7 +204,9 @@ struct TileRows {
 // The hot loops below use the machine's own vector width (vn: 8 floats with AVX2, 16 with
 // AVX-512, 4 with NEON) rather than v16: GCC keeps a 64-byte vector that the target cannot
 // hold in one register in memory, moving its halves through general registers (5-8 GFLOP/s
-// on an AVX2 host). Lane for lane the arithmetic is the same.
+// on an AVX2 host). Lane for lane the arithmetic is the same. A scalar operand of a vector
+// product is broadcast as it is loaded; `vn{} + x` would cost a scalar add (0 + x is not x
+// for x = -0) and a register broadcast on every use.
 #if defined(__AVX512F__)
 typedef float vn __attribute__((vector_size(64)));
 #elif defined(__ARM_NEON)
@@ -211,17 +217,17 @@ typedef float vn __attribute__((vector_size(32)));
 typedef float vnu __attribute__((vector_size(sizeof(vn)), aligned(4)));
 typedef int32_t vni __attribute__((vector_size(sizeof(vn))));
 constexpr int kLanes = static_cast<int>(sizeof(vn) / sizeof(float));
-constexpr int kParts = 16 / kLanes;  // vn per 16 keys (or 16 output columns)
+constexpr int kParts = 16 / kLanes;             // vn per 16 keys (or 16 output columns)
+constexpr int kChunkParts = kChunkKeys / kLanes;  // vn per chunk
 inline vn loadn(const float* p) { return *reinterpret_cast<const vnu*>(p); }
+inline void storen(float* p, vn x) { *reinterpret_cast<vnu*>(p) = x; }
 
-// hmax16 and hsum16 (vec16.h) over 16 lanes held as kParts vn: the same operations lane for
-// lane, and the sum in the same tree (lanes i and i + 8 first, then i ^ 4, i ^ 2, i ^ 1), so
-// the results are those of the v16 functions bit for bit (exp: vec16.h's vexp_lanes on vn).
-template <bool kMax>
-inline float reduce16(const vn (&x)[kParts]) {
-  vn parts[kParts];
-  for (int h = 0; h < kParts; ++h) parts[h] = x[h];
-  for (int half = kParts / 2; half > 0; half /= 2) {
+// Max or sum of N vn: halves folded lane for lane, then across the lanes (i ^ stride).
+template <bool kMax, int N>
+inline float reduce(const vn (&x)[N]) {
+  vn parts[N];
+  for (int h = 0; h < N; ++h) parts[h] = x[h];
+  for (int half = N / 2; half > 0; half /= 2) {
     for (int h = 0; h < half; ++h) {
       parts[h] = kMax ? (parts[h] > parts[h + half] ? parts[h] : parts[h + half]) : parts[h] + parts[h + half];
     }
@@ -236,11 +242,10 @@ inline float reduce16(const vn (&x)[kParts]) {
   return v[0];
 }
 
-// Scores of rows [r0, r0 + NR) for the 16 keys at `base` (K^T of the chunk at Kt: [D][bs]),
-// masked and scaled; then each row's online-softmax step into t.p, t.alpha, t.m, t.l.
+// Raw scores q.k of rows [r0, r0 + NR) for the 16 keys of piece `piece` (K^T of the piece at
+// Kt: [D][bs]) into t.s.
 template <int kD, int NR>
-inline void score_group(const TileRows& t, int r0, const float* Kt, int32_t bs, int32_t base,
-                        const vn (&iota)[kParts], float scale) {
+inline void score_group(const TileRows& t, int r0, const float* Kt, int32_t bs, int piece) {
   vn s[NR][kParts];
   for (int r = 0; r < NR; ++r) {
     for (int h = 0; h < kParts; ++h) s[r][h] = vn{};
@@ -251,63 +256,79 @@ inline void score_group(const TileRows& t, int r0, const float* Kt, int32_t bs, 
     vn k[kParts];
     for (int h = 0; h < kParts; ++h) k[h] = loadn(Kt + static_cast<int64_t>(d) * bs + h * kLanes);
     for (int r = 0; r < NR; ++r) {
-      const vn qd = vn{} + q[r][d];
+      const float qd = q[r][d];
       for (int h = 0; h < kParts; ++h) s[r][h] += k[h] * qd;
     }
   }
   for (int r = 0; r < NR; ++r) {
-    const int row = r0 + r;
-    float* pr = t.p + 16 * row;
-    // Slots past pos (not yet written) or before the window are masked; selecting -inf,
-    // not multiplying, keeps garbage in unwritten slots out of the result.
-    const float lo_r = static_cast<float>(t.lo[row]), pos_r = static_cast<float>(t.pos[row]);
-    vn sr[kParts];
-    for (int h = 0; h < kParts; ++h) {
-      const vn kpos = iota[h] + static_cast<float>(base);
-      const auto ok = (kpos >= lo_r) & (kpos <= pos_r);
-      sr[h] = ok ? s[r][h] * scale : vn{} + kNegInf;
-    }
-    const float bmax = reduce16<true>(sr);
-    if (bmax == kNegInf) {
-      for (int h = 0; h < kParts; ++h) *reinterpret_cast<vnu*>(pr + h * kLanes) = vn{};
-      t.alpha[row] = 1.0f;  // x * 1 is exact: the row is unchanged
-      continue;
-    }
-    const float m_new = std::max(t.m[row], bmax);
-    const float alpha = vexp(t.m[row] - m_new);  // 0 while m is -inf
-    vn p[kParts];
-    for (int h = 0; h < kParts; ++h) {
-      p[h] = vexp_lanes<vn, vni>(sr[h] - m_new);
-      *reinterpret_cast<vnu*>(pr + h * kLanes) = p[h];
-    }
-    t.l[row] = t.l[row] * alpha + reduce16<false>(p);
-    t.m[row] = m_new;
-    t.alpha[row] = alpha;
+    float* sr = t.s + (r0 + r) * kChunkKeys + 16 * piece;
+    for (int h = 0; h < kParts; ++h) storen(sr + h * kLanes, s[r][h]);
   }
 }
 
-// Rows [r0, r0 + NR): the accumulators times alpha, plus keys [t0, t1) of the chunk (V rows
-// at V: [bs][D], from the chunk's first key) weighted by their probabilities.
+// Row `row`'s online-softmax step over the chunk of keys [base, base + kChunkKeys): its
+// scores in t.s, scaled, become probabilities; t.alpha, t.m and t.l follow. Keys outside
+// [lo, pos] (not yet written, before the window, or in pieces not computed) are masked by
+// selecting -inf, not by multiplying, which keeps garbage in unwritten slots out.
+inline void softmax_row(const TileRows& t, int row, int32_t base, const vn (&iota)[kChunkParts], float scale) {
+  float* sr = t.s + row * kChunkKeys;
+  const float lo_r = static_cast<float>(t.lo[row] - base), pos_r = static_cast<float>(t.pos[row] - base);
+  vn x[kChunkParts];
+  for (int h = 0; h < kChunkParts; ++h) {
+    const auto ok = (iota[h] >= lo_r) & (iota[h] <= pos_r);
+    x[h] = ok ? loadn(sr + h * kLanes) * scale : vn{} + kNegInf;
+  }
+  const float cmax = reduce<true>(x);
+  if (cmax == kNegInf) {
+    for (int h = 0; h < kChunkParts; ++h) storen(sr + h * kLanes, vn{});
+    t.alpha[row] = 1.0f;  // x * 1 is exact: the row is unchanged
+    return;
+  }
+  const float m_new = std::max(t.m[row], cmax);
+  const float alpha = vexp(t.m[row] - m_new);  // 0 while m is -inf
+  for (int h = 0; h < kChunkParts; ++h) {
+    x[h] = vexp_lanes<vn, vni>(x[h] - m_new);
+    storen(sr + h * kLanes, x[h]);
+  }
+  t.l[row] = t.l[row] * alpha + reduce<false>(x);
+  t.m[row] = m_new;
+  t.alpha[row] = alpha;
+}
+
+// One 16-key piece of a chunk for the accumulation: its V rows ([bs][D], from the piece's
+// first key) and the keys [t0, t1) of it that hold written K/V.
+struct Piece {
+  const float* v;
+  int32_t t0, t1;
+};
+
+// Rows [r0, r0 + NR): the accumulators times alpha, plus the chunk's keys weighted by their
+// probabilities, piece by piece in key order.
 template <int kD, int NR>
-inline void accumulate_group(const TileRows& t, int r0, const float* V, int32_t t0, int32_t t1) {
+inline void accumulate_group(const TileRows& t, int r0, const Piece* pieces) {
   for (int j = 0; j < kD / 16; ++j) {
     vn acc[NR][kParts];
     float* o[NR];
     for (int r = 0; r < NR; ++r) {
       o[r] = t.o + static_cast<int64_t>(r0 + r) * kD + 16 * j;
-      const vn a = vn{} + t.alpha[r0 + r];
+      const float a = t.alpha[r0 + r];
       for (int h = 0; h < kParts; ++h) acc[r][h] = loadn(o[r] + h * kLanes) * a;
     }
-    for (int32_t k = t0; k < t1; ++k) {
-      vn vv[kParts];
-      for (int h = 0; h < kParts; ++h) vv[h] = loadn(V + static_cast<int64_t>(k) * kD + 16 * j + h * kLanes);
-      for (int r = 0; r < NR; ++r) {
-        const vn pk = vn{} + t.p[16 * (r0 + r) + k];
-        for (int h = 0; h < kParts; ++h) acc[r][h] += vv[h] * pk;
+    for (int pc = 0; pc < kPieces; ++pc) {
+      const Piece& P = pieces[pc];
+      const float* V = P.v + 16 * j;
+      const float* p = t.s + r0 * kChunkKeys + 16 * pc;
+      for (int32_t k = P.t0; k < P.t1; ++k) {
+        vn vv[kParts];
+        for (int h = 0; h < kParts; ++h) vv[h] = loadn(V + static_cast<int64_t>(k) * kD + h * kLanes);
+        for (int r = 0; r < NR; ++r) {
+          const float pk = p[r * kChunkKeys + k];
+          for (int h = 0; h < kParts; ++h) acc[r][h] += vv[h] * pk;
+        }
       }
     }
     for (int r = 0; r < NR; ++r) {
-      for (int h = 0; h < kParts; ++h) *reinterpret_cast<vnu*>(o[r] + h * kLanes) = acc[r][h];
+      for (int h = 0; h < kParts; ++h) storen(o[r] + h * kLanes, acc[r][h]);
     }
   }
 }
@@ -317,9 +338,9 @@ void attend_tile(int rows, const float* const* qrows, float* const* orows, float
                  const int32_t* lo, const KVBlocks& kv, const KVLayout& L, int32_t layer, int32_t kv_head,
                  const int32_t* table, float scale, bool partial) {
   alignas(64) float o_buf[kMaxTileRows * kD];
-  alignas(64) float p_buf[kMaxTileRows * 16];
+  alignas(64) float s_buf[kMaxTileRows * kChunkKeys];
   float alpha[kMaxTileRows], m[kMaxTileRows], l[kMaxTileRows];
-  const TileRows t{qrows, o_buf, p_buf, alpha, m, l, pos, lo};
+  const TileRows t{qrows, o_buf, s_buf, alpha, m, l, pos, lo};
   const int32_t bs = L.block_size;
   int32_t lo_min = lo[0], pos_max = pos[0];
   for (int r = 0; r < rows; ++r) {
@@ -329,8 +350,8 @@ void attend_tile(int rows, const float* const* qrows, float* const* orows, float
     lo_min = std::min(lo_min, lo[r]);
     pos_max = std::max(pos_max, pos[r]);
   }
-  vn iota[kParts];
-  for (int i = 0; i < 16; ++i) iota[i / kLanes][i % kLanes] = static_cast<float>(i);
+  vn iota[kChunkParts];
+  for (int i = 0; i < kChunkKeys; ++i) iota[i / kLanes][i % kLanes] = static_cast<float>(i);
   // Row groups: full groups of kRowGroup, then the rest in one group of its size.
   auto each_group = [&](auto&& f) {
     int r0 = 0;
@@ -342,31 +363,38 @@ void attend_tile(int rows, const float* const* qrows, float* const* orows, float
       default: break;
     }
   };
-  const int32_t last_blk = pos_max / bs;
-  const int64_t head_bytes = L.head_elems() * static_cast<int64_t>(sizeof(float));
-  for (int32_t blk = lo_min / bs; blk <= last_blk; ++blk) {
-    const float* Kt = kv.k(table[blk], layer, kv_head);  // [D][bs]
-    const float* V = kv.v(table[blk], layer, kv_head);   // [bs][D]
-    if (blk < last_blk) {
-      // Blocks of one sequence are scattered in the pool, so the hardware prefetcher
-      // cannot follow; fetch the next block's K and V while this one is computed.
-      const char* nk = reinterpret_cast<const char*>(kv.k(table[blk + 1], layer, kv_head));
-      const char* nv = reinterpret_cast<const char*>(kv.v(table[blk + 1], layer, kv_head));
-      for (int64_t off = 0; off < head_bytes; off += 64) {
-        __builtin_prefetch(nk + off);
-        __builtin_prefetch(nv + off);
+  const int64_t piece_bytes = 16 * kD * static_cast<int64_t>(sizeof(float));
+  for (int32_t cbase = lo_min / kChunkKeys * kChunkKeys; cbase <= pos_max; cbase += kChunkKeys) {
+    // The chunk's pieces holding written keys in [lo_min, pos_max]; the others are not read
+    // (their keys are masked for every row).
+    Piece pieces[kPieces];
+    for (int pc = 0; pc < kPieces; ++pc) {
+      const int32_t base = cbase + 16 * pc;
+      Piece& P = pieces[pc];
+      P.t0 = std::clamp(lo_min - base, 0, 16);
+      P.t1 = std::clamp(pos_max - base + 1, 0, 16);
+      if (P.t0 >= P.t1) {
+        P.t0 = P.t1 = 0;
+        P.v = nullptr;
+        continue;
       }
+      const int32_t id = table[base / bs], off = base % bs;
+      const float* Kt = kv.k(id, layer, kv_head) + off;
+      P.v = kv.v(id, layer, kv_head) + static_cast<int64_t>(off) * kD;
+      each_group([&](auto nr, int r0) { score_group<kD, decltype(nr)::value>(t, r0, Kt, bs, pc); });
+      // Blocks of one sequence are scattered in the pool, so the hardware prefetcher cannot
+      // follow; fetch the next chunk's piece K and this piece's V while the scores are done.
+      const int32_t next = base + kChunkKeys;
+      if (next <= pos_max) {
+        const int32_t nid = table[next / bs], noff = next % bs;
+        const char* nk = reinterpret_cast<const char*>(kv.k(nid, layer, kv_head) + noff);
+        for (int64_t b = 0; b < piece_bytes; b += 64) __builtin_prefetch(nk + b);
+      }
+      const char* vb = reinterpret_cast<const char*>(P.v);
+      for (int64_t b = 0; b < piece_bytes; b += 64) __builtin_prefetch(vb + b);
     }
-    for (int32_t c = 0; c < bs; c += 16) {
-      const int32_t base = blk * bs + c;
-      if (base > pos_max) break;
-      if (base + 16 <= lo_min) continue;
-      each_group([&](auto nr, int r0) { score_group<kD, decltype(nr)::value>(t, r0, Kt + c, bs, base, iota, scale); });
-      // Every slot in [lo_min, pos_max] holds written K/V, so p = 0 rows multiply finite data.
-      const int32_t t0 = std::max(0, lo_min - base), t1 = std::min(16, pos_max - base + 1);
-      const float* Vc = V + static_cast<int64_t>(c) * kD;
-      each_group([&](auto nr, int r0) { accumulate_group<kD, decltype(nr)::value>(t, r0, Vc, t0, t1); });
-    }
+    for (int r = 0; r < rows; ++r) softmax_row(t, r, cbase, iota, scale);
+    each_group([&](auto nr, int r0) { accumulate_group<kD, decltype(nr)::value>(t, r0, pieces); });
   }
   for (int r = 0; r < rows; ++r) {
     const float inv = partial ? 1.0f : 1.0f / l[r];

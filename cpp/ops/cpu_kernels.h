@@ -54,6 +54,12 @@ void rope_write_kv(float* qkv, int64_t row_stride, const int32_t* positions,
                    const float* cos_table, const float* sin_table, float* kv,
                    const KVLayout& layout, int32_t layer);
 
+// y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for rows m < M and columns n in [n0, n1), on the
+// calling thread (cpu_linear.cpp): x rows at x_stride, w [N][K] contiguous, y rows at y_stride.
+// For a few rows (decode steps), where BLAS is slow; each output is computed the same way
+// whatever M is.
+void linear_few_rows(const float* x, int64_t x_stride, const float* w, const float* b, float* y,
+                     int64_t y_stride, int64_t M, int64_t n0, int64_t n1, int64_t K);
 // Causal attention of each sequence's new tokens over its paged KV (prefill chunks and
 // decodes mixed). q rows: [T][num_heads * head_dim] with stride q_stride; out: [T][num_heads
 // * head_dim] contiguous. sliding_window > 0 limits each query to its last window keys.

@@ -52,6 +52,31 @@ def test_silu_mul_matches_reference():
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
 
 
+
+@pytest.mark.parametrize("M,N,K", [(1, 3072, 576), (3, 7, 37), (4, 65, 128), (6, 130, 1536), (16, 33, 576)])
+def test_linear_few_rows_matches_reference_and_each_row_is_batch_independent(M, N, K):
+    g = torch.Generator().manual_seed(M * 7 + N + K)
+    wide = torch.randn(M, K + 5, generator=g)
+    x = wide[:, 2:2 + K]  # rows with a stride wider than K
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g)
+    ref = x.double() @ w.double().T
+    tol = 1e-6 * math.sqrt(K)
+    torch.testing.assert_close(ops.linear_few_rows(x, w), ref.float(), rtol=1e-5, atol=tol)
+    yb = ops.linear_few_rows(x, w, b)
+    torch.testing.assert_close(yb, (ref + b.double()).float(), rtol=1e-5, atol=tol)
+    # A row's outputs are the same bits alone, in any position of a batch, with any N split.
+    for m in range(M):
+        assert torch.equal(ops.linear_few_rows(x[m:m + 1], w, b), yb[m:m + 1])
+    assert torch.equal(ops.linear_few_rows(x.flip(0).contiguous(), w, b), yb.flip(0))
+    assert torch.equal(torch.cat([ops.linear_few_rows(x, w[:N // 2], b[:N // 2]),
+                                  ops.linear_few_rows(x, w[N // 2:], b[N // 2:])], 1), yb)
+    with pytest.raises(Exception, match="w: need 2-D rows"):
+        ops.linear_few_rows(x, w.T.contiguous().T)
+    with pytest.raises(Exception, match="b must have N elements"):
+        ops.linear_few_rows(x, w, b[1:])
+
+
 # ---- paged KV helpers (the layout is restated here independently of the C++ code) ----
 
 def pool_view(pool, layout, num_blocks):

@@ -486,12 +486,13 @@ def test_score_decode_from_is_validated_and_matches_chunked_scoring(default_mode
 
 
 def sparse_score_runs(ctx, decoded, option_sets):
-    """Per set of sparsity options, a model with sparsity on: teacher-forced logits of a
-    pydoc window of ctx tokens whose last `decoded` are computed one per step, and the
-    sparsity ratio reached."""
+    """Per set of sparsity options, a model with sparsity on past 512 tokens: teacher-forced
+    logits of a pydoc window of ctx tokens whose last `decoded` are computed one per step,
+    and the sparsity ratio reached."""
     runs = []
     for options in option_sets:
-        m = K25Model(K25Config(num_threads=2, kv_cache_bytes=256 << 20, enable_dynamic_sparsity=True, **options))
+        m = K25Model(K25Config(num_threads=2, kv_cache_bytes=256 << 20, enable_dynamic_sparsity=True,
+                               sparsity_min_context=512, **options))
         try:
             ids = pydoc_ids(m, ctx, 12000)
             runs.append((m.score(ids, decode_from=ctx - decoded), m.get_current_sparsity_ratio()))
@@ -503,7 +504,7 @@ def sparse_score_runs(ctx, decoded, option_sets):
 def test_engine_compensation_changes_only_the_sparse_decode_rows():
     """sparsity_compensation=True is honoured end to end: prompt rows
     bit-identical, the sparse decode rows differ (skipped blocks folded back in)."""
-    ctx, decoded = 2400, 6
+    ctx, decoded = 900, 6
     (plain, r0), (comp, r1) = sparse_score_runs(ctx, decoded, [dict(sparsity_compensation=c) for c in (False, True)])
     assert r0 > 0 and r1 > 0
     assert np.array_equal(plain[:ctx - decoded], comp[:ctx - decoded])
@@ -514,7 +515,7 @@ def test_engine_compensation_changes_only_the_sparse_decode_rows():
 def test_engine_score_channels_is_honoured_end_to_end():
     """sparsity_score_channels reaches the selection: the Quest-bound rule (0) and the
     channel estimate (8) give bit-identical prompt rows and different sparse decode rows."""
-    ctx, decoded = 2400, 6
+    ctx, decoded = 900, 6
     (bound, r0), (chan, r1) = sparse_score_runs(ctx, decoded, [dict(sparsity_score_channels=c) for c in (0, 8)])
     assert r0 > 0 and r1 > 0
     assert np.array_equal(bound[:ctx - decoded], chan[:ctx - decoded])

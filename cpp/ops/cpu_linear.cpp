@@ -1,0 +1,106 @@
+// y = x w^T (+ b) for a few rows of x: the CPU decode step's linear layers.
+//
+// BLAS is built for large products: for 1-8 rows of the default model's shapes MKL's sgemm
+// ran at 5-14 GFLOP/s on one thread of an AVX2 host, its time growing with the rows even
+// where reading the weight once is the bound (bench/cpu_linear.py). Here each weight row is
+// read once, as it lies ([N][K], K contiguous), with a software prefetch a page ahead, and
+// serves every row of x: a register tile of up to kRows rows of x times kCols weight rows,
+// each output a vector of partial sums over k (one lane per k mod kLanes) folded at the end.
+// An output's arithmetic is the same whatever the number of rows and wherever its row and
+// column fall in the tiles, so a row's result does not depend on the batch it is in.
+#include <algorithm>
+#include <cstdint>
+
+#include "ops/cpu_kernels.h"
+
+namespace k25::cpu {
+
+namespace {
+
+#if defined(__AVX512F__)
+typedef float vl __attribute__((vector_size(64)));
+#elif defined(__ARM_NEON)
+typedef float vl __attribute__((vector_size(16)));
+#else
+typedef float vl __attribute__((vector_size(32)));
+#endif
+typedef float vlu __attribute__((vector_size(sizeof(vl)), aligned(4)));
+typedef int32_t vli __attribute__((vector_size(sizeof(vl))));
+constexpr int kLanes = static_cast<int>(sizeof(vl) / sizeof(float));
+constexpr int kRows = 4;  // rows of x in a register tile
+constexpr int kCols = 2;
+// Weight prefetch distance in floats: 4 KB ahead of the loads (1-4 rows: ~1.6-2.9x the
+// bandwidth without it on an AVX2 host; 8 KB and more ahead lose it again).
+constexpr int64_t kPrefetch = 1024;  // weight rows in a register tile (8 accumulators, 6 loads a step)
+
+inline vl load(const float* p) { return *reinterpret_cast<const vlu*>(p); }
+
+// Sum of the lanes: halves folded lane for lane (i with i ^ stride).
+inline float lane_sum(vl v) {
+  for (int stride = kLanes / 2; stride > 0; stride /= 2) {
+    vli mask;
+    for (int i = 0; i < kLanes; ++i) mask[i] = i ^ stride;
+    v = v + __builtin_shuffle(v, mask);
+  }
+  return v[0];
+}
+
+// Outputs of rows [0, R) of x and weight rows [n, n + C).
+template <int R, int C>
+inline void tile(const float* x, int64_t x_stride, const float* w, const float* b, float* y, int64_t y_stride,
+                 int64_t n, int64_t K) {
+  vl acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = vl{};
+  }
+  const float* wr[C];
+  for (int c = 0; c < C; ++c) wr[c] = w + (n + c) * K;
+  const int64_t kv = K / kLanes * kLanes;
+  for (int64_t k = 0; k < kv; k += kLanes) {
+    vl wv[C];
+    for (int c = 0; c < C; ++c) {
+      wv[c] = load(wr[c] + k);
+      __builtin_prefetch(wr[c] + k + kPrefetch);
+    }
+    for (int r = 0; r < R; ++r) {
+      vl xv = load(x + r * x_stride + k);
+      asm("" : "+x"(xv));  // one load into a register, not one per use
+      for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float s = lane_sum(acc[r][c]);
+      for (int64_t k = kv; k < K; ++k) s += x[r * x_stride + k] * wr[c][k];
+      y[r * y_stride + n + c] = b ? s + b[n + c] : s;
+    }
+  }
+}
+
+// Weight rows [n, n + C) against every row of x, kRows rows at a time: the weight rows are
+// read from memory once and stay in L1 for the later row tiles.
+template <int C>
+void cols_tile(const float* x, int64_t x_stride, const float* w, const float* b, float* y, int64_t y_stride,
+               int64_t M, int64_t n, int64_t K) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) tile<kRows, C>(x + m * x_stride, x_stride, w, b, y + m * y_stride, y_stride, n, K);
+  const float* xm = x + m * x_stride;
+  float* ym = y + m * y_stride;
+  switch (M - m) {
+    case 1: tile<1, C>(xm, x_stride, w, b, ym, y_stride, n, K); break;
+    case 2: tile<2, C>(xm, x_stride, w, b, ym, y_stride, n, K); break;
+    case 3: tile<3, C>(xm, x_stride, w, b, ym, y_stride, n, K); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+void linear_few_rows(const float* x, int64_t x_stride, const float* w, const float* b, float* y,
+                     int64_t y_stride, int64_t M, int64_t n0, int64_t n1, int64_t K) {
+  int64_t n = n0;
+  for (; n + kCols <= n1; n += kCols) cols_tile<kCols>(x, x_stride, w, b, y, y_stride, M, n, K);
+  for (; n < n1; ++n) cols_tile<1>(x, x_stride, w, b, y, y_stride, M, n, K);
+}
+
+}  // namespace k25::cpu
