@@ -20,11 +20,12 @@ QUESTION = " The pass key is"
 
 # Two documents, each asked at two lengths: (filler lines before the key line, contexts in
 # tokens, at most). A prompt is its document cut after as much filler as its context holds,
-# then the question, so the key sits at depths of about 0.09 and 0.16, then 0.52 and 0.81;
+# then the question, so the key sits at depths of about 0.09 and 0.13, then 0.67 and 0.87;
 # every context is past sparsity_min_context = 2048. A document's two prompts share every token
 # before the shorter one's question: with prefix caching each model prefills each document
-# about once (~8.4K tokens rather than ~13.4K), which is most of this module's time on a CPU.
-DOCS = [(18, (4500, 2500)), (90, (3900, 2500))]
+# about once (~6.3K tokens rather than ~10.9K), which is most of this module's time on a CPU.
+# Contexts up to 7K and more depths: bench/cpu_passkey.py.
+DOCS = [(12, (3300, 2300)), (82, (3000, 2300))]
 MAX_NEW_TOKENS = 8
 
 

@@ -443,8 +443,11 @@ def test_sparse_decode_on_the_default_model_tracks_dense(default_model):
 
     The issue's targets (perplexity within 2%, top-1 agreement >= 97%) are measured by
     bench/cpu_sparsity.py on longer texts; this guards the behaviour in CI."""
-    ctx, decoded = 3072, 96
-    docs = [pydoc_ids(default_model, ctx, off) for off in (0, 30000)]
+    # One document, its last 192 positions decoded (two documents of 96 each took ~55% longer
+    # for the same number of decoded positions: the second prefill; agreement 0.99 and
+    # perplexity ratio 1.004 here, 0.99 / 1.006 on the window at offset 30000).
+    ctx, decoded = 3072, 192
+    docs = [pydoc_ids(default_model, ctx, 0)]
     dense = [default_model.score(ids, decode_from=ctx - decoded) for ids in docs]
     m = K25Model(K25Config(num_threads=2, kv_cache_bytes=512 << 20, enable_dynamic_sparsity=True))
     try:
