@@ -69,7 +69,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
   const int64_t N = w.size(0);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   if (x.size(0) <= kFewRows && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-      w.is_contiguous() && (!b.defined() || b.is_contiguous())) {
+      w.is_contiguous() && (!b.defined() || (b.scalar_type() == at::kFloat && b.is_contiguous()))) {
     // A decode step's few rows: k25's kernel reads each weight row once (cpu_linear.cpp).
     const int64_t M = x.size(0), K = x.size(1);
     const float* xp = x.data_ptr<float>();
