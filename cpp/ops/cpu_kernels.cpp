@@ -11,6 +11,7 @@
 #include "ops/attention_plan.h"
 #include "ops/parallel.h"
 #include "ops/vec16.h"
+#include "ops/vecn.h"
 
 namespace k25::cpu {
 
@@ -201,26 +202,11 @@ struct TileRows {
   const int32_t* lo;
 };
 
-// The hot loops below use the machine's own vector width (vn: 8 floats with AVX2, 16 with
-// AVX-512, 4 with NEON) rather than v16: GCC keeps a 64-byte vector that the target cannot
-// hold in one register in memory, moving its halves through general registers (5-8 GFLOP/s
-// on an AVX2 host). Lane for lane the arithmetic is the same. A scalar operand of a vector
-// product is broadcast as it is loaded; `vn{} + x` would cost a scalar add (0 + x is not x
-// for x = -0) and a register broadcast on every use.
-#if defined(__AVX512F__)
-typedef float vn __attribute__((vector_size(64)));
-#elif defined(__ARM_NEON)
-typedef float vn __attribute__((vector_size(16)));
-#else
-typedef float vn __attribute__((vector_size(32)));
-#endif
-typedef float vnu __attribute__((vector_size(sizeof(vn)), aligned(4)));
-typedef int32_t vni __attribute__((vector_size(sizeof(vn))));
-constexpr int kLanes = static_cast<int>(sizeof(vn) / sizeof(float));
+// The hot loops below use the machine's own vector width (vecn.h). A scalar operand of a
+// vector product is broadcast as it is loaded; `vn{} + x` would cost a scalar add (0 + x is
+// not x for x = -0) and a register broadcast on every use.
 constexpr int kParts = 16 / kLanes;             // vn per 16 keys (or 16 output columns)
 constexpr int kChunkParts = kChunkKeys / kLanes;  // vn per chunk
-inline vn loadn(const float* p) { return *reinterpret_cast<const vnu*>(p); }
-inline void storen(float* p, vn x) { *reinterpret_cast<vnu*>(p) = x; }
 
 // Max or sum of N vn: halves folded lane for lane, then across the lanes (i ^ stride).
 template <bool kMax, int N>
@@ -232,14 +218,7 @@ inline float reduce(const vn (&x)[N]) {
       parts[h] = kMax ? (parts[h] > parts[h + half] ? parts[h] : parts[h + half]) : parts[h] + parts[h + half];
     }
   }
-  vn v = parts[0];
-  for (int stride = kLanes / 2; stride > 0; stride /= 2) {
-    vni mask;
-    for (int i = 0; i < kLanes; ++i) mask[i] = i ^ stride;
-    const vn y = __builtin_shuffle(v, mask);
-    v = kMax ? (v > y ? v : y) : v + y;
-  }
-  return v[0];
+  return fold_lanes<kMax>(parts[0]);
 }
 
 // Raw scores q.k of rows [r0, r0 + NR) for the 16 keys of piece `piece` (K^T of the piece at

@@ -12,32 +12,21 @@
 #include <cstdint>
 
 #include "ops/cpu_kernels.h"
+#include "ops/vecn.h"
 
 namespace k25::cpu {
 
 namespace {
 
-#if defined(__AVX512F__)
-typedef float vl __attribute__((vector_size(64)));
-#elif defined(__ARM_NEON)
-typedef float vl __attribute__((vector_size(16)));
-#else
-typedef float vl __attribute__((vector_size(32)));
-#endif
-typedef float vlu __attribute__((vector_size(sizeof(vl)), aligned(4)));
-typedef int32_t vli __attribute__((vector_size(sizeof(vl))));
-constexpr int kLanes = static_cast<int>(sizeof(vl) / sizeof(float));
 constexpr int kRows = 4;  // rows of x in a register tile
-constexpr int kCols = 2;
+constexpr int kCols = 2;  // weight rows in a register tile (8 accumulators, 6 loads a step)
 // Weight prefetch distance in floats: 4 KB ahead of the loads (1-4 rows: ~1.6-2.9x the
 // bandwidth without it on an AVX2 host; 8 KB and more ahead lose it again).
-constexpr int64_t kPrefetch = 1024;  // weight rows in a register tile (8 accumulators, 6 loads a step)
-
-inline vl load(const float* p) { return *reinterpret_cast<const vlu*>(p); }
+constexpr int64_t kPrefetch = 1024;
 
 // Keeps v in a vector register: GCC would otherwise fold its load into each FMA that uses it
 // (a load per use; a 256-bit load is two uops on Zen 1).
-inline void in_register(vl& v) {
+inline void in_register(vn& v) {
 #if defined(__x86_64__)
   asm("" : "+x"(v));
 #elif defined(__aarch64__)
@@ -47,42 +36,32 @@ inline void in_register(vl& v) {
 #endif
 }
 
-// Sum of the lanes: halves folded lane for lane (i with i ^ stride).
-inline float lane_sum(vl v) {
-  for (int stride = kLanes / 2; stride > 0; stride /= 2) {
-    vli mask;
-    for (int i = 0; i < kLanes; ++i) mask[i] = i ^ stride;
-    v = v + __builtin_shuffle(v, mask);
-  }
-  return v[0];
-}
-
 // Outputs of rows [0, R) of x and weight rows [n, n + C).
 template <int R, int C>
 inline void tile(const float* x, int64_t x_stride, const float* w, const float* b, float* y, int64_t y_stride,
                  int64_t n, int64_t K) {
-  vl acc[R][C];
+  vn acc[R][C];
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) acc[r][c] = vl{};
+    for (int c = 0; c < C; ++c) acc[r][c] = vn{};
   }
   const float* wr[C];
   for (int c = 0; c < C; ++c) wr[c] = w + (n + c) * K;
   const int64_t kv = K / kLanes * kLanes;
   for (int64_t k = 0; k < kv; k += kLanes) {
-    vl wv[C];
+    vn wv[C];
     for (int c = 0; c < C; ++c) {
-      wv[c] = load(wr[c] + k);
+      wv[c] = loadn(wr[c] + k);
       __builtin_prefetch(wr[c] + k + kPrefetch);
     }
     for (int r = 0; r < R; ++r) {
-      vl xv = load(x + r * x_stride + k);
+      vn xv = loadn(x + r * x_stride + k);
       in_register(xv);
       for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) {
-      float s = lane_sum(acc[r][c]);
+      float s = fold_lanes<false>(acc[r][c]);
       for (int64_t k = kv; k < K; ++k) s += x[r * x_stride + k] * wr[c][k];
       y[r * y_stride + n + c] = b ? s + b[n + c] : s;
     }
