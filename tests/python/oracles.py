@@ -1,6 +1,8 @@
 """Shared helpers for tests that compare k25 with Hugging Face transformers."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -14,11 +16,36 @@ def default_gguf() -> Path:
     return resolve_model_path(None)
 
 
-def load_hf_gguf():
+@contextlib.contextmanager
+def memoised_gguf_parsing():
+    """transformers' GGUF loading parses the file twice (config, then weights) and rebuilds
+    gguf-py's tensor-name map once per submodule: ~25 of the ~32 s a load of the default model
+    took on the CI box. Both are pure functions of their arguments, so while this is active
+    each is computed once; the weights and config are what transformers computes either way
+    (its loader and dequantisation still run)."""
+    import gguf
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def shared_reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
+def load_hf_gguf(memoise=True):
     """transformers' model for the default GGUF, dequantised to float32."""
     from transformers import AutoModelForCausalLM
     path = default_gguf()
-    m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with memoised_gguf_parsing() if memoise else contextlib.nullcontext():
+        m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     m.eval()
     return m
 

@@ -48,17 +48,18 @@ def prompts(model):
 def test_default_model_logits_and_greedy_tokens_match_transformers(k25_default, hf_default, name):
     ids = prompts(k25_default)[name]
     ours = k25_default.score(ids)
-    ref = hf_logits(hf_default, ids)
+    out = k25_default.generate([ids], max_new_tokens=32, temperature=0.0, min_new_tokens=32)[0]
+    assert len(out.token_ids) == 32
+    # One teacher-forced reference pass over prompt + generated tokens: its first rows are the
+    # prompt's logits (causal), the rest check every generated step.
+    ref_full = hf_logits(hf_default, ids + out.token_ids)
+    ref = ref_full[:len(ids)]
     assert ours.shape == ref.shape
     err = np.abs(ours - ref).max()
     assert err < LOGIT_ATOL, f"max |logit difference| {err}"
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.99
 
-    out = k25_default.generate([ids], max_new_tokens=32, temperature=0.0, min_new_tokens=32)[0]
-    assert len(out.token_ids) == 32
-    # One teacher-forced reference pass over prompt + generated tokens checks every step.
     # min_new_tokens bans EOS in k25; ban the same ids in the reference's rows.
-    ref_full = hf_logits(hf_default, ids + out.token_ids)
     ref_full[:, k25_default.eos_token_ids] = -np.inf
     compared = check_greedy_against_reference(ids, out.token_ids, ref_full)
     assert compared >= 16, f"diverged at a near-tie after only {compared} tokens"
