@@ -446,7 +446,8 @@ def test_sparse_decode_on_the_default_model_tracks_dense(default_model):
     # One document of 2,048 tokens, its last 192 positions decoded, sparse past
     # sparsity_min_context = 1024 (the prefills are most of this test's time on a CPU: at 3,072
     # tokens past the default 2048 it took ~50% longer). Agreement 0.99 and perplexity ratio
-    # 1.002 here, 0.97 / 1.007 on the window at offset 30000 (3,072 / 2048: 0.99 / 1.004).
+    # 1.002 here, 0.97 / 1.007 on the window at offset 30000; the former 3,072 tokens past 2048
+    # gave 0.99 / 1.004.
     ctx, decoded, min_context = 2048, 192, 1024
     docs = [pydoc_ids(default_model, ctx, 0)]
     dense = [default_model.score(ids, decode_from=ctx - decoded) for ids in docs]
