@@ -68,6 +68,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
   }
   const int64_t N = w.size(0);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
+  // Slices of output features: about one per thread, multiples of 16 (aligned), at least `least`.
+  const auto grain = [&](int64_t least) {
+    return std::max<int64_t>(least, (N / std::max(1, num_threads()) + 15) / 16 * 16);
+  };
   if (x.size(0) <= kFewRows && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.stride(1) == 1 &&
       w.is_contiguous() && (!b.defined() || (b.scalar_type() == at::kFloat && b.is_contiguous()))) {
     // A decode step's few rows: k25's kernel reads each weight row once (cpu_linear.cpp).
@@ -76,15 +80,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
     const float* wp = w.data_ptr<float>();
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
-    const int64_t grain = std::max<int64_t>(16, (N / std::max(1, num_threads()) + 15) / 16 * 16);
-    parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    parallel_for(0, N, grain(16), [&](int64_t n0, int64_t n1) {
       cpu::linear_few_rows(xp, x.stride(0), wp, bp, yp, N, M, n0, n1, K);
     });
     return y;
   }
-  // Slices of >= 64 rows keep each BLAS call efficient; multiples of 16 keep them aligned.
-  const int64_t grain = std::max<int64_t>(64, (N / std::max(1, num_threads()) + 15) / 16 * 16);
-  parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  // Slices of >= 64 rows keep each BLAS call efficient.
+  parallel_for(0, N, grain(64), [&](int64_t n0, int64_t n1) {
     at::Tensor out = y.narrow(1, n0, n1 - n0);
     at::Tensor ws = w.narrow(0, n0, n1 - n0).t();
     if (b.defined()) {

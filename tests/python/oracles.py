@@ -40,11 +40,11 @@ def memoised_gguf_parsing():
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
-def load_hf_gguf(memoise=True):
+def load_hf_gguf():
     """transformers' model for the default GGUF, dequantised to float32."""
     from transformers import AutoModelForCausalLM
     path = default_gguf()
-    with memoised_gguf_parsing() if memoise else contextlib.nullcontext():
+    with memoised_gguf_parsing():
         m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     m.eval()
     return m

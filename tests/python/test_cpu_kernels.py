@@ -52,7 +52,6 @@ def test_silu_mul_matches_reference():
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
 
 
-
 @pytest.mark.parametrize("M,N,K", [(1, 3072, 576), (3, 7, 37), (4, 65, 128), (6, 130, 1536), (16, 33, 576)])
 def test_linear_few_rows_matches_reference_and_each_row_is_batch_independent(M, N, K):
     g = torch.Generator().manual_seed(M * 7 + N + K)

@@ -1,4 +1,4 @@
-"""Pass-key retrieval (issue #5): a random 5-digit key planted at some depth of a 2.5K-4.5K
+"""Pass-key retrieval (issue #5): a random 5-digit key planted at some depth of a 2.3K-3.3K
 token context, asked for at the end. The default model retrieves it densely, and dynamic
 block sparsity (decode steps of sequences past sparsity_min_context) must give the same
 answers at the default cap and at 0.8. Format and wider grid: docs/sparsity.md "Retrieval",
