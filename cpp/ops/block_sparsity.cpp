@@ -84,9 +84,10 @@ using cpu::v16;
 
 constexpr float kNegInf = -INFINITY;
 
-// Blocks per scoring task: a sequence of a few hundred blocks still spreads over the
-// threads, and a task is long enough to pay for itself.
-constexpr int32_t kBlocksPerTask = 32;
+// Blocks per scoring task: a sequence of a few hundred blocks spreads over the threads in
+// enough tasks that the threads, claiming tasks as they finish (parallel_for_dynamic), end
+// together, and a task is still long enough to pay for itself.
+constexpr int32_t kBlocksPerTask = 16;
 
 // A block's rank as one integer, larger is better: the score's bits mapped to an unsigned
 // order, then the block index reversed, so that equal scores rank the lower block first
@@ -380,7 +381,9 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
 
   // 1. Per block and query head: the channel estimate (or the bound and the centre
   //    estimate), blocks in chunks so that one long sequence spreads over the threads.
-  parallel_for(0, static_cast<int64_t>(X.tasks.size()), 1, [&](int64_t tb, int64_t te) {
+  //    Claimed one task at a time: the scoring's random reads run at different speeds on
+  //    the two threads, and equal halves left one idle for ~100 us a layer at 4K.
+  parallel_for_dynamic(0, static_cast<int64_t>(X.tasks.size()), [&](int64_t tb, int64_t te) {
     const float* mn[kBlocksPerTask];
     const float* K[kBlocksPerTask];
     int32_t n[kBlocksPerTask];

@@ -1,6 +1,7 @@
 #include "ops/parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -28,6 +29,13 @@ std::shared_ptr<ThreadPool> default_pool() {
   return g_default_pool;
 }
 
+// The calling thread's pool: its bound one, else the default (kept alive through `held`).
+ThreadPool* current_pool(std::shared_ptr<ThreadPool>& held) {
+  if (t_pool) return t_pool;
+  held = default_pool();
+  return held.get();
+}
+
 }  // namespace
 
 void parallel_for(int64_t begin, int64_t end, int64_t grain,
@@ -36,11 +44,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
   std::shared_ptr<ThreadPool> held;
-  ThreadPool* pool = t_pool;
-  if (!pool) {
-    held = default_pool();
-    pool = held.get();
-  }
+  ThreadPool* pool = current_pool(held);
   const int64_t chunks = std::min<int64_t>(pool->size(), (n + grain - 1) / grain);
   if (chunks <= 1) {
     fn(begin, end);
@@ -50,6 +54,25 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
     const int64_t b = begin + n * i / chunks;
     const int64_t e = begin + n * (i + 1) / chunks;
     if (b < e) fn(b, e);
+  });
+}
+
+void parallel_for_dynamic(int64_t begin, int64_t end, const std::function<void(int64_t, int64_t)>& fn) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  std::shared_ptr<ThreadPool> held;
+  ThreadPool* pool = current_pool(held);
+  const int workers = static_cast<int>(std::min<int64_t>(pool->size(), n));
+  if (workers <= 1) {
+    fn(begin, end);
+    return;
+  }
+  std::atomic<int64_t> next{begin};
+  pool->run(workers, [&](int) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < end;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(i, i + 1);
+    }
   });
 }
 

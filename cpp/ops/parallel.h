@@ -16,6 +16,13 @@ class ThreadPool;
 void parallel_for(int64_t begin, int64_t end, int64_t grain,
                   const std::function<void(int64_t, int64_t)>& fn);
 
+// Calls fn(i, i + 1) for every i in [begin, end), the pool's threads each claiming the
+// next unclaimed index from a shared counter (with one participant, fn(begin, end) once):
+// for items of uneven or unpredictable cost (memory-bound work whose speed differs between
+// threads), where parallel_for's fixed equal chunks leave a thread idle while the other
+// finishes.
+void parallel_for_dynamic(int64_t begin, int64_t end, const std::function<void(int64_t, int64_t)>& fn);
+
 // Participants of the pool parallel_for uses from the calling thread.
 int num_threads();
 // Resizes the default pool (threads without a bound pool use it).
