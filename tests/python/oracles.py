@@ -20,9 +20,9 @@ def default_gguf() -> Path:
 def memoised_gguf_parsing():
     """transformers' GGUF loading parses the file twice (config, then weights) and rebuilds
     gguf-py's tensor-name map once per submodule: most of the ~30 s a load of the default model
-    took on this workplace's CPU box (about half with both memoised). Both are pure functions of their arguments, so while this is active
-    each is computed once; the weights and config are what transformers computes either way
-    (its loader and dequantisation still run)."""
+    took on this workplace's CPU box (about half with both memoised). Both are pure functions
+    of their arguments, so while this is active each is computed once; the weights and config
+    are what transformers computes either way (its loader and dequantisation still run)."""
     import gguf
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers = {}
