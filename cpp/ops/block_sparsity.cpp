@@ -8,6 +8,7 @@
 
 #include "ops/parallel.h"
 #include "ops/vec16.h"
+#include "ops/vecn.h"
 
 namespace k25 {
 
@@ -77,10 +78,15 @@ inline const float* keys_at(const float* kv, const KVLayout& L, const cpu::Atten
   return block >= 0 ? kv + L.k_offset(block, layer, h) : B.cold_blocks[cold_block_index(block)] + L.k_in_block(layer, h);
 }
 
+using cpu::fold_lanes;
 using cpu::hmax16;
 using cpu::hsum16;
+using cpu::kLanes;
 using cpu::load16;
+using cpu::loadn;
 using cpu::v16;
+using cpu::vn;
+using cpu::vni;
 
 constexpr float kNegInf = -INFINITY;
 
@@ -116,10 +122,15 @@ void top_channels(const float* q, int32_t D, int32_t R, int32_t* chan) {
   }
 }
 
+// The scoring's vectors are the machine's own width (ops/vecn.h: 8 floats with AVX2, 16
+// with AVX-512, 4 with NEON); a wider GCC vector than the registers is kept in memory in
+// these loops and ran the scoring ~5x slower on AVX2. The keys of one channel come in
+// groups of 16 (the fast path's block sizes are multiples of 16): kV vectors a group.
+constexpr int kV = 16 / kLanes;
 // Blocks scored together by one query head: independent chains of vector work that the
 // core overlaps (one block alone is a chain of dependent reductions), sharing the head's
-// channel list and weights.
-constexpr int kBatch = 8;
+// channel list and weights; kBatch * kV accumulators fill about half the registers.
+constexpr int kBatch = 8 / kV > 0 ? 8 / kV : 1;
 
 // What scoring needs of one query head, prepared once per step: for the channel estimate
 // the chosen channels, q on them, and q / 2 zeroed on them (the centre term's weights);
@@ -132,17 +143,17 @@ struct QueryPrep {
   const float* qv;   // [R]: q on the chosen channels
 };
 
-// Per block of kB: sum_d w_d * (mn_d + mx_d), 16 lanes at a time (mx = mn + D).
+// Per block of kB: sum_d w_d * (mn_d + mx_d) (mx = mn + D).
 template <int kB>
 inline void centre_dots(const float* w, const float* const* mn, int32_t D, float* out) {
-  v16 acc[kB] = {};
+  vn acc[kB] = {};
   int32_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    const v16 wd = load16(w + d);
-    for (int b = 0; b < kB; ++b) acc[b] += wd * (load16(mn[b] + d) + load16(mn[b] + D + d));
+  for (; d + kLanes <= D; d += kLanes) {
+    const vn wd = loadn(w + d);
+    for (int b = 0; b < kB; ++b) acc[b] += wd * (loadn(mn[b] + d) + loadn(mn[b] + D + d));
   }
   for (int b = 0; b < kB; ++b) {
-    out[b] = hsum16(acc[b]);
+    out[b] = fold_lanes<false>(acc[b]);
     for (int32_t t = d; t < D; ++t) out[b] += w[t] * (mn[b][t] + mn[b][D + t]);
   }
 }
@@ -151,36 +162,45 @@ inline void centre_dots(const float* w, const float* const* mn, int32_t D, float
 // chosen channels plus q_d (min_d + max_d) / 2 on the others, scaled; per block the
 // maximum m of those scores over its n keys and l = sum exp(score - m), so that its
 // log-mass is m + log l. Fast path: K stored [D][bs] with bs a multiple of 16, so one
-// channel of 16 keys is one vector load.
+// channel of 16 keys is kV vector loads.
 template <int kB>
 inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, const float* const* K,
                         const float* const* mn, const int32_t* n, float scale, float* m, float* l) {
   float rest[kB];
   centre_dots<kB>(qp.a, mn, D, rest);
-  v16 lane;
-  for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
   int32_t n_max = 0;
   for (int b = 0; b < kB; ++b) n_max = std::max(n_max, n[b]);
   for (int32_t c = 0; c < n_max; c += 16) {
-    v16 acc[kB] = {};
+    vn acc[kB][kV] = {};
     for (int32_t i = 0; i < R; ++i) {
       const int64_t off = static_cast<int64_t>(qp.chan[i]) * bs + c;
       const float qd = qp.qv[i];
-      for (int b = 0; b < kB; ++b) acc[b] += load16(K[b] + off) * qd;
+      for (int b = 0; b < kB; ++b) {
+        const float* at = K[b] + off;
+        for (int v = 0; v < kV; ++v) acc[b][v] += loadn(at + v * kLanes) * qd;
+      }
     }
     for (int b = 0; b < kB; ++b) {
       if (c >= n[b]) continue;
-      // Lanes past the block's last key are masked by selecting -inf (they may hold garbage).
-      const v16 sc = lane < static_cast<float>(n[b] - c) ? (acc[b] + rest[b]) * scale : v16{} + kNegInf;
-      const float top = hmax16(sc);
-      if (c == 0) {
-        m[b] = top;
-        l[b] = hsum16(cpu::vexp16(sc - top));
-      } else {
-        const float m_new = std::max(m[b], top);
-        l[b] = l[b] * cpu::vexp(m[b] - m_new) + hsum16(cpu::vexp16(sc - m_new));
-        m[b] = m_new;
+      vn sc[kV];
+      for (int v = 0; v < kV; ++v) sc[v] = (acc[b][v] + rest[b]) * scale;
+      if (n[b] - c < 16) {
+        // Lanes past the block's last key are masked by selecting -inf (they may hold garbage).
+        for (int v = 0; v < kV; ++v) {
+          vn lane;
+          for (int t = 0; t < kLanes; ++t) lane[t] = static_cast<float>(v * kLanes + t);
+          sc[v] = lane < static_cast<float>(n[b] - c) ? sc[v] : vn{} + kNegInf;
+        }
       }
+      vn top_v = sc[0];
+      for (int v = 1; v < kV; ++v) top_v = top_v > sc[v] ? top_v : sc[v];
+      const float top = fold_lanes<true>(top_v);
+      const float m_new = c == 0 ? top : std::max(m[b], top);
+      vn sum{};
+      for (int v = 0; v < kV; ++v) sum += cpu::vexp_lanes<vn, vni>(sc[v] - m_new);
+      const float add = fold_lanes<false>(sum);
+      l[b] = c == 0 ? add : l[b] * cpu::vexp(m[b] - m_new) + add;
+      m[b] = m_new;
     }
   }
 }
@@ -216,18 +236,18 @@ inline void channel_lse_any(const QueryPrep& qp, int32_t R, const KVLayout& L, c
 template <int kB>
 inline void bound_and_centre(const QueryPrep& qp, int32_t D, const float* const* mn, float scale, float* ub,
                              float* ctr) {
-  v16 u[kB] = {}, c[kB] = {};
+  vn u[kB] = {}, c[kB] = {};
   int32_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    const v16 qa = load16(qp.a + d), qb = load16(qp.b + d), q = load16(qp.q + d);
+  for (; d + kLanes <= D; d += kLanes) {
+    const vn qa = loadn(qp.a + d), qb = loadn(qp.b + d), q = loadn(qp.q + d);
     for (int b = 0; b < kB; ++b) {
-      const v16 lo = load16(mn[b] + d), hi = load16(mn[b] + D + d);
+      const vn lo = loadn(mn[b] + d), hi = loadn(mn[b] + D + d);
       u[b] += qa * hi + qb * lo;
       c[b] += q * (lo + hi);
     }
   }
   for (int b = 0; b < kB; ++b) {
-    float us = hsum16(u[b]), cs = hsum16(c[b]);
+    float us = fold_lanes<false>(u[b]), cs = fold_lanes<false>(c[b]);
     for (int32_t t = d; t < D; ++t) {
       us += qp.a[t] * mn[b][D + t] + qp.b[t] * mn[b][t];
       cs += qp.q[t] * (mn[b][t] + mn[b][D + t]);
@@ -237,16 +257,16 @@ inline void bound_and_centre(const QueryPrep& qp, int32_t D, const float* const*
   }
 }
 
-// The largest of x[0, n), 16 lanes at a time (a running scalar maximum is a chain of
+// The largest of x[0, n), a vector at a time (a running scalar maximum is a chain of
 // dependent compares); the maximum does not depend on the order.
 inline float max_of(const float* x, int32_t n) {
-  v16 acc = v16{} + kNegInf;
+  vn acc = vn{} + kNegInf;
   int32_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const v16 v = load16(x + j);
+  for (; j + kLanes <= n; j += kLanes) {
+    const vn v = loadn(x + j);
     acc = acc < v ? v : acc;
   }
-  float top = hmax16(acc);
+  float top = fold_lanes<true>(acc);
   for (; j < n; ++j) top = std::max(top, x[j]);
   return top;
 }
@@ -415,15 +435,15 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
             } else {
               for (; k < cnt; ++k) channel_lse_any(qp, R, L, K[k], mn[k], n[k], scale, m + k, l + k);
             }
-            // log-mass = m + log l, 16 blocks at a time (l >= 1: the best key adds exp(0)).
-            for (k = 0; k < cnt; k += 16) {
-              v16 lv = v16{} + 1.0f, mv{};
-              for (int32_t t = 0; t < std::min(16, cnt - k); ++t) {
+            // log-mass = m + log l, a vector of blocks at a time (l >= 1: the best key adds exp(0)).
+            for (k = 0; k < cnt; k += kLanes) {
+              vn lv = vn{} + 1.0f, mv{};
+              for (int32_t t = 0; t < std::min(kLanes, cnt - k); ++t) {
                 lv[t] = l[k + t];
                 mv[t] = m[k + t];
               }
-              const v16 e = mv + cpu::vlog16(lv);
-              for (int32_t t = 0; t < std::min(16, cnt - k); ++t) raw[at + k + t] = e[t];
+              const vn e = mv + cpu::vlog_lanes<vn, vni>(lv);
+              for (int32_t t = 0; t < std::min(kLanes, cnt - k); ++t) raw[at + k + t] = e[t];
             }
           } else {
             for (; k + kBatch <= cnt; k += kBatch) {

@@ -99,18 +99,19 @@ inline v8d vexp8d(v8d x) {
   return under ? v8d{} : out;
 }
 
-// log of 16 positive normal floats with ~1 ulp error (the Cephes logf polynomial on a
-// mantissa in [sqrt(1/2), sqrt(2))); NaN stays NaN; zeros, negatives, subnormals and
-// infinities are not handled.
-inline v16 vlog16(v16 x) {
-  const v16i bits = (v16i)x;
-  v16i e = ((bits >> 23) & 0xff) - 126;
-  v16 m = (v16)((bits & 0x807fffff) | 0x3f000000);  // x = m * 2^e, m in [0.5, 1)
+// log of positive normal floats, a vector of any width V (VI: the int32 vector of the same
+// width), with ~1 ulp error (the Cephes logf polynomial on a mantissa in [sqrt(1/2),
+// sqrt(2))); NaN stays NaN; zeros, negatives, subnormals and infinities are not handled.
+template <typename V, typename VI>
+inline V vlog_lanes(V x) {
+  const VI bits = (VI)x;
+  VI e = ((bits >> 23) & 0xff) - 126;
+  V m = (V)((bits & 0x807fffff) | 0x3f000000);  // x = m * 2^e, m in [0.5, 1)
   const auto small = m < 0.707106781186547524f;
   e = small ? e - 1 : e;
   m = small ? m + m - 1.0f : m - 1.0f;
-  const v16 z = m * m;
-  v16 y = v16{} + 7.0376836292e-2f;
+  const V z = m * m;
+  V y = V{} + 7.0376836292e-2f;
   y = y * m - 1.1514610310e-1f;
   y = y * m + 1.1676998740e-1f;
   y = y * m - 1.2420140846e-1f;
@@ -120,12 +121,14 @@ inline v16 vlog16(v16 x) {
   y = y * m - 2.4999993993e-1f;
   y = y * m + 3.3333331174e-1f;
   y = y * m * z;
-  const v16 fe = __builtin_convertvector(e, v16);
+  const V fe = __builtin_convertvector(e, V);
   y += fe * -2.12194440e-4f;
   y -= 0.5f * z;
-  const v16 r = m + y + fe * 0.693359375f;
+  const V r = m + y + fe * 0.693359375f;
   return x == x ? r : x;
 }
+
+inline v16 vlog16(v16 x) { return vlog_lanes<v16, v16i>(x); }
 
 // Horizontal max and sum as log-depth shuffle trees (a scalar loop costs ~4x more).
 inline float hmax16(v16 x) {
