@@ -133,14 +133,14 @@ constexpr int kV = 16 / kLanes;
 constexpr int kBatch = 8 / kV > 0 ? 8 / kV : 1;
 
 // What scoring needs of one query head, prepared once per step: for the channel estimate
-// the chosen channels, q on them, and q / 2 zeroed on them (the centre term's weights);
-// for the bound max(q, 0) and min(q, 0).
+// the chosen channels, scale * q on them, and scale * q / 2 zeroed on them (the centre
+// term's weights); for the bound max(q, 0) and min(q, 0).
 struct QueryPrep {
   const float* q;    // [D]
-  const float* a;    // [D]: q / 2 off the chosen channels (estimate) or max(q, 0) (bound)
+  const float* a;    // [D]: scale * q / 2 off the chosen channels (estimate) or max(q, 0) (bound)
   const float* b;    // [D]: min(q, 0) (bound)
   const int32_t* chan;
-  const float* qv;   // [R]: q on the chosen channels
+  const float* qv;   // [R]: scale * q on the chosen channels
 };
 
 // Per block of kB: sum_d w_d * (mn_d + mx_d) (mx = mn + D).
@@ -159,15 +159,15 @@ inline void centre_dots(const float* w, const float* const* mn, int32_t D, float
 }
 
 // The channel estimate of kB blocks for one query head: each key's exact q_d k_d on the
-// chosen channels plus q_d (min_d + max_d) / 2 on the others, scaled; per block the
-// maximum m of those scores over its n keys and l = sum exp(score - m), so that its
-// log-mass is m + log l. Fast path: K stored [D][bs] with bs a multiple of 16, so one
-// channel of 16 keys is kV vector loads.
+// chosen channels plus q_d (min_d + max_d) / 2 on the others, scaled (the prepared weights
+// carry the scale); per block the maximum m of those scores over its n keys and
+// l = sum exp(score - m), so that its log-mass is m + log l. The centre term is the same
+// for every key of a block, so it is added to m at the end, not to each key's score.
+// Fast path: K stored [D][bs] with bs a multiple of 16, so one channel of 16 keys is kV
+// vector loads.
 template <int kB>
 inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, const float* const* K,
-                        const float* const* mn, const int32_t* n, float scale, float* m, float* l) {
-  float rest[kB];
-  centre_dots<kB>(qp.a, mn, D, rest);
+                        const float* const* mn, const int32_t* n, float* m, float* l) {
   int32_t n_max = 0;
   for (int b = 0; b < kB; ++b) n_max = std::max(n_max, n[b]);
   for (int32_t c = 0; c < n_max; c += 16) {
@@ -182,8 +182,7 @@ inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, c
     }
     for (int b = 0; b < kB; ++b) {
       if (c >= n[b]) continue;
-      vn sc[kV];
-      for (int v = 0; v < kV; ++v) sc[v] = (acc[b][v] + rest[b]) * scale;
+      vn* sc = acc[b];
       if (n[b] - c < 16) {
         // Lanes past the block's last key are masked by selecting -inf (they may hold garbage).
         for (int v = 0; v < kV; ++v) {
@@ -197,17 +196,20 @@ inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, c
       const float top = fold_lanes<true>(top_v);
       const float m_new = c == 0 ? top : std::max(m[b], top);
       vn sum{};
-      for (int v = 0; v < kV; ++v) sum += cpu::vexp_lanes<vn, vni>(sc[v] - m_new);
+      for (int v = 0; v < kV; ++v) sum += cpu::vexp_lanes<vn, vni, true>(sc[v] - m_new);
       const float add = fold_lanes<false>(sum);
       l[b] = c == 0 ? add : l[b] * cpu::vexp(m[b] - m_new) + add;
       m[b] = m_new;
     }
   }
+  float rest[kB];
+  centre_dots<kB>(qp.a, mn, D, rest);
+  for (int b = 0; b < kB; ++b) m[b] += rest[b];
 }
 
 // The same for one block of any layout and block size: keys gathered 16 at a time.
 inline void channel_lse_any(const QueryPrep& qp, int32_t R, const KVLayout& L, const float* K, const float* mn,
-                            int32_t n, float scale, float* m, float* l) {
+                            int32_t n, float* m, float* l) {
   const int32_t D = L.head_dim;
   float rest;
   centre_dots<1>(qp.a, &mn, D, &rest);
@@ -223,7 +225,7 @@ inline void channel_lse_any(const QueryPrep& qp, int32_t R, const KVLayout& L, c
       for (int32_t t = 0; t < cnt; ++t) k[t] = key_at(K, L, c + t, qp.chan[i]);
       acc += load16(k) * qp.qv[i];
     }
-    const v16 sc = lane < static_cast<float>(cnt) ? (acc + rest) * scale : v16{} + kNegInf;
+    const v16 sc = lane < static_cast<float>(cnt) ? acc + rest : v16{} + kNegInf;
     const float m_new = std::max(*m, hmax16(sc));
     *l = *l * cpu::vexp(*m - m_new) + hsum16(cpu::vexp16(sc - m_new));
     *m = m_new;
@@ -376,9 +378,9 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       qp.qv = qv;
       if (R > 0) {
         top_channels(qp.q, D, R, chan);
-        for (int32_t d = 0; d < D; ++d) a[d] = 0.5f * qp.q[d];
+        for (int32_t d = 0; d < D; ++d) a[d] = 0.5f * scale * qp.q[d];
         for (int32_t k = 0; k < R; ++k) {
-          qv[k] = qp.q[chan[k]];
+          qv[k] = scale * qp.q[chan[k]];
           a[chan[k]] = 0.0f;
         }
       } else {
@@ -429,11 +431,11 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
           if (R > 0) {
             if (fast) {
               for (; k + kBatch <= cnt; k += kBatch) {
-                channel_lse<kBatch>(qp, R, D, bs, K + k, mn + k, n + k, scale, m + k, l + k);
+                channel_lse<kBatch>(qp, R, D, bs, K + k, mn + k, n + k, m + k, l + k);
               }
-              for (; k < cnt; ++k) channel_lse<1>(qp, R, D, bs, K + k, mn + k, n + k, scale, m + k, l + k);
+              for (; k < cnt; ++k) channel_lse<1>(qp, R, D, bs, K + k, mn + k, n + k, m + k, l + k);
             } else {
-              for (; k < cnt; ++k) channel_lse_any(qp, R, L, K[k], mn[k], n[k], scale, m + k, l + k);
+              for (; k < cnt; ++k) channel_lse_any(qp, R, L, K[k], mn[k], n[k], m + k, l + k);
             }
             // log-mass = m + log l, a vector of blocks at a time (l >= 1: the best key adds exp(0)).
             for (k = 0; k < cnt; k += kLanes) {
@@ -500,13 +502,13 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       // Masses exp(e - best), times the token count with the bound rule (the channel
       // estimate already counts them). Entropy (bits) of the masses, low when a few blocks
       // dominate: log T - sum m log m / T with log m = x + log(tokens), so no log per block.
-      // (exp in double, 8 blocks at a time: the count compares sums of masses.)
+      // (exp in double, a vector of blocks at a time: the count compares sums of masses.)
       T.mass.resize(nb);
-      for (int32_t j = 0; j < nb; j += 8) {
-        cpu::v8d x{};
-        for (int32_t t = 0; t < std::min(8, nb - j); ++t) x[t] = static_cast<double>(es[j + t] - top);
-        const cpu::v8d e = cpu::vexp8d(x);
-        for (int32_t t = 0; t < std::min(8, nb - j); ++t) T.mass[j + t] = e[t];
+      for (int32_t j = 0; j < nb; j += cpu::kLanesD) {
+        cpu::vnd x{};
+        for (int32_t t = 0; t < std::min(cpu::kLanesD, nb - j); ++t) x[t] = static_cast<double>(es[j + t] - top);
+        const cpu::vnd e = cpu::vexp_d_lanes<cpu::vnd, cpu::vnl>(x);
+        for (int32_t t = 0; t < std::min(cpu::kLanesD, nb - j); ++t) T.mass[j + t] = e[t];
       }
       const double log_bs = std::log(static_cast<double>(bs));
       const int32_t last_tokens = ctx - (nb - 1) * bs;

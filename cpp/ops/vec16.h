@@ -42,12 +42,15 @@ inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 
 // exp of a float vector of any width V (VI: the int32 vector of the same width); the same
 // algorithm as vexp. vexp16 below, and the CPU attention's native-width vectors, use it.
-template <typename V, typename VI>
+// kSummed: for x <= 0 (or -inf) whose exps are added to a sum that is at least 1 (a
+// log-sum-exp relative to its maximum): no upper clamp, and x < -87 gives exp(-87) ~ 1e-38
+// rather than 0, which leaves such a float sum unchanged; three operations fewer.
+template <typename V, typename VI, bool kSummed = false>
 inline V vexp_lanes(V x) {
   const V lo = V{} - 87.0f, hi = V{} + 88.0f;
   const auto under = x < lo;
   x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
+  if (!kSummed) x = x > hi ? hi : x;
   // Round to nearest by the 1.5 * 2^23 trick (|x * log2 e| < 2^22 here).
   const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   V r = x - n * 0.693359375f;
@@ -61,26 +64,33 @@ inline V vexp_lanes(V x) {
   p = p * r * r + r + 1.0f;
   const VI e = (__builtin_convertvector(n, VI) + 127) << 23;
   const V out = p * (V)e;  // same-size vector cast: reinterprets the bits
+  if (kSummed) return out;
   return under ? V{} : out;
 }
 
 // exp of 16 floats.
 inline v16 vexp16(v16 x) { return vexp_lanes<v16, v16i>(x); }
 
-// 8 doubles as one vector, and their exp with an error of a few double ulps: Cody-Waite
+// 8 doubles as one vector, and exp of doubles (a vector of any width V, VL: the int64 vector
+// of the same width) with an error of a few double ulps: Cody-Waite
 // reduction to |r| <= log(2)/2, then the Taylor series to r^13 (truncation below 1e-17).
 // Inputs below -708 flush to 0 (std::exp would give subnormals there).
 typedef double v8d __attribute__((vector_size(64)));
 typedef int64_t v8l __attribute__((vector_size(64)));
 
-inline v8d vexp8d(v8d x) {
+template <typename V, typename VL>
+inline V vexp_d_lanes(V x) {
   const auto under = x < -708.0;
-  x = x < -708.0 ? v8d{} - 708.0 : x;
-  x = x > 709.0 ? v8d{} + 709.0 : x;
-  // Round to nearest by the 1.5 * 2^52 trick (|x * log2 e| < 2^51 here).
-  const v8d n = (x * 1.4426950408889634074 + 6755399441055744.0) - 6755399441055744.0;
-  const v8d r = (x - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
-  v8d p = v8d{} + 1.0 / 6227020800.0;  // 1/13!
+  x = x < -708.0 ? V{} - 708.0 : x;
+  x = x > 709.0 ? V{} + 709.0 : x;
+  // Round to nearest by the 1.5 * 2^52 trick (|x * log2 e| < 2^51 here): t holds the integer
+  // n in its low mantissa bits, so n as an int64 is t's bits less the constant's (AVX2 has
+  // no double-to-int64 conversion; GCC would convert lane by lane).
+  const V magic = V{} + 6755399441055744.0;
+  const V t = x * 1.4426950408889634074 + magic;
+  const V n = t - magic;
+  const V r = (x - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
+  V p = V{} + 1.0 / 6227020800.0;  // 1/13!
   p = p * r + 1.0 / 479001600.0;
   p = p * r + 1.0 / 39916800.0;
   p = p * r + 1.0 / 3628800.0;
@@ -94,10 +104,12 @@ inline v8d vexp8d(v8d x) {
   p = p * r + 0.5;
   p = p * r + 1.0;
   p = p * r + 1.0;
-  const v8l e = (__builtin_convertvector(n, v8l) + 1023) << 52;
-  const v8d out = p * (v8d)e;
-  return under ? v8d{} : out;
+  const VL e = (((VL)t - (VL)magic) + 1023) << 52;
+  const V out = p * (V)e;
+  return under ? V{} : out;
 }
+
+inline v8d vexp8d(v8d x) { return vexp_d_lanes<v8d, v8l>(x); }
 
 // log of positive normal floats, a vector of any width V (VI: the int32 vector of the same
 // width), with ~1 ulp error (the Cephes logf polynomial on a mantissa in [sqrt(1/2),

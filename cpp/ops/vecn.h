@@ -20,6 +20,10 @@ typedef float vn __attribute__((vector_size(32)));
 typedef float vnu __attribute__((vector_size(sizeof(vn)), aligned(4)));  // unaligned access
 typedef int32_t vni __attribute__((vector_size(sizeof(vn))));
 constexpr int kLanes = static_cast<int>(sizeof(vn) / sizeof(float));
+// Doubles of the same width: kLanes / 2 lanes.
+typedef double vnd __attribute__((vector_size(sizeof(vn))));
+typedef int64_t vnl __attribute__((vector_size(sizeof(vn))));
+constexpr int kLanesD = kLanes / 2;
 
 inline vn loadn(const float* p) { return *reinterpret_cast<const vnu*>(p); }
 inline void storen(float* p, vn x) { *reinterpret_cast<vnu*>(p) = x; }
