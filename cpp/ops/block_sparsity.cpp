@@ -124,8 +124,9 @@ void top_channels(const float* q, int32_t D, int32_t R, int32_t* chan) {
 
 // The scoring's vectors are the machine's own width (ops/vecn.h: 8 floats with AVX2, 16
 // with AVX-512, 4 with NEON); a wider GCC vector than the registers is kept in memory in
-// these loops and ran the scoring ~5x slower on AVX2. The keys of one channel come in
-// groups of 16 (the fast path's block sizes are multiples of 16): kV vectors a group.
+// these loops (with fold_lanes' old run-time shuffle masks the scoring was 2-3x slower on
+// AVX2). The keys of one channel come in groups of 16 (the fast path's block sizes are
+// multiples of 16): kV vectors a group.
 constexpr int kV = 16 / kLanes;
 // Blocks scored together by one query head: independent chains of vector work that the
 // core overlaps (one block alone is a chain of dependent reductions), sharing the head's
