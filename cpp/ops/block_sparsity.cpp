@@ -79,12 +79,8 @@ inline const float* keys_at(const float* kv, const KVLayout& L, const cpu::Atten
 }
 
 using cpu::fold_lanes;
-using cpu::hmax16;
-using cpu::hsum16;
 using cpu::kLanes;
-using cpu::load16;
 using cpu::loadn;
-using cpu::v16;
 using cpu::vn;
 using cpu::vni;
 
@@ -211,26 +207,32 @@ inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, c
 // The same for one block of any layout and block size: keys gathered 16 at a time.
 inline void channel_lse_any(const QueryPrep& qp, int32_t R, const KVLayout& L, const float* K, const float* mn,
                             int32_t n, float* m, float* l) {
-  const int32_t D = L.head_dim;
-  float rest;
-  centre_dots<1>(qp.a, &mn, D, &rest);
-  v16 lane;
-  for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
   *m = kNegInf;
   *l = 0.0f;
   for (int32_t c = 0; c < n; c += 16) {
     const int32_t cnt = std::min(16, n - c);
-    v16 acc{};
+    vn acc[kV] = {};
     for (int32_t i = 0; i < R; ++i) {
       float k[16] = {};
       for (int32_t t = 0; t < cnt; ++t) k[t] = key_at(K, L, c + t, qp.chan[i]);
-      acc += load16(k) * qp.qv[i];
+      for (int v = 0; v < kV; ++v) acc[v] += loadn(k + v * kLanes) * qp.qv[i];
     }
-    const v16 sc = lane < static_cast<float>(cnt) ? acc + rest : v16{} + kNegInf;
-    const float m_new = std::max(*m, hmax16(sc));
-    *l = *l * cpu::vexp(*m - m_new) + hsum16(cpu::vexp16(sc - m_new));
+    vn top_v = vn{} + kNegInf;
+    for (int v = 0; v < kV; ++v) {
+      vn lane;
+      for (int t = 0; t < kLanes; ++t) lane[t] = static_cast<float>(v * kLanes + t);
+      acc[v] = lane < static_cast<float>(cnt) ? acc[v] : vn{} + kNegInf;
+      top_v = top_v > acc[v] ? top_v : acc[v];
+    }
+    const float m_new = std::max(*m, fold_lanes<true>(top_v));
+    vn sum{};
+    for (int v = 0; v < kV; ++v) sum += cpu::vexp_lanes<vn, vni, true>(acc[v] - m_new);
+    *l = *l * cpu::vexp(*m - m_new) + fold_lanes<false>(sum);
     *m = m_new;
   }
+  float rest;
+  centre_dots<1>(qp.a, &mn, L.head_dim, &rest);
+  *m += rest;
 }
 
 // The Quest bound and the centre estimate of kB blocks for one query head, scaled:
