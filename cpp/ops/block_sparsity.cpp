@@ -155,6 +155,28 @@ inline void centre_dots(const float* w, const float* const* mn, int32_t D, float
   }
 }
 
+// One group of 16 keys' scores (kV vectors, `valid` of them real keys) folded into a block's
+// running maximum m and sum l = sum exp(score - m); `first` starts them. Lanes past the
+// block's last key are masked by selecting -inf (they may hold garbage).
+inline void lse_group(vn* sc, int32_t valid, bool first, float* m, float* l) {
+  if (valid < 16) {
+    for (int v = 0; v < kV; ++v) {
+      vn lane;
+      for (int t = 0; t < kLanes; ++t) lane[t] = static_cast<float>(v * kLanes + t);
+      sc[v] = lane < static_cast<float>(valid) ? sc[v] : vn{} + kNegInf;
+    }
+  }
+  vn top_v = sc[0];
+  for (int v = 1; v < kV; ++v) top_v = top_v > sc[v] ? top_v : sc[v];
+  const float top = fold_lanes<true>(top_v);
+  const float m_new = first ? top : std::max(*m, top);
+  vn sum{};
+  for (int v = 0; v < kV; ++v) sum += cpu::vexp_lanes<vn, vni, true>(sc[v] - m_new);
+  const float add = fold_lanes<false>(sum);
+  *l = first ? add : *l * cpu::vexp(*m - m_new) + add;
+  *m = m_new;
+}
+
 // The channel estimate of kB blocks for one query head: each key's exact q_d k_d on the
 // chosen channels plus q_d (min_d + max_d) / 2 on the others, scaled (the prepared weights
 // carry the scale); per block the maximum m of those scores over its n keys and
@@ -178,25 +200,7 @@ inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, c
       }
     }
     for (int b = 0; b < kB; ++b) {
-      if (c >= n[b]) continue;
-      vn* sc = acc[b];
-      if (n[b] - c < 16) {
-        // Lanes past the block's last key are masked by selecting -inf (they may hold garbage).
-        for (int v = 0; v < kV; ++v) {
-          vn lane;
-          for (int t = 0; t < kLanes; ++t) lane[t] = static_cast<float>(v * kLanes + t);
-          sc[v] = lane < static_cast<float>(n[b] - c) ? sc[v] : vn{} + kNegInf;
-        }
-      }
-      vn top_v = sc[0];
-      for (int v = 1; v < kV; ++v) top_v = top_v > sc[v] ? top_v : sc[v];
-      const float top = fold_lanes<true>(top_v);
-      const float m_new = c == 0 ? top : std::max(m[b], top);
-      vn sum{};
-      for (int v = 0; v < kV; ++v) sum += cpu::vexp_lanes<vn, vni, true>(sc[v] - m_new);
-      const float add = fold_lanes<false>(sum);
-      l[b] = c == 0 ? add : l[b] * cpu::vexp(m[b] - m_new) + add;
-      m[b] = m_new;
+      if (c < n[b]) lse_group(acc[b], n[b] - c, c == 0, m + b, l + b);
     }
   }
   float rest[kB];
@@ -207,8 +211,6 @@ inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, c
 // The same for one block of any layout and block size: keys gathered 16 at a time.
 inline void channel_lse_any(const QueryPrep& qp, int32_t R, const KVLayout& L, const float* K, const float* mn,
                             int32_t n, float* m, float* l) {
-  *m = kNegInf;
-  *l = 0.0f;
   for (int32_t c = 0; c < n; c += 16) {
     const int32_t cnt = std::min(16, n - c);
     vn acc[kV] = {};
@@ -217,18 +219,7 @@ inline void channel_lse_any(const QueryPrep& qp, int32_t R, const KVLayout& L, c
       for (int32_t t = 0; t < cnt; ++t) k[t] = key_at(K, L, c + t, qp.chan[i]);
       for (int v = 0; v < kV; ++v) acc[v] += loadn(k + v * kLanes) * qp.qv[i];
     }
-    vn top_v = vn{} + kNegInf;
-    for (int v = 0; v < kV; ++v) {
-      vn lane;
-      for (int t = 0; t < kLanes; ++t) lane[t] = static_cast<float>(v * kLanes + t);
-      acc[v] = lane < static_cast<float>(cnt) ? acc[v] : vn{} + kNegInf;
-      top_v = top_v > acc[v] ? top_v : acc[v];
-    }
-    const float m_new = std::max(*m, fold_lanes<true>(top_v));
-    vn sum{};
-    for (int v = 0; v < kV; ++v) sum += cpu::vexp_lanes<vn, vni, true>(acc[v] - m_new);
-    *l = *l * cpu::vexp(*m - m_new) + fold_lanes<false>(sum);
-    *m = m_new;
+    lse_group(acc, cnt, c == 0, m, l);
   }
   float rest;
   centre_dots<1>(qp.a, &mn, L.head_dim, &rest);

@@ -38,8 +38,6 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned access
 
-inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-
 // exp of a float vector of any width V (VI: the int32 vector of the same width); the same
 // algorithm as vexp. vexp16 below, and the CPU attention's native-width vectors, use it.
 // kSummed: for x <= 0 (or -inf) whose exps are added to a sum that is at least 1 (a
@@ -141,34 +139,5 @@ inline V vlog_lanes(V x) {
 }
 
 inline v16 vlog16(v16 x) { return vlog_lanes<v16, v16i>(x); }
-
-// Horizontal max and sum as log-depth shuffle trees (a scalar loop costs ~4x more).
-inline float hmax16(v16 x) {
-  const v16i s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const v16i s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const v16i s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const v16i s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  v16 y = __builtin_shuffle(x, s8);
-  x = x > y ? x : y;
-  y = __builtin_shuffle(x, s4);
-  x = x > y ? x : y;
-  y = __builtin_shuffle(x, s2);
-  x = x > y ? x : y;
-  y = __builtin_shuffle(x, s1);
-  x = x > y ? x : y;
-  return x[0];
-}
-
-inline float hsum16(v16 x) {
-  const v16i s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const v16i s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const v16i s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const v16i s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  x += __builtin_shuffle(x, s8);
-  x += __builtin_shuffle(x, s4);
-  x += __builtin_shuffle(x, s2);
-  x += __builtin_shuffle(x, s1);
-  return x[0];
-}
 
 }  // namespace k25::cpu

@@ -336,8 +336,9 @@ def test_batched_selection_and_its_statistics_follow_the_reference(channels):
 
 
 def test_vectorised_exp_and_log_are_within_an_ulp():
-    """vexp16 and vlog16 (ops/vec16.h), which the selection's log-sum-exp uses: at most about
-    one float32 ulp from the float64 result; exp flushes inputs below -87 to 0. vexp8d (the
+    """vexp16 and vlog16 (ops/vec16.h: vexp_lanes and vlog_lanes on 16 lanes, the templates
+    the selection's log-sum-exp runs at the machine's width): at most about one float32 ulp
+    from the float64 result; exp flushes inputs below -87 to 0. vexp8d (vexp_d_lanes, the
     estimated block masses, in double): within about one double ulp of exp."""
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.rand(100000, generator=g) * -87, torch.rand(50000, generator=g) * 80 - 40,
