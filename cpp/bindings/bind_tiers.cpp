@@ -10,6 +10,7 @@
 
 #include "bindings/bindings.h"
 #include "k25/status.h"
+#include "kv/tiers/async_file.h"
 #include "kv/tiers/crc32c.h"
 #include "kv/tiers/page_format.h"
 #include "kv/tiers/predictor.h"
@@ -234,6 +235,8 @@ void bind_tiers(py::module_& m) {
       .def_property_readonly("counters", [](const BlockPredictor& p) { return predictor_counters_dict(p.counters()); });
 
   m.def("kv_page_bytes", &page_bytes_for, py::arg("block_bytes"), "Bytes of one L2 slot / L3 page.");
+  m.def("refuse_uring_submits_for_test", &refuse_uring_submits_for_test, py::arg("on"),
+        "Tests: while on, every io_uring submission is refused with EAGAIN (process-wide).");
 
   py::class_<TierHarness>(m, "TierHarness", "The KV tier mover over a private L1 pool (tests).")
       .def(py::init<int32_t, int64_t, int64_t, const std::string&, int64_t, bool, const std::string&, int32_t,

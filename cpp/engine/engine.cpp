@@ -247,11 +247,18 @@ std::unique_ptr<Sequence> Engine::make_sequence(RequestSpec spec) const {
     const std::string room = max_seq_blocks_ > config_.num_kv_blocks
                                  ? (cold_l3_ ? "the KV pool, L2 and L3 hold " : "the KV pool and L2 hold ") + std::to_string(max_seq_blocks_)
                                  : "the KV pool holds " + std::to_string(config_.num_kv_blocks);
+    // With tiers on but an executor that cannot read cold blocks (the unfused path), more
+    // L2 or L3 would not help: say what would.
+    const bool tiers_without_cold = swap_ && !executor_->supports_cold_blocks();
+    const std::string remedy = tiers_without_cold
+                                   ? "raise kv_cache_bytes or lower max_new_tokens (a request longer than the KV "
+                                     "pool runs with its older blocks in L2/L3 only on the fused path, "
+                                     "enable_kernel_fusion=True)"
+                                   : std::string("raise kv_cache_bytes (or l2_bytes") + (cold_l3_ ? " or l3_bytes" : "") +
+                                         " with cache_mode='hierarchical') or lower max_new_tokens";
     fail(ErrorCode::kResourceExhausted,
          "the request needs up to " + std::to_string(max_total) + " tokens of KV (" + std::to_string(blocks) +
-             " blocks) but " + room + " blocks of " + std::to_string(config_.block_size) +
-              " tokens; raise kv_cache_bytes (or l2_bytes" + (cold_l3_ ? " or l3_bytes" : "") +
-             " with cache_mode='hierarchical') or lower max_new_tokens");
+             " blocks) but " + room + " blocks of " + std::to_string(config_.block_size) + " tokens; " + remedy);
   }
 
   auto seq = std::make_unique<Sequence>();

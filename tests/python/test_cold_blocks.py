@@ -137,6 +137,22 @@ def test_a_request_longer_than_l1_plus_l2_is_refused_with_both_sizes(default_mod
         model.close()
 
 
+def test_on_the_unfused_path_tiers_do_not_lengthen_requests_and_the_refusal_says_so(default_model, prompts):
+    # The unfused path reads no cold blocks: with tiers on, the bound is still the pool, and
+    # the message points at enable_kernel_fusion rather than at l2_bytes, which cannot help.
+    model = small_l1(default_model, l1_blocks=12, l2_slots=40, enable_kernel_fusion=False)
+    try:
+        with pytest.raises(errors.ResourceExhaustedError,
+                           match=r"the KV pool holds 12 blocks.*raise kv_cache_bytes or lower max_new_tokens.*"
+                                 r"enable_kernel_fusion=True") as e:
+            model.generate([prompts[0]], max_new_tokens=NEW_TOKENS)
+        assert "l2_bytes" not in str(e.value)
+        out = model.generate([prompts[1][:100]], max_new_tokens=4, ignore_eos=True, temperature=0.0)[0]
+        assert len(out.token_ids) == 4
+    finally:
+        model.close()
+
+
 def test_without_tiers_a_request_longer_than_the_pool_is_still_refused(default_model, prompts):
     model = K25Model(K25Config(num_threads=2, kv_cache_bytes=12 * default_model.kv_block_bytes, block_size=BLOCK))
     try:

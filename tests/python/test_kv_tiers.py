@@ -646,6 +646,52 @@ def test_no_space_while_writing_is_handled_and_nothing_crashes(tmp_path, io):
     assert out.startswith("OK") and out.split()[-1] == "4", out
 
 
+def test_an_io_uring_submission_the_kernel_keeps_refusing_fails_its_transfer_instead_of_hanging(tmp_path):
+    # Every submission refused with EAGAIN (a kernel short of memory): once its retries are
+    # spent, the refused page write fails as an I/O fault (the block is lost; the engine
+    # recomputes such blocks) instead of waiting for a submission that never comes; its ring
+    # entry, rewritten as a no-op, completes nothing when the next submission carries it in.
+    # A subprocess: the switch is process-wide, and a hang ends in its timeout.
+    out = run_in_subprocess(f"""
+        import numpy as np
+        from k25 import _C, errors
+        try:
+            h = _C.TierHarness(8, {BLOCK}, 3 * {PAGE}, {str(tmp_path / 'l3.bin')!r}, 6 * {PAGE}, False, "io_uring", 1)
+        except errors.UnsupportedModelError:
+            print("SKIP"); raise SystemExit(0)
+        rng = np.random.default_rng(0)
+        h.l1()[:] = rng.integers(0, 256, h.l1().shape, dtype=np.uint8)
+        want = h.l1().copy()
+        resident = [h.demote(b) for b in range(2)]  # the two L2 slots besides the staging one
+        h.drain()
+        assert all(c["ok"] and c["tier"] == "L2" for c in h.completions())
+        _C.refuse_uring_submits_for_test(True)
+        refused = h.demote(2)  # to L3: its page write is refused throughout
+        h.drain()
+        c = h.completions()
+        assert len(c) == 1 and c[0]["key"] == refused and not c[0]["ok"] and c[0]["fault"] == "io_error", c
+        assert h.entry(refused)["state"] == "lost"
+        _C.refuse_uring_submits_for_test(False)
+        later = h.demote(3)  # this write's submission carries the no-op in too
+        h.drain()
+        c = h.completions()
+        assert len(c) == 1 and c[0]["key"] == later and c[0]["ok"] and c[0]["tier"] == "L3", c
+        h.l1()[4] = 0
+        h.fetch(later, 4)
+        h.drain()
+        assert all(x["ok"] for x in h.completions())
+        assert (h.l1()[4] == want[3]).all()
+        assert h.completions() == []
+        assert sum("evict_reason=io_error" in l for l in h.logs()) == 1
+        h.check_invariants()
+        h.close()
+        print("OK")
+        """)
+    if out.startswith("SKIP"):
+        pytest.skip("io_uring is not available")
+    assert out.startswith("OK"), out
+
+
 def test_unopenable_l3_path_is_a_clear_error(tmp_path):
     with pytest.raises(errors.K25IOError, match="cannot open l3_path /nonexistent-k25-dir/l3.bin"):
         _C.TierHarness(4, BLOCK, 2 * PAGE, "/nonexistent-k25-dir/l3.bin", 4 * PAGE)

@@ -37,5 +37,8 @@ bool uring_built();
 // Throws kUnsupported when io_uring is not built in or the kernel refuses a ring (old
 // kernel, seccomp, kernel.io_uring_disabled).
 std::unique_ptr<AsyncFile> make_uring_file(int fd, int queue_depth);
+// Tests: while on, every io_uring submission is refused with EAGAIN (as a kernel short of
+// memory refuses it), process-wide.
+void refuse_uring_submits_for_test(bool on);
 
 }  // namespace k25

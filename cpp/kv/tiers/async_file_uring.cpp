@@ -5,12 +5,14 @@
 #ifdef K25_HAVE_LIBURING
 #include <liburing.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 #endif
 
 namespace k25 {
@@ -18,6 +20,8 @@ namespace k25 {
 #ifndef K25_HAVE_LIBURING
 
 bool uring_built() { return false; }
+
+void refuse_uring_submits_for_test(bool) {}
 
 std::unique_ptr<AsyncFile> make_uring_file(int, int) {
   fail(ErrorCode::kUnsupported, "this build of k25 has no io_uring support (liburing-dev was not installed)");
@@ -28,6 +32,12 @@ std::unique_ptr<AsyncFile> make_uring_file(int, int) {
 bool uring_built() { return true; }
 
 namespace {
+
+std::atomic<bool> g_refuse_submits{false};
+
+// user_data of an entry whose operation was failed before the kernel took it (see
+// push_locked): its completion only gives back its place.
+constexpr uint64_t kOrphaned = 1;
 
 // One ring; submissions from any thread under a mutex, completions reaped by one thread
 // that sleeps in io_uring_wait_cqe (no polling). At most queue_depth operations are in
@@ -73,18 +83,31 @@ class UringFile : public AsyncFile {
     void* buf;
     size_t len;
     Done done;
+    int err = 0;  // why a refused operation failed
   };
 
   void submit(Op* op) {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (in_kernel_ >= depth_) {
-      backlog_.push_back(op);
-      return;
+    std::vector<Op*> refused;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (in_kernel_ >= depth_) {
+        backlog_.push_back(op);
+        return;
+      }
+      push_locked(op, &refused);
     }
-    push_locked(op);
+    fail_refused(refused);
   }
 
-  void push_locked(Op* op) {
+  int submit_ring() {
+    if (g_refuse_submits.load(std::memory_order_relaxed)) return -EAGAIN;
+    return io_uring_submit(&ring_);
+  }
+
+  // Under mu_. An operation the kernel keeps refusing goes to *refused, to be failed by the
+  // caller once mu_ is released (its callback may submit again).
+  void push_locked(Op* op, std::vector<Op*>* refused) {
+    const unsigned index = ring_.sq.sqe_tail;  // the entry io_uring_get_sqe hands out
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     if (!sqe) {  // cannot happen while in_kernel_ < depth_; keep the op rather than lose it
       backlog_.push_front(op);
@@ -98,13 +121,36 @@ class UringFile : public AsyncFile {
     io_uring_sqe_set_data(sqe, op);
     ++in_kernel_;
     // With at most depth_ operations in a ring of depth_ entries the kernel refuses a
-    // submission only transiently. A refused SQE stays in the ring and goes in with the
-    // next submission, so it is retried rather than failed (failing it here would
-    // complete it twice once the kernel takes it).
+    // submission only transiently (EAGAIN: no memory for the request just now), so retry
+    // a while. A refused entry stays in the ring, published: a later submission would
+    // carry it in. The kernel takes entries only inside a submission, and every one runs
+    // here under mu_, so an entry it has not taken yet is still ours to rewrite: one that
+    // is refused throughout becomes a no-op (its completion, whenever a later submission
+    // carries it in, only gives back its place) and its operation fails now with EAGAIN,
+    // which the tier handles as a failed transfer. Without that, nothing would submit it
+    // again until the next operation, and with none the transfer would never end.
+    int r = 0;
     for (int tries = 0; tries < 1000; ++tries) {
-      const int r = io_uring_submit(&ring_);
+      r = submit_ring();
       if (r >= 0 || (r != -EINTR && r != -EAGAIN && r != -EBUSY)) break;
       std::this_thread::yield();
+    }
+    if (r >= 0) return;
+    const unsigned head = io_uring_smp_load_acquire(ring_.sq.khead);
+    if (static_cast<int>(index - head) >= 0) {  // not taken by the kernel
+      io_uring_prep_nop(sqe);
+      io_uring_sqe_set_data64(sqe, kOrphaned);
+      op->err = -r;
+      refused->push_back(op);
+    }
+  }
+
+  static void fail_refused(const std::vector<Op*>& refused) {
+    for (Op* op : refused) {
+      IoOutcome out;
+      out.err = op->err;
+      op->done(out);
+      delete op;
     }
   }
 
@@ -118,16 +164,19 @@ class UringFile : public AsyncFile {
       const int res = cqe->res;
       io_uring_cqe_seen(&ring_, cqe);
       if (data == 0) return;  // the shutdown NOP
-      Op* op = reinterpret_cast<Op*>(data);
+      std::vector<Op*> refused;
       {
         std::lock_guard<std::mutex> lk(mu_);
         --in_kernel_;
         while (!backlog_.empty() && in_kernel_ < depth_) {
           Op* next = backlog_.front();
           backlog_.pop_front();
-          push_locked(next);
+          push_locked(next, &refused);
         }
       }
+      fail_refused(refused);
+      if (data == kOrphaned) continue;
+      Op* op = reinterpret_cast<Op*>(data);
       IoOutcome out;
       if (res < 0) {
         out.err = -res;
@@ -149,6 +198,8 @@ class UringFile : public AsyncFile {
 };
 
 }  // namespace
+
+void refuse_uring_submits_for_test(bool on) { g_refuse_submits.store(on, std::memory_order_relaxed); }
 
 std::unique_ptr<AsyncFile> make_uring_file(int fd, int queue_depth) {
   return std::make_unique<UringFile>(fd, queue_depth);
