@@ -1,10 +1,10 @@
 // Dynamic block sparsity on the device (issue #5; docs/sparsity.md "CUDA").
 //
 // Per layer and decode step, four launches that need no host decision (CUDA graphs):
-//   1. score_kernel (a warp per (sequence, KV head, 16 blocks)): per block and query head
-//      the Quest bound sum_d max(q_d mn_d, q_d mx_d) and the centre estimate
-//      q·(mn + mx) / 2, scaled, from the block's summary; the per-(sequence, query head)
-//      maxima by atomicMax.
+//   1. score_mma_kernel (16-bit summaries; score_kernel for float32), a warp per (sequence,
+//      KV head, 8 or 16 blocks): per block and query head the Quest bound
+//      sum_d max(q_d mn_d, q_d mx_d) and the centre estimate q·(mn + mx) / 2, scaled, from
+//      the block's summary; the per-(sequence, query head) maxima by atomicMax.
 //   2. bin_kernel (CTAs over (sequence, KV head, 256 blocks)): relative to each query
 //      head's best and maxed over the group, a block's rank score and estimate; its mass
 //      n exp(estimate) in fixed point (2^-40: sums are exact, so order-free); histograms of
@@ -28,8 +28,12 @@
 #include <cub/block/block_scan.cuh>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace k25::cuda {
 
@@ -91,6 +95,8 @@ __device__ __forceinline__ const T* summary_row(const SparseSelect& a, const T* 
 template <typename T>
 __global__ void summary_kernel(KVCache kv, int layer, T* __restrict__ summ, const int* query_start,
                                const int* context_lens, const int* block_tables, int max_blocks) {
+  pdl_wait();  // launched with launch_pdl: everything it reads may come from the kernel before
+  pdl_trigger();
   const int s = blockIdx.x, h = blockIdx.y;
   const int q_len = query_start[s + 1] - query_start[s];
   const int ctx = context_lens[s];
@@ -137,6 +143,38 @@ constexpr int kScoreRunShort = 8, kScoreRunLong = 16;
 constexpr int kScorePass = 4;       // query heads per pass: 8 values, the reduce-scatter's 3 halvings
 static_assert(kScoreRunLong <= 32 && 2 * kScorePass == 8, "score_kernel's lane mapping");
 
+// The score kernels' work split: CTA x of row s (the sequence) has kScoreThreads / 32 warps,
+// each a (KV head, run of `run` blocks from j0); a CTA past the sequence's blocks has none.
+struct ScoreTask {
+  int s, nb, h, j0;
+  bool cta_has_work;
+};
+__device__ __forceinline__ ScoreTask score_task(const SparseSelect& a, int run) {
+  constexpr int kWarps = kScoreThreads / 32;
+  ScoreTask w;
+  w.s = blockIdx.y;
+  w.nb = eligible_blocks(a, w.s);
+  const int Hkv = a.num_kv_heads;
+  w.cta_has_work = (static_cast<int>(blockIdx.x) * kWarps / Hkv) * run < w.nb;
+  const int task = blockIdx.x * kWarps + threadIdx.x / 32;
+  w.h = task % Hkv;
+  w.j0 = (task / Hkv) * run;
+  return w;
+}
+
+// The CTA's per-(query head, value) maxima (order_bits; 0 at rest) in shared memory: cleared
+// first, then folded into the sequence's global maxima by atomicMax once every warp is done.
+__device__ __forceinline__ void clear_maxima(uint32_t* smax, int Hq) {
+  for (int i = threadIdx.x; i < 2 * Hq; i += blockDim.x) smax[i] = 0;
+  __syncthreads();
+}
+__device__ __forceinline__ void flush_maxima(const uint32_t* smax, const SparseSelect& a, int s, int Hq) {
+  __syncthreads();
+  for (int i = threadIdx.x; i < 2 * Hq; i += blockDim.x) {
+    if (smax[i] != 0) atomicMax(a.maxima + static_cast<int64_t>(s) * 2 * Hq + i, smax[i]);
+  }
+}
+
 template <int B>
 struct Bytes;
 template <>
@@ -155,20 +193,17 @@ struct Bytes<16> {
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads)
     score_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ summ, SparseSelect a, int run) {
+  pdl_wait();
+  pdl_trigger();
   static_assert(D % 32 == 0, "a lane's channels");
   constexpr int C = D / 32;  // channels per lane
   using V = typename Bytes<C * sizeof(T)>::type;
-  constexpr int kWarps = kScoreThreads / 32;
-  const int s = blockIdx.y;
-  const int nb = eligible_blocks(a, s);
+  const ScoreTask w = score_task(a, run);
+  if (!w.cta_has_work) return;  // uniform
+  const int s = w.s, nb = w.nb, h = w.h, j0 = w.j0, lane = threadIdx.x % 32;
   const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks;
-  if ((static_cast<int>(blockIdx.x) * kWarps / Hkv) * run >= nb) return;  // uniform
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int task = blockIdx.x * kWarps + warp;
-  const int h = task % Hkv, j0 = (task / Hkv) * run;
   __shared__ uint32_t smax[2 * kMaxSparseHeads];
-  for (int i = threadIdx.x; i < 2 * Hq; i += blockDim.x) smax[i] = 0;
-  __syncthreads();
+  clear_maxima(smax, Hq);
   if (j0 < nb) {  // warp-uniform
     const int j1 = min(nb, j0 + run);
     const int my_block = lane < j1 - j0 ? a.block_tables[static_cast<int64_t>(s) * MB + j0 + lane] : 0;
@@ -255,10 +290,114 @@ __global__ void __launch_bounds__(kScoreThreads)
       if (lane % 4 == 0 && live) atomicMax(&smax[2 * (h * group + g0 + vg) + centre], run_max);
     }
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < 2 * Hq; i += blockDim.x) {
-    if (smax[i] != 0) atomicMax(a.maxima + static_cast<int64_t>(s) * 2 * Hq + i, smax[i]);
+  flush_maxima(smax, a, s, Hq);
+}
+
+// The same two values on tensor cores, for 16-bit summaries: a warp per (KV head, run of
+// blocks, a multiple of 8), one m16n8k16 product per 8 blocks and 16 summary values. Rows of
+// A are coefficients: row g the bound's of query head g0 + g (q- against the minima, q+
+// against the maxima, so the row times the summary is u), row 8 + g its lower bound's (the
+// other way round: l); columns of B are the 8 blocks' summary rows (k = the 2D values, minima
+// then maxima). Lane (g, t) of a fragment holds block g's values 32c + 8t .. 32c + 8t + 7 of
+// each chunk c of 32 (one 16-byte load; a quad reads 64 contiguous bytes), the first four as
+// one k-step's b0 / b1 and the last four as the next's; the A fragments take the same k
+// order, which is free since the sum over k does not care. The C fragment then gives lane
+// (g, t) u and l of head g0 + g at blocks 2t and 2t + 1, so no shuffles per block. Products
+// of 16-bit values are exact in fp32; only the order of the fp32 sums differs from
+// score_kernel's. (score_kernel, at ~115 instructions per (block, KV head) and ~0.4 IPC, ran
+// at a third of the summaries' bandwidth: 191 us for 269 MB at B8 @ 128K.)
+template <typename T, int D>
+__global__ void __launch_bounds__(kScoreThreads)
+    score_mma_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ summ, SparseSelect a, int run) {
+  pdl_wait();
+  pdl_trigger();
+  constexpr int kQuarter = D / 32;       // chunks of 32 channels in a head (of q, of the minima)
+  constexpr int kChunks = 2 * kQuarter;  // chunks of a summary row
+  const ScoreTask w = score_task(a, run);
+  if (!w.cta_has_work) return;  // uniform
+  const int s = w.s, nb = w.nb, h = w.h, j0 = w.j0, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks;
+  __shared__ uint32_t smax[2 * kMaxSparseHeads];
+  clear_maxima(smax, Hq);
+  if (j0 < nb) {  // warp-uniform
+    const int j1 = min(nb, j0 + run);
+    const int* table = a.block_tables + static_cast<int64_t>(s) * MB;
+    const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
+    for (int g0 = 0; g0 < group; g0 += 8) {
+      const bool live = g0 + g < group;
+      uint32_t qf[kChunks][2][4];  // A fragments: chunk, its two k-steps
+      {
+        float qv[kQuarter][8];  // channels 32c + 8t .. 32c + 8t + 7 of head g0 + g (0: no head)
+#pragma unroll
+        for (int c = 0; c < kQuarter; ++c) {
+          uint4 v = make_uint4(0, 0, 0, 0);
+          if (live) v = *reinterpret_cast<const uint4*>(qrow + (g0 + g) * D + 32 * c + 8 * t);
+          const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) qv[c][i] = to_f(e[i]);
+        }
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const bool maxima = c >= kQuarter;
+#pragma unroll
+          for (int st = 0; st < 2; ++st) {
+            float u[4], l[4];  // coefficients of values 32c + 8t + 4st + i
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float x = qv[c % kQuarter][4 * st + i];
+              u[i] = maxima ? fmaxf(x, 0.0f) : fminf(x, 0.0f);
+              l[i] = maxima ? fminf(x, 0.0f) : fmaxf(x, 0.0f);
+            }
+            qf[c][st][0] = pack2<T>(u[0], u[1]);  // (g, 2t..): pairs with b0
+            qf[c][st][1] = pack2<T>(l[0], l[1]);  // (g + 8, 2t..)
+            qf[c][st][2] = pack2<T>(u[2], u[3]);  // (g, 2t + 8..): pairs with b1
+            qf[c][st][3] = pack2<T>(l[2], l[3]);
+          }
+        }
+      }
+      float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + g) * 2 * MB;
+      uint32_t max_u = 0, max_c = 0;
+      for (int jt = j0; jt < j1; jt += 8) {
+        uint4 b[kChunks];
+        if (jt + g < j1) {
+          const T* p = summary_row(a, summ, table[jt + g], h, D) + 8 * t;
+#pragma unroll
+          for (int c = 0; c < kChunks; ++c) b[c] = *reinterpret_cast<const uint4*>(p + 32 * c);
+        } else {
+#pragma unroll
+          for (int c = 0; c < kChunks; ++c) b[c] = make_uint4(0, 0, 0, 0);
+        }
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          mma16816<T>(acc, qf[c][0], b[c].x, b[c].y);
+          mma16816<T>(acc, qf[c][1], b[c].z, b[c].w);
+        }
+        if (live) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int j = jt + 2 * t + i;
+            if (j < j1) {
+              const float u = acc[i] * a.scale, c = 0.5f * (acc[i] + acc[2 + i]) * a.scale;
+              raw[j] = u;
+              raw[MB + j] = c;
+              max_u = max(max_u, order_bits(u));
+              max_c = max(max_c, order_bits(c));
+            }
+          }
+        }
+      }
+      max_u = max(max_u, __shfl_xor_sync(0xffffffffu, max_u, 1));
+      max_u = max(max_u, __shfl_xor_sync(0xffffffffu, max_u, 2));
+      max_c = max(max_c, __shfl_xor_sync(0xffffffffu, max_c, 1));
+      max_c = max(max_c, __shfl_xor_sync(0xffffffffu, max_c, 2));
+      if (t == 0 && live) {
+        atomicMax(&smax[2 * (h * group + g0 + g)], max_u);
+        atomicMax(&smax[2 * (h * group + g0 + g) + 1], max_c);
+      }
+    }
   }
+  flush_maxima(smax, a, s, Hq);
 }
 
 // ---- 2. scores relative to the best, masses, histograms ---------------------------------
@@ -266,6 +405,8 @@ __global__ void __launch_bounds__(kScoreThreads)
 constexpr int kBinThreads = 256;
 
 __global__ void __launch_bounds__(kBinThreads) bin_kernel(SparseSelect a) {
+  pdl_wait();
+  pdl_trigger();
   const int s = blockIdx.z, h = blockIdx.y;
   const int nb = eligible_blocks(a, s);
   const int j = blockIdx.x * kBinThreads + threadIdx.x;
@@ -451,6 +592,8 @@ __device__ __forceinline__ Crossing find_crossing(const unsigned long long* val,
 }
 
 __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSelect a) {
+  pdl_wait();
+  pdl_trigger();
   const int s = blockIdx.x, h = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int nb = eligible_blocks(a, s);
   if (nb == 0) return;  // uniform: table_kernel copies the table
@@ -524,6 +667,8 @@ __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSel
 constexpr int kTableThreads = 512;
 
 __global__ void __launch_bounds__(kTableThreads) table_kernel(SparseSelect a) {
+  pdl_wait();
+  pdl_trigger();
   const int h = blockIdx.x, s = blockIdx.y;
   const int Hkv = a.num_kv_heads, MB = a.max_blocks, bs = a.block_size;
   const int64_t sh = static_cast<int64_t>(s) * Hkv + h;
@@ -613,11 +758,28 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
   const int64_t long_warps = static_cast<int64_t>(S) * Hkv * ((MB + kScoreRunLong - 1) / kScoreRunLong);
   const int run = long_warps >= static_cast<int64_t>(sms) * 32 ? kScoreRunLong : kScoreRunShort;
   const int tasks = Hkv * ((MB + run - 1) / run);
-  score_kernel<T, D><<<dim3((tasks + kScoreThreads / 32 - 1) / (kScoreThreads / 32), S), kScoreThreads, 0, stream>>>(
-      static_cast<const T*>(q), q_stride, static_cast<const T*>(summaries), a, run);
-  bin_kernel<<<dim3((MB + kBinThreads - 1) / kBinThreads, Hkv, S), kBinThreads, 0, stream>>>(a);
-  count_kernel<<<S, 32 * Hkv, 0, stream>>>(a);
-  table_kernel<<<dim3(Hkv, S), kTableThreads, 0, stream>>>(a);
+  const dim3 grid((tasks + kScoreThreads / 32 - 1) / (kScoreThreads / 32), S);
+  if constexpr (!std::is_same_v<T, float>) {
+    // Tensor cores for 16-bit summaries (q rows 16-byte aligned, as the QKV buffer leaves
+    // them); K25_SPARSE_SCORE_MMA=0 keeps the CUDA-core kernel (for comparisons).
+    static const bool mma = [] {
+      const char* env = std::getenv("K25_SPARSE_SCORE_MMA");
+      return !(env && std::strcmp(env, "0") == 0);
+    }();
+    if (mma && reinterpret_cast<uintptr_t>(q) % 16 == 0 && q_stride % 8 == 0) {
+      launch_pdl(score_mma_kernel<T, D>, grid, kScoreThreads, 0, stream, static_cast<const T*>(q), q_stride,
+                 static_cast<const T*>(summaries), a, run);
+    } else {
+      launch_pdl(score_kernel<T, D>, grid, kScoreThreads, 0, stream, static_cast<const T*>(q), q_stride,
+                 static_cast<const T*>(summaries), a, run);
+    }
+  } else {
+    launch_pdl(score_kernel<T, D>, grid, kScoreThreads, 0, stream, static_cast<const T*>(q), q_stride,
+               static_cast<const T*>(summaries), a, run);
+  }
+  launch_pdl(bin_kernel, dim3((MB + kBinThreads - 1) / kBinThreads, Hkv, S), kBinThreads, 0, stream, a);
+  launch_pdl(count_kernel, S, 32 * Hkv, 0, stream, a);
+  launch_pdl(table_kernel, dim3(Hkv, S), kTableThreads, 0, stream, a);
 }
 
 }  // namespace
@@ -628,9 +790,9 @@ void update_block_summaries(DType t, KVCache kv, int32_t layer, void* summaries,
   if (num_seqs == 0) return;
   // A decode touches one block per sequence; a prompt chunk many: spread those over z.
   const dim3 grid(num_seqs, kv.num_kv_heads, 8);
-  K25_DISPATCH_DTYPE(t, (summary_kernel<T><<<grid, kv.head_dim, 0, stream>>>(
-                            kv, layer, static_cast<T*>(summaries), query_start, context_lens, block_tables,
-                            max_blocks)));
+  K25_DISPATCH_DTYPE(t, (launch_pdl(summary_kernel<T>, grid, kv.head_dim, 0, stream, kv, layer,
+                                    static_cast<T*>(summaries), query_start, context_lens, block_tables,
+                                    max_blocks)));
 }
 
 void select_blocks(DType t, const void* q, int64_t q_stride, const void* summaries, int32_t head_dim,

@@ -1,8 +1,9 @@
 """Where the device block selection's time goes: per-kernel GPU times (torch.profiler) of
-one selection, B1 @ 8K and B1 @ 32K, 8B attention shape. Diagnostic, not a benchmark.
---plain B L runs three selections of one case without the profiler, for Nsight Compute:
+one selection, 8B attention shape, at B1 @ 8K, B1 @ 32K, B8 @ 32K and B8 @ 128K (or the
+cases given as BxL arguments). Diagnostic, not a benchmark. --plain B L runs three
+selections of one case without the profiler, for Nsight Compute:
 
-    python3 bench/gpu/profile_select.py
+    python3 bench/gpu/profile_select.py [BxL ...]
     ncu --metrics gpu__time_duration.sum --kernel-name regex:"score|bin|count|table" \
         --launch-skip 4 --launch-count 4 python3 bench/gpu/profile_select.py --plain 1 32768
 """
@@ -20,7 +21,12 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 def main():
     plain = len(sys.argv) == 4 and sys.argv[1] == "--plain"
-    for B, L in [(int(sys.argv[2]), int(sys.argv[3]))] if plain else [(1, 8192), (1, 32768)]:
+    if plain:
+        cases = [(int(sys.argv[2]), int(sys.argv[3]))]
+    else:
+        cases = [tuple(int(x) for x in c.split("x")) for c in sys.argv[1:]] or [(1, 8192), (1, 32768), (8, 32768),
+                                                                                (8, 131072)]
+    for B, L in cases:
         layout = (1, HKV, D, PAGE)
         nb = L // PAGE
         kv = torch.randn((B * nb + 1) * 2 * HKV * PAGE * D, device="cuda", dtype=torch.bfloat16)

@@ -29,6 +29,7 @@ def case(B, L, caps, results):
     layout = (1, HKV, D, PAGE)
     nb = L // PAGE
     num_blocks = B * nb + 1
+    torch.manual_seed(B * 7 + L)  # the same KV in every process (CPU and CUDA generators)
     kv = torch.randn(num_blocks * 2 * HKV * PAGE * D, device="cuda", dtype=DT)
     tables = torch.randperm(B * nb, dtype=torch.int32).view(B, nb)
     q = torch.randn(B, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)

@@ -274,6 +274,21 @@ def test_selection_leaves_its_scratch_clean():
     assert stats[1, 2].item() == 2 * 2 * 2, "statistics add up over selections"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_selection_of_queries_in_rows_not_16_byte_aligned(dtype):
+    # 16-bit scores run on tensor cores, which load q 16 bytes at a time; q rows that are not
+    # 16-byte aligned (an odd row stride, one element in) take the CUDA-core kernel instead,
+    # and the selection is the same rule.
+    seqs = [(3000, 1), (1500, 1), (700, 1)]
+    call, buf, info, layout, kv = build(5, dtype, 8, 2, 128, 16, seqs)
+    wide = torch.zeros(buf.shape[0], buf.shape[1] + 1, dtype=dtype, device="cuda")
+    wide[:, 1:] = buf
+    odd = wide[:, 1:]
+    assert odd.data_ptr() % 16 != 0 and odd.stride(0) % 8 != 0
+    _, _, heads = check_selection(call, odd, info, layout, kv, 8, PARAMS["mass"])
+    assert heads == 3 * 2
+
+
 def ref_restricted(q, s, kept, keep, bs, group):
     """float64 attention of one query row over each KV head's kept blocks."""
     Hq, D = q.shape
