@@ -759,23 +759,25 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
   const int run = long_warps >= static_cast<int64_t>(sms) * 32 ? kScoreRunLong : kScoreRunShort;
   const int tasks = Hkv * ((MB + run - 1) / run);
   const dim3 grid((tasks + kScoreThreads / 32 - 1) / (kScoreThreads / 32), S);
-  if constexpr (!std::is_same_v<T, float>) {
+  auto launch_score = [&](auto kernel) {
+    launch_pdl(kernel, grid, kScoreThreads, 0, stream, static_cast<const T*>(q), q_stride,
+               static_cast<const T*>(summaries), a, run);
+  };
+  if constexpr (std::is_same_v<T, float>) {
+    launch_score(score_kernel<T, D>);
+  } else {
     // Tensor cores for 16-bit summaries (q rows 16-byte aligned, as the QKV buffer leaves
     // them); K25_SPARSE_SCORE_MMA=0 keeps the CUDA-core kernel (for comparisons).
     static const bool mma = [] {
       const char* env = std::getenv("K25_SPARSE_SCORE_MMA");
       return !(env && std::strcmp(env, "0") == 0);
     }();
-    if (mma && reinterpret_cast<uintptr_t>(q) % 16 == 0 && q_stride % 8 == 0) {
-      launch_pdl(score_mma_kernel<T, D>, grid, kScoreThreads, 0, stream, static_cast<const T*>(q), q_stride,
-                 static_cast<const T*>(summaries), a, run);
+    const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && q_stride % 8 == 0;
+    if (mma && aligned) {
+      launch_score(score_mma_kernel<T, D>);
     } else {
-      launch_pdl(score_kernel<T, D>, grid, kScoreThreads, 0, stream, static_cast<const T*>(q), q_stride,
-                 static_cast<const T*>(summaries), a, run);
+      launch_score(score_kernel<T, D>);
     }
-  } else {
-    launch_pdl(score_kernel<T, D>, grid, kScoreThreads, 0, stream, static_cast<const T*>(q), q_stride,
-               static_cast<const T*>(summaries), a, run);
   }
   launch_pdl(bin_kernel, dim3((MB + kBinThreads - 1) / kBinThreads, Hkv, S), kBinThreads, 0, stream, a);
   launch_pdl(count_kernel, S, 32 * Hkv, 0, stream, a);
