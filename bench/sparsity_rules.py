@@ -1,0 +1,272 @@
+"""Block-selection rules for dynamic sparsity, compared in PyTorch on the default model: which
+rule keeps the blocks that matter, and how many bytes per block it must read. Diagnostic, not a
+benchmark: it runs transformers (float32) with its attention replaced, not the engine.
+
+    python bench/sparsity_rules.py [--context 4096] [--docs 3] [--decoded 128] [--cap 0.6]
+                                   [--rules dense,oracle,estimate8,quest,...]
+
+Each window of the pydoc text is run teacher-forced: the first context - decoded positions in
+one dense pass, then the last `decoded` one token per step with the rule's selection in every
+layer (the engine's rule otherwise: sink block, 16 recent blocks, the mass target 0.95 sizing,
+skipped fraction clamped to [0.1, cap], every KV head keeping the same count). The dense rule
+runs the same per-step path, so agreement and perplexity compare like with like. Rules:
+  dense       every block
+  oracle      exact block masses (reads every key)
+  estimateR   the CPU default: each query head's R largest |q| channels exact, the block's
+              centre on the rest (docs/sparsity.md)
+  quest       Quest bound ranks, the centre estimate sizes (the CUDA rule)
+  questq8     the same from min/max rounded outward to int8 codes, one scale per block and head
+  staticR     R channels per (layer, KV head), fixed from the prefix's statistics (|q_d| times
+              the keys' spread), exact; the centre on the rest
+  pcaR        keys projected on the prefix's top R principal directions per (layer, KV head)
+              (Loki-style); scores q.mean + (U^T q).z
+  *qB         a suffix: the stored values rounded to B-bit codes, one scale per block and head
+              (questqB: min/max rounded outward)
+"""
+import argparse
+import copy
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+
+BS, SINK, RECENT, MASS, MIN_CTX = 16, 1, 16, 0.95, 2048
+
+
+def qn(x, dims, bits=8):
+    """x rounded to signed `bits`-bit codes with one scale per slice over `dims` (nearest)."""
+    s = x.abs().amax(dim=dims, keepdim=True).clamp_min(1e-12) / (2 ** (bits - 1) - 1)
+    return torch.round(x / s) * s
+
+
+class Rule:
+    def __init__(self, name):
+        self.name = name
+        m = re.fullmatch(r"(dense|oracle|quest|estimate|static|pca)(\d*)(?:q(\d+))?", name)
+        if not m:
+            raise SystemExit(f"unknown rule {name}")
+        self.kind, self.r, self.quant = m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)
+        self.calib = {}  # layer -> per KV head statistics from the prefix
+        self.kept = self.total = 0
+        self.reuse = {}  # layer -> (keep mask, its length, steps it has served)
+
+    def calibrate(self, layer, q, k):
+        """q [Hq, P, D], k [Hkv, P, D] of the prefix, after RoPE."""
+        Hkv, G = k.shape[0], q.shape[0] // k.shape[0]
+        if self.kind == "static":
+            imp = q.abs().mean(1).view(Hkv, G, -1).sum(1) * k.std(1)  # [Hkv, D]
+            self.calib[layer] = imp.topk(self.r, dim=-1).indices
+        elif self.kind == "pca":
+            mu = k.mean(1, keepdim=True)
+            c = (k - mu).double()
+            cov = c.transpose(1, 2) @ c
+            _, vec = torch.linalg.eigh(cov)  # ascending
+            self.calib[layer] = (mu[:, 0].float(), vec[:, :, -self.r:].float())
+
+    def scores(self, layer, q, kb, valid, scale):
+        """q [Hkv, G, D], kb [Hkv, nb, BS, D], valid [nb, BS]: (rank, log-mass) per [Hkv, G, nb]."""
+        neg = torch.tensor(float("-inf"))
+        vmask = valid[None, None]
+        cnt = valid.sum(-1).float().log()[None, None]  # log token count per block, [1, 1, nb]
+        kv = torch.where(valid[None, :, :, None], kb, torch.nan)
+        mn, mx = kv.nan_to_num(float("inf")).amin(2), kv.nan_to_num(float("-inf")).amax(2)  # [Hkv, nb, D]
+        if self.kind in ("oracle", "estimate", "static", "pca"):
+            if self.kind == "oracle":
+                s = torch.einsum("hgd,hjtd->hgjt", q, kb) * scale
+            elif self.kind == "pca":
+                mu, U = self.calib[layer]
+                z = torch.einsum("hjtd,hdr->hjtr", kb - mu[:, None, None], U)
+                if self.quant:
+                    z = qn(z, (2, 3), self.quant)
+                s = (torch.einsum("hgd,hd->hg", q, mu)[:, :, None, None]
+                     + torch.einsum("hgd,hdr,hjtr->hgjt", q, U, z)) * scale
+            else:
+                cen = (mn + mx) / 2
+                if self.kind == "estimate":
+                    chosen = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.abs().topk(self.r, -1).indices, True)
+                else:
+                    idx = self.calib[layer]
+                    chosen = torch.zeros(q.shape[0], q.shape[-1], dtype=torch.bool).scatter_(-1, idx, True)[:, None]
+                    chosen = chosen.expand_as(q)
+                    if self.quant:
+                        kb = kb.clone()
+                        for h in range(kb.shape[0]):
+                            kb[h][..., idx[h]] = qn(kb[h][..., idx[h]], (1, 2), self.quant)
+                qc = torch.where(chosen, q, 0.0)
+                qo = q - qc
+                s = (torch.einsum("hgd,hjtd->hgjt", qc, kb) + torch.einsum("hgd,hjd->hgj", qo, cen)[..., None]) * scale
+            s = torch.where(vmask, s, neg)
+            e = torch.logsumexp(s, -1)
+            return e, e
+        # Quest bound
+        if self.quant:
+            sc = torch.maximum(mn.abs(), mx.abs()).amax(-1, keepdim=True).clamp_min(1e-12) / (2 ** (self.quant - 1) - 1)
+            mn, mx = torch.floor(mn / sc) * sc, torch.ceil(mx / sc) * sc
+        qh = q[:, :, None]  # [Hkv, G, 1, D]
+        ub = torch.maximum(qh * mn[:, None], qh * mx[:, None]).sum(-1) * scale
+        cen = torch.einsum("hgd,hjd->hgj", q, (mn + mx) / 2) * scale
+        return ub, cen + cnt
+
+    def select(self, layer, q, k, scale, cap):
+        """q [Hq, D], k [Hkv, L, D]: bool keep mask [Hkv, L]. With --reselect N a selection
+        serves N steps: in between, the keys written since are kept besides it."""
+        Hkv, L, D = k.shape
+        old = self.reuse.get(layer)
+        if old is not None and old[2] < STATE["reselect"]:
+            mask = torch.cat([old[0], torch.ones(Hkv, L - old[1], dtype=torch.bool)], 1)
+            self.reuse[layer] = (old[0], old[1], old[2] + 1)
+            self.kept += int(mask.sum()) / BS
+            self.total += Hkv * L / BS
+            return mask
+        mask = self._select(layer, q, k, scale, cap)
+        self.reuse[layer] = (mask, L, 1)
+        return mask
+
+    def _select(self, layer, q, k, scale, cap):
+        Hkv, L, D = k.shape
+        G = q.shape[0] // Hkv
+        nb = (L + BS - 1) // BS
+        kb = torch.nn.functional.pad(k, (0, 0, 0, nb * BS - L)).view(Hkv, nb, BS, D)
+        valid = (torch.arange(nb * BS) < L).view(nb, BS)
+        rank, est = self.scores(layer, q.view(Hkv, G, D), kb, valid, scale)
+        comb = lambda x: (x - x.amax(-1, keepdim=True)).amax(1)  # relative to each head's best, max over group
+        rank, est = comb(rank), comb(est)
+        mand = torch.zeros(nb, dtype=torch.bool)
+        mand[:SINK] = True
+        mand[max(0, nb - RECENT):] = True
+        n_mand = int(mand.sum())
+        need = n_mand
+        for h in range(Hkv):
+            m = torch.exp(est[h].double() - est[h].max())
+            total, covered = float(m.sum()), float(m[mand].sum())
+            others = torch.nonzero(~mand)[:, 0]
+            order = others[torch.argsort(est[h][others], descending=True, stable=True)]
+            cum = covered + torch.cumsum(m[order], 0)
+            n = int(torch.searchsorted(cum, torch.tensor(MASS * total, dtype=torch.float64))) + 1
+            need = max(need, n_mand + min(n, len(order)))
+        keep_min = math.ceil(nb * (1 - cap) - 1e-9)
+        keep_max = math.floor(nb * 0.9 + 1e-9)
+        keep = max(n_mand, min(max(need, keep_min), keep_max))
+        if STATE["fixed"]:
+            keep = max(n_mand, keep_min)
+        self.kept += keep * Hkv
+        self.total += nb * Hkv
+        mask = mand[None].repeat(Hkv, 1)
+        others = torch.nonzero(~mand)[:, 0]
+        if keep > n_mand:
+            best = rank[:, others].topk(keep - n_mand, dim=-1).indices
+            mask[torch.arange(Hkv)[:, None], others[best]] = True
+        return mask.repeat_interleave(BS, 1)[:, :L]
+
+
+STATE = {"rule": None, "cap": 0.6, "calibrating": [], "fixed": False, "reselect": 1}
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    rule, layer = STATE["rule"], module.layer_idx
+    if query.shape[2] > 1:
+        for r in STATE["calibrating"]:
+            r.calibrate(layer, query[0], key[0])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kw)
+    q, k, v = query[0, :, 0], key[0], value[0]  # [Hq, D], [Hkv, L, D]
+    Hkv, L, _ = k.shape
+    G = q.shape[0] // Hkv
+    s = torch.einsum("hgd,hld->hgl", q.view(Hkv, G, -1), k) * scaling
+    if rule.kind != "dense" and L > MIN_CTX:
+        keep = rule.select(layer, q, k, scaling, STATE["cap"])
+        s = s.masked_fill(~keep[:, None], float("-inf"))
+    p = torch.softmax(s.float(), -1)
+    out = torch.einsum("hgl,hld->hgd", p, v).reshape(1, 1, Hkv * G, -1)
+    return out, None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--docs", type=int, default=3)
+    ap.add_argument("--decoded", type=int, default=128)
+    ap.add_argument("--cap", type=float, default=0.6)
+    ap.add_argument("--rules", default="dense,oracle,estimate8,quest,questq8,static8,static16,pca8,pca16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reselect", type=int, default=1, help="a selection serves this many steps")
+    ap.add_argument("--fixed", action="store_true", help="keep the cap's count (ranking alone compared)")
+    ap.add_argument("--calib", default="self", choices=["self", "other", "code"],
+                    help="static/pca statistics from each window's prefix, or once from other text: "
+                         "other, the last 2,048 tokens of the pydoc text (outside the windows); code, "
+                         "2,048 tokens of Python source (the stdlib's argparse module)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AttentionInterface, AutoTokenizer
+    from oracles import default_gguf, load_hf_gguf, long_text, memoised_gguf_parsing
+    AttentionInterface.register("k25rules", attention)
+    model = load_hf_gguf()
+    model.config._attn_implementation = "k25rules"
+    for mod in model.modules():
+        if hasattr(mod, "config") and hasattr(mod.config, "_attn_implementation"):
+            mod.config._attn_implementation = "k25rules"
+    path = default_gguf()
+    with memoised_gguf_parsing():
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ids = tok(long_text())["input_ids"]
+    ctx, n = args.context, args.decoded
+    stride = (len(ids) - ctx) // max(1, args.docs)
+    rules = [Rule(r) for r in args.rules.split(",")]
+    STATE["cap"], STATE["fixed"], STATE["reselect"] = args.cap, args.fixed, args.reselect
+    calibrated = [r for r in rules if r.kind in ("static", "pca")]
+    if args.calib != "self":
+        assert 2 * stride + ctx <= len(ids) - 2048
+        if args.calib == "code":
+            import argparse as src
+            import inspect
+            cal = tok(inspect.getsource(src))["input_ids"][:2048]
+        else:
+            cal = ids[-2048:]
+        with torch.no_grad():
+            STATE["calibrating"] = calibrated
+            model(torch.tensor([cal]), use_cache=False)
+            STATE["calibrating"] = []
+    logits = {r.name: [] for r in rules}
+    windows = []
+    for w in range(args.docs):
+        win = ids[w * stride:w * stride + ctx]
+        windows.append(win)
+        with torch.no_grad():
+            STATE["rule"], STATE["calibrating"] = None, calibrated if args.calib == "self" else []
+            t0 = time.time()
+            pre = model(torch.tensor([win[:ctx - n]]), use_cache=True)
+            STATE["calibrating"] = []
+            t_pre = time.time() - t0
+            for r in rules:
+                STATE["rule"] = r
+                r.reuse = {}
+                cache = copy.deepcopy(pre.past_key_values)
+                out = []
+                for i in range(ctx - n, ctx - 1):  # feeds token i, predicts token i + 1
+                    o = model(torch.tensor([[win[i]]]), past_key_values=cache, use_cache=True)
+                    out.append(o.logits[0, -1].double())
+                    cache = o.past_key_values
+                logits[r.name].append(torch.stack(out))
+        print(f"window {w}: prefix {t_pre:.1f} s", flush=True)
+    tgt = torch.tensor([win[ctx - n + 1:] for win in windows])
+    base = torch.cat(logits[rules[0].name]) if rules[0].kind == "dense" else None
+    nll = lambda lg: -(torch.log_softmax(lg, -1).gather(1, tgt.reshape(-1, 1))[:, 0])
+    for r in rules:
+        lg = torch.cat(logits[r.name])
+        row = f"{r.name:>10}: ppl {math.exp(nll(lg).mean()):.4f}"
+        if base is not None:
+            row += (f"  ({100 * (math.exp(nll(lg).mean() - nll(base).mean()) - 1):+.2f}% of dense)"
+                    f"  top-1 agreement {(lg.argmax(1) == base.argmax(1)).double().mean():.4f}")
+        if r.total:
+            row += f"  sparsity {1 - r.kept / r.total:.3f}"
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
