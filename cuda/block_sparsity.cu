@@ -2,7 +2,7 @@
 //
 // Per layer and decode step, four launches that need no host decision (CUDA graphs):
 //   1. score_mma_kernel (16-bit summaries; score_kernel for float32), a warp per (sequence,
-//      KV head, 8 or 16 blocks): per block and query head the Quest bound
+//      KV head, 8 to 32 blocks): per block and query head the Quest bound
 //      sum_d max(q_d mn_d, q_d mx_d) and the centre estimate q·(mn + mx) / 2, scaled, from
 //      the block's summary; the per-(sequence, query head) maxima by atomicMax.
 //   2. bin_kernel (CTAs over (sequence, KV head, 256 blocks)): relative to each query
@@ -141,6 +141,7 @@ constexpr int kScoreThreads = 256;  // 8 warps
 // flight (B1 @ 32K: 11.5 us, 13.6 with 16).
 constexpr int kScoreRunShort = 8, kScoreRunLong = 16;
 constexpr int kScorePass = 4;       // query heads per pass: 8 values, the reduce-scatter's 3 halvings
+constexpr int kScoreMmaRunLong = 32;  // score_mma_kernel's long runs: 4 tiles of 8 blocks
 static_assert(kScoreRunLong <= 32 && 2 * kScorePass == 8, "score_kernel's lane mapping");
 
 // The score kernels' work split: CTA x of row s (the sequence) has kScoreThreads / 32 warps,
@@ -216,12 +217,10 @@ __global__ void __launch_bounds__(kScoreThreads)
       float qp[kScorePass][C], qn[kScorePass][C];
 #pragma unroll
       for (int g = 0; g < kScorePass; ++g) {
-        V v{};
-        if (g0 + g < group) v = *reinterpret_cast<const V*>(qrow + (g0 + g) * D + lane * C);
-        const T* e = reinterpret_cast<const T*>(&v);
+        // Element by element: q rows need no alignment here (once per pass, not per block).
 #pragma unroll
         for (int k = 0; k < C; ++k) {
-          const float x = g0 + g < group ? to_f(e[k]) : 0.0f;
+          const float x = g0 + g < group ? to_f(qrow[(g0 + g) * D + lane * C + k]) : 0.0f;
           qp[g][k] = fmaxf(x, 0.0f);
           qn[g][k] = fminf(x, 0.0f);
         }
@@ -304,8 +303,11 @@ __global__ void __launch_bounds__(kScoreThreads)
 // order, which is free since the sum over k does not care. The C fragment then gives lane
 // (g, t) u and l of head g0 + g at blocks 2t and 2t + 1, so no shuffles per block. Products
 // of 16-bit values are exact in fp32; only the order of the fp32 sums differs from
-// score_kernel's. (score_kernel, at ~115 instructions per (block, KV head) and ~0.4 IPC, ran
-// at a third of the summaries' bandwidth: 191 us for 269 MB at B8 @ 128K.)
+// score_kernel's. A tile's products run while the next tile's loads are in flight, in two
+// accumulators (half the dependent chain), over runs of up to 32 blocks (B8 @ 128K, H200:
+// 104 -> 92 us; one tile at a time, one accumulator, runs of 16 before). (score_kernel, at
+// ~115 instructions per (block, KV head) and ~0.4 IPC, ran at a third of the summaries'
+// bandwidth: 191 us for 269 MB at B8 @ 128K.)
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads)
     score_mma_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ summ, SparseSelect a, int run) {
@@ -357,8 +359,8 @@ __global__ void __launch_bounds__(kScoreThreads)
       }
       float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + g) * 2 * MB;
       uint32_t max_u = 0, max_c = 0;
-      for (int jt = j0; jt < j1; jt += 8) {
-        uint4 b[kChunks];
+      // This lane's block of the tile at jt: its summary values (zeros past the run).
+      auto load_tile = [&](int jt, uint4(&b)[kChunks]) {
         if (jt + g < j1) {
           const T* p = summary_row(a, summ, table[jt + g], h, D) + 8 * t;
 #pragma unroll
@@ -367,12 +369,25 @@ __global__ void __launch_bounds__(kScoreThreads)
 #pragma unroll
           for (int c = 0; c < kChunks; ++c) b[c] = make_uint4(0, 0, 0, 0);
         }
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      };
+      uint4 next[kChunks];
+      load_tile(j0, next);
+      for (int jt = j0; jt < j1; jt += 8) {
+        uint4 b[kChunks];
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
+        for (int c = 0; c < kChunks; ++c) b[c] = next[c];
+        if (jt + 8 < j1) load_tile(jt + 8, next);  // the next tile's loads in flight under this one's products
+        // Two accumulators (even and odd chunks): half the dependent chain of products.
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int c = 0; c < kChunks; c += 2) {
           mma16816<T>(acc, qf[c][0], b[c].x, b[c].y);
+          mma16816<T>(acc2, qf[c + 1][0], b[c + 1].x, b[c + 1].y);
           mma16816<T>(acc, qf[c][1], b[c].z, b[c].w);
+          mma16816<T>(acc2, qf[c + 1][1], b[c + 1].z, b[c + 1].w);
         }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
         if (live) {
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
@@ -755,16 +770,16 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     return n > 0 ? n : 132;
   }();
-  const int64_t long_warps = static_cast<int64_t>(S) * Hkv * ((MB + kScoreRunLong - 1) / kScoreRunLong);
-  const int run = long_warps >= static_cast<int64_t>(sms) * 32 ? kScoreRunLong : kScoreRunShort;
-  const int tasks = Hkv * ((MB + run - 1) / run);
-  const dim3 grid((tasks + kScoreThreads / 32 - 1) / (kScoreThreads / 32), S);
-  auto launch_score = [&](auto kernel) {
-    launch_pdl(kernel, grid, kScoreThreads, 0, stream, static_cast<const T*>(q), q_stride,
-               static_cast<const T*>(summaries), a, run);
+  // A kernel's long runs while they still give every SM `warps_per_sm` warps, else short ones.
+  auto launch_score = [&](auto kernel, int long_run, int warps_per_sm) {
+    const int64_t long_warps = static_cast<int64_t>(S) * Hkv * ((MB + long_run - 1) / long_run);
+    const int run = long_warps >= static_cast<int64_t>(sms) * warps_per_sm ? long_run : kScoreRunShort;
+    const int tasks = Hkv * ((MB + run - 1) / run);
+    launch_pdl(kernel, dim3((tasks + kScoreThreads / 32 - 1) / (kScoreThreads / 32), S), kScoreThreads, 0, stream,
+               static_cast<const T*>(q), q_stride, static_cast<const T*>(summaries), a, run);
   };
   if constexpr (std::is_same_v<T, float>) {
-    launch_score(score_kernel<T, D>);
+    launch_score(score_kernel<T, D>, kScoreRunLong, 32);
   } else {
     // Tensor cores for 16-bit summaries (q rows 16-byte aligned, as the QKV buffer leaves
     // them); K25_SPARSE_SCORE_MMA=0 keeps the CUDA-core kernel (for comparisons).
@@ -774,9 +789,10 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
     }();
     const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && q_stride % 8 == 0;
     if (mma && aligned) {
-      launch_score(score_mma_kernel<T, D>);
+      // Its long runs keep the next tile's loads under this one's products.
+      launch_score(score_mma_kernel<T, D>, kScoreMmaRunLong, 16);
     } else {
-      launch_score(score_kernel<T, D>);
+      launch_score(score_kernel<T, D>, kScoreRunLong, 32);
     }
   }
   launch_pdl(bin_kernel, dim3((MB + kBinThreads - 1) / kBinThreads, Hkv, S), kBinThreads, 0, stream, a);
