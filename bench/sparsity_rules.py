@@ -3,7 +3,8 @@ rule keeps the blocks that matter, and how many bytes per block it must read. Di
 benchmark: it runs transformers (float32) with its attention replaced, not the engine.
 
     python bench/sparsity_rules.py [--context 4096] [--docs 3] [--decoded 128] [--cap 0.6]
-                                   [--rules dense,oracle,estimate8,quest,...]
+                                   [--rules dense,oracle,estimate8,quest,...] [--fixed]
+                                   [--calib self|other|code] [--reselect N] [--prune-stats]
 
 Each window of the pydoc text is run teacher-forced: the first context - decoded positions in
 one dense pass, then the last `decoded` one token per step with the rule's selection in every
@@ -103,6 +104,7 @@ class Rule:
                 s = (torch.einsum("hgd,hjtd->hgjt", qc, kb) + torch.einsum("hgd,hjd->hgj", qo, cen)[..., None]) * scale
             s = torch.where(vmask, s, neg)
             e = torch.logsumexp(s, -1)
+            self.last_e = e
             return e, e
         # Quest bound
         if self.quant:
@@ -112,6 +114,27 @@ class Rule:
         ub = torch.maximum(qh * mn[:, None], qh * mx[:, None]).sum(-1) * scale
         cen = torch.einsum("hgd,hjd->hgj", q, (mn + mx) / 2) * scale
         return ub, cen + cnt
+
+    def prune_stats(self, q, kb, valid, scale, rank, others, best, mand):
+        """How many blocks the Quest bound could rule out before their estimate is computed:
+        e_j <= ub_j + log n_j, so a block whose bound (relative to each query head's best
+        estimate, maxed over the group) is below the lowest kept score needs no estimate;
+        and the mass such blocks could have, from their bounds, against the estimated total."""
+        kv = torch.where(valid[None, :, :, None], kb, torch.nan)
+        mn, mx = kv.nan_to_num(float("inf")).amin(2), kv.nan_to_num(float("-inf")).amax(2)
+        qh = q[:, :, None]
+        ub = torch.maximum(qh * mn[:, None], qh * mx[:, None]).sum(-1) * scale + valid.sum(-1).float().log()
+        e = self.last_e  # [Hkv, G, nb]
+        rel_ub = (ub - e.amax(-1, keepdim=True)).amax(1)  # [Hkv, nb]
+        theta = rank[:, others].gather(1, best).amin(1, keepdim=True)
+        prunable = (rel_ub[:, others] < theta)
+        est_mass = torch.exp((e - e.amax(-1, keepdim=True)).double()).sum(-1)  # [Hkv, G]
+        tail = torch.where(prunable[:, None], torch.exp((ub - e.amax(-1, keepdim=True))[:, :, others].double()), 0.0).sum(-1)
+        st = self.__dict__.setdefault("pstats", [0, 0, 0.0, 0])
+        st[0] += int(prunable.sum())
+        st[1] += prunable.numel()
+        st[2] += float((tail / est_mass).max())
+        st[3] += 1
 
     def select(self, layer, q, k, scale, cap):
         """q [Hq, D], k [Hkv, L, D]: bool keep mask [Hkv, L]. With --reselect N a selection
@@ -161,11 +184,13 @@ class Rule:
         others = torch.nonzero(~mand)[:, 0]
         if keep > n_mand:
             best = rank[:, others].topk(keep - n_mand, dim=-1).indices
+            if STATE["prune"] and self.kind == "estimate":
+                self.prune_stats(q.view(Hkv, G, D), kb, valid, scale, rank, others, best, mand)
             mask[torch.arange(Hkv)[:, None], others[best]] = True
         return mask.repeat_interleave(BS, 1)[:, :L]
 
 
-STATE = {"rule": None, "cap": 0.6, "calibrating": [], "fixed": False, "reselect": 1}
+STATE = {"rule": None, "cap": 0.6, "calibrating": [], "fixed": False, "reselect": 1, "prune": False}
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -195,6 +220,7 @@ def main():
     ap.add_argument("--cap", type=float, default=0.6)
     ap.add_argument("--rules", default="dense,oracle,estimate8,quest,questq8,static8,static16,pca8,pca16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prune-stats", action="store_true", help="channel estimate: how many blocks the bound rules out")
     ap.add_argument("--reselect", type=int, default=1, help="a selection serves this many steps")
     ap.add_argument("--fixed", action="store_true", help="keep the cap's count (ranking alone compared)")
     ap.add_argument("--calib", default="self", choices=["self", "other", "code"],
@@ -219,6 +245,7 @@ def main():
     stride = (len(ids) - ctx) // max(1, args.docs)
     rules = [Rule(r) for r in args.rules.split(",")]
     STATE["cap"], STATE["fixed"], STATE["reselect"] = args.cap, args.fixed, args.reselect
+    STATE["prune"] = args.prune_stats
     calibrated = [r for r in rules if r.kind in ("static", "pca")]
     if args.calib != "self":
         assert 2 * stride + ctx <= len(ids) - 2048
@@ -265,6 +292,9 @@ def main():
                     f"  top-1 agreement {(lg.argmax(1) == base.argmax(1)).double().mean():.4f}")
         if r.total:
             row += f"  sparsity {1 - r.kept / r.total:.3f}"
+        if getattr(r, "pstats", None):
+            p = r.pstats
+            row += f"  prunable {p[0] / p[1]:.3f} of others, their bound mass {p[2] / p[3]:.3f} of the total (mean worst head)"
         print(row, flush=True)
 
 
