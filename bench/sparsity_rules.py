@@ -45,6 +45,18 @@ def qn(x, dims, bits=8):
     return torch.round(x / s) * s
 
 
+def block_min_max(kb, valid):
+    """Per-channel min and max of each block's valid keys: kb [Hkv, nb, BS, D] -> [Hkv, nb, D] each."""
+    kv = torch.where(valid[None, :, :, None], kb, torch.nan)
+    return kv.nan_to_num(float("inf")).amin(2), kv.nan_to_num(float("-inf")).amax(2)
+
+
+def quest_bound(q, mn, mx, scale):
+    """sum_d max(q_d mn_d, q_d mx_d), scaled: q [Hkv, G, D] -> [Hkv, G, nb]."""
+    qh = q[:, :, None]
+    return torch.maximum(qh * mn[:, None], qh * mx[:, None]).sum(-1) * scale
+
+
 class Rule:
     def __init__(self, name):
         self.name = name
@@ -74,8 +86,7 @@ class Rule:
         neg = torch.tensor(float("-inf"))
         vmask = valid[None, None]
         cnt = valid.sum(-1).float().log()[None, None]  # log token count per block, [1, 1, nb]
-        kv = torch.where(valid[None, :, :, None], kb, torch.nan)
-        mn, mx = kv.nan_to_num(float("inf")).amin(2), kv.nan_to_num(float("-inf")).amax(2)  # [Hkv, nb, D]
+        mn, mx = block_min_max(kb, valid)
         if self.kind in ("oracle", "estimate", "static", "pca"):
             if self.kind == "oracle":
                 s = torch.einsum("hgd,hjtd->hgjt", q, kb) * scale
@@ -103,27 +114,22 @@ class Rule:
                 s = (torch.einsum("hgd,hjtd->hgjt", qc, kb) + torch.einsum("hgd,hjd->hgj", qo, cen)[..., None]) * scale
             s = torch.where(vmask, s, neg)
             e = torch.logsumexp(s, -1)
-            self.last_e = e
             return e, e
         # Quest bound
         if self.quant:
             sc = torch.maximum(mn.abs(), mx.abs()).amax(-1, keepdim=True).clamp_min(1e-12) / (2 ** (self.quant - 1) - 1)
             mn, mx = torch.floor(mn / sc) * sc, torch.ceil(mx / sc) * sc
-        qh = q[:, :, None]  # [Hkv, G, 1, D]
-        ub = torch.maximum(qh * mn[:, None], qh * mx[:, None]).sum(-1) * scale
+        ub = quest_bound(q, mn, mx, scale)
         cen = torch.einsum("hgd,hjd->hgj", q, (mn + mx) / 2) * scale
         return ub, cen + cnt
 
-    def prune_stats(self, q, kb, valid, scale, rank, others, best, mand):
+    def prune_stats(self, q, kb, valid, scale, e, rank, others, best):
         """How many blocks the Quest bound could rule out before their estimate is computed:
         e_j <= ub_j + log n_j, so a block whose bound (relative to each query head's best
         estimate, maxed over the group) is below the lowest kept score needs no estimate;
-        and the mass such blocks could have, from their bounds, against the estimated total."""
-        kv = torch.where(valid[None, :, :, None], kb, torch.nan)
-        mn, mx = kv.nan_to_num(float("inf")).amin(2), kv.nan_to_num(float("-inf")).amax(2)
-        qh = q[:, :, None]
-        ub = torch.maximum(qh * mn[:, None], qh * mx[:, None]).sum(-1) * scale + valid.sum(-1).float().log()
-        e = self.last_e  # [Hkv, G, nb]
+        and the mass such blocks could have, from their bounds, against the estimated total.
+        e: the estimate's per-query-head log-masses [Hkv, G, nb]."""
+        ub = quest_bound(q, *block_min_max(kb, valid), scale) + valid.sum(-1).float().log()
         rel_ub = (ub - e.amax(-1, keepdim=True)).amax(1)  # [Hkv, nb]
         theta = rank[:, others].gather(1, best).amin(1, keepdim=True)
         prunable = (rel_ub[:, others] < theta)
@@ -156,9 +162,9 @@ class Rule:
         nb = (L + BS - 1) // BS
         kb = torch.nn.functional.pad(k, (0, 0, 0, nb * BS - L)).view(Hkv, nb, BS, D)
         valid = (torch.arange(nb * BS) < L).view(nb, BS)
-        rank, est = self.scores(layer, q.view(Hkv, G, D), kb, valid, scale)
+        head_rank, head_est = self.scores(layer, q.view(Hkv, G, D), kb, valid, scale)
         comb = lambda x: (x - x.amax(-1, keepdim=True)).amax(1)  # relative to each head's best, max over group
-        rank, est = comb(rank), comb(est)
+        rank, est = comb(head_rank), comb(head_est)
         mand = torch.zeros(nb, dtype=torch.bool)
         mand[:SINK] = True
         mand[max(0, nb - RECENT):] = True
@@ -184,7 +190,7 @@ class Rule:
         if keep > n_mand:
             best = rank[:, others].topk(keep - n_mand, dim=-1).indices
             if STATE["prune"] and self.kind == "estimate":
-                self.prune_stats(q.view(Hkv, G, D), kb, valid, scale, rank, others, best, mand)
+                self.prune_stats(q.view(Hkv, G, D), kb, valid, scale, head_est, rank, others, best)
             mask[torch.arange(Hkv)[:, None], others[best]] = True
         return mask.repeat_interleave(BS, 1)[:, :L]
 
