@@ -1,7 +1,7 @@
 // Dynamic block sparsity on the device (issue #5; docs/sparsity.md "CUDA").
 //
 // Per layer and decode step, four launches that need no host decision (CUDA graphs):
-//   1. score_mma_kernel (16-bit summaries; score_kernel for float32), a warp per (sequence,
+//   1. score_mma_kernel (int8-coded summaries of 16-bit KV; score_kernel for float32), a warp per (sequence,
 //      KV head, 8 to 32 blocks): per block and query head the Quest bound
 //      sum_d max(q_d mn_d, q_d mx_d) and the centre estimate q·(mn + mx) / 2, scaled, from
 //      the block's summary; the per-(sequence, query head) maxima by atomicMax.
@@ -74,50 +74,85 @@ __device__ __forceinline__ void others_range(const SparseSelect& a, int nb, int*
   *oe = max(*ob, nb - max(a.recent_blocks, 0));
 }
 
-// Where the summaries of (block, KV head) of this layer begin: a pool block's row of `summ`;
+// Summary rows, one per (block, layer, KV head) (k25_cuda.h, summary_row_bytes): float32 KV,
+// 2D floats; 16-bit KV, 2D int8 codes and a float scale: half the bytes of 16-bit minima and
+// maxima, which the selection reads in full every step.
+template <typename T>
+constexpr bool kCodedSummaries = !std::is_same_v<T, float>;
+template <typename T>
+__device__ __forceinline__ int64_t summary_row_bytes(int D) {
+  return kCodedSummaries<T> ? 2 * D + 16 : 2 * D * static_cast<int64_t>(sizeof(float));  // k25_cuda.h's
+}
+
+// Where the summary of (block, KV head) of this layer begins: a pool block's row of `summ`;
 // a cold one's row past the pool's (L2 slot s), or of cold_summaries (the step's cold entry j).
 template <typename T>
-__device__ __forceinline__ const T* summary_row(const SparseSelect& a, const T* summ, int block, int h, int D) {
+__device__ __forceinline__ const uint8_t* summary_row(const SparseSelect& a, const void* summ, int block, int h, int D) {
   int64_t row = block;
   if (is_cold_block(block)) {
     row = cold_slot_of(block);
     if (a.cold_summaries != nullptr) {
-      summ = static_cast<const T*>(a.cold_summaries);
+      summ = a.cold_summaries;
     } else {
       row += a.cold_summary_base;
     }
   }
-  return summ + ((row * a.num_layers + a.layer) * a.num_kv_heads + h) * 2 * D;
+  return static_cast<const uint8_t*>(summ) + ((row * a.num_layers + a.layer) * a.num_kv_heads + h) * summary_row_bytes<T>(D);
 }
 
 // ---- summaries ----------------------------------------------------------------------
 
+// A CTA per (sequence, KV head, z), a thread per channel (blockDim.x == head_dim).
 template <typename T>
-__global__ void summary_kernel(KVCache kv, int layer, T* __restrict__ summ, const int* query_start,
+__global__ void summary_kernel(KVCache kv, int layer, uint8_t* __restrict__ summ, const int* query_start,
                                const int* context_lens, const int* block_tables, int max_blocks) {
   pdl_wait();  // launched with launch_pdl: everything it reads may come from the kernel before
   pdl_trigger();
   const int s = blockIdx.x, h = blockIdx.y;
   const int q_len = query_start[s + 1] - query_start[s];
   const int ctx = context_lens[s];
-  if (q_len <= 0 || ctx <= 0) return;
-  const int bs = kv.block_size, D = kv.head_dim, Hkv = kv.num_kv_heads;
+  if (q_len <= 0 || ctx <= 0) return;  // uniform
+  const int bs = kv.block_size, D = kv.head_dim, Hkv = kv.num_kv_heads, d = threadIdx.x;
   const T* cache = static_cast<const T*>(kv.data);
   const int* table = block_tables + static_cast<int64_t>(s) * max_blocks;
+  __shared__ float wmax[32];
   for (int j = max(0, ctx - q_len) / bs + blockIdx.z; j <= (ctx - 1) / bs; j += gridDim.z) {
     const int64_t block = table[j];
     const int fill = min(bs, ctx - j * bs);
     const T* K = cache + (((block * kv.num_layers + layer) * 2) * Hkv + h) * static_cast<int64_t>(bs) * D;
-    T* out = summ + ((block * kv.num_layers + layer) * Hkv + h) * 2 * static_cast<int64_t>(D);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      float mn = INFINITY, mx = -INFINITY;
-      for (int t = 0; t < fill; ++t) {
-        const float k = to_f(K[static_cast<int64_t>(t) * D + d]);
-        mn = fminf(mn, k);
-        mx = fmaxf(mx, k);
+    uint8_t* out = summ + ((block * kv.num_layers + layer) * Hkv + h) * summary_row_bytes<T>(D);
+    float mn = INFINITY, mx = -INFINITY;
+    for (int t = 0; t < fill; ++t) {
+      const float k = to_f(K[static_cast<int64_t>(t) * D + d]);
+      mn = fminf(mn, k);
+      mx = fmaxf(mx, k);
+    }
+    if constexpr (!kCodedSummaries<T>) {
+      reinterpret_cast<float*>(out)[d] = mn;
+      reinterpret_cast<float*>(out)[D + d] = mx;
+    } else {
+      // The row's largest magnitude over the CTA's channels.
+      float m = fmaxf(fabsf(mn), fabsf(mx));
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      if (d % 32 == 0) wmax[d / 32] = m;
+      __syncthreads();
+      m = wmax[0];
+      for (int w = 1; w < D / 32; ++w) m = fmaxf(m, wmax[w]);
+      __syncthreads();  // wmax is rewritten by the next block's pass
+      // A hair over m / 127, so every code lies within [-127, 127] before the outward step.
+      const float scale = m > 0.0f && m < INFINITY ? m * (1.0f / 127.0f) * 1.000001f : 0.0f;
+      int lo = 0, hi = 0;
+      if (scale > 0.0f) {
+        lo = static_cast<int>(floorf(mn / scale));
+        hi = static_cast<int>(ceilf(mx / scale));
+        if (static_cast<float>(lo) * scale > mn) --lo;  // the division's rounding: one step out
+        if (static_cast<float>(hi) * scale < mx) ++hi;
+        lo = max(lo, -128);
+        hi = min(hi, 127);
       }
-      out[d] = from_f<T>(mn);
-      out[D + d] = from_f<T>(mx);
+      reinterpret_cast<int8_t*>(out)[d] = static_cast<int8_t>(lo);
+      reinterpret_cast<int8_t*>(out)[D + d] = static_cast<int8_t>(hi);
+      if (d == 0) *reinterpret_cast<float*>(out + 2 * D) = scale;
     }
   }
 }
@@ -179,6 +214,10 @@ __device__ __forceinline__ void flush_maxima(const uint32_t* smax, const SparseS
 template <int B>
 struct Bytes;
 template <>
+struct Bytes<2> {
+  using type = uint16_t;
+};
+template <>
 struct Bytes<4> {
   using type = uint32_t;
 };
@@ -193,12 +232,14 @@ struct Bytes<16> {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads)
-    score_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ summ, SparseSelect a, int run) {
+    score_kernel(const T* __restrict__ q, int64_t q_stride, const void* __restrict__ summ, SparseSelect a, int run) {
   pdl_wait();
   pdl_trigger();
   static_assert(D % 32 == 0, "a lane's channels");
   constexpr int C = D / 32;  // channels per lane
-  using V = typename Bytes<C * sizeof(T)>::type;
+  constexpr bool kCoded = kCodedSummaries<T>;
+  using E = std::conditional_t<kCoded, int8_t, float>;  // a stored minimum or maximum
+  using V = typename Bytes<C * sizeof(E)>::type;
   const ScoreTask w = score_task(a, run);
   if (!w.cta_has_work) return;  // uniform
   const int s = w.s, nb = w.nb, h = w.h, j0 = w.j0, lane = threadIdx.x % 32;
@@ -209,9 +250,7 @@ __global__ void __launch_bounds__(kScoreThreads)
     const int j1 = min(nb, j0 + run);
     const int my_block = lane < j1 - j0 ? a.block_tables[static_cast<int64_t>(s) * MB + j0 + lane] : 0;
     const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
-    auto summary_at = [&](int j) {
-      return summary_row(a, summ, __shfl_sync(0xffffffffu, my_block, j - j0), h, D) + lane * C;
-    };
+    auto row_at = [&](int j) { return summary_row<T>(a, summ, __shfl_sync(0xffffffffu, my_block, j - j0), h, D); };
     const int vi = lane / 4, vg = vi % kScorePass, centre = vi / kScorePass;  // this lane's value
     for (int g0 = 0; g0 < group; g0 += kScorePass) {
       float qp[kScorePass][C], qn[kScorePass][C];
@@ -228,30 +267,33 @@ __global__ void __launch_bounds__(kScoreThreads)
       const bool live = g0 + vg < group;
       float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + vg) * 2 * MB + centre * MB;
       uint32_t run_max = 0;
-      // Two blocks' loads in flight ahead of the math.
+      // Two blocks' loads in flight ahead of the math: this lane's minima and maxima, and
+      // (coded rows) the row's scale.
       V mn[2], mx[2];
+      float rs[2] = {1.0f, 1.0f};
+      auto load = [&](int i, int j) {
+        const uint8_t* row = row_at(j);
+        const E* p = reinterpret_cast<const E*>(row) + lane * C;
+        mn[i] = *reinterpret_cast<const V*>(p);
+        mx[i] = *reinterpret_cast<const V*>(p + D);
+        if constexpr (kCoded) rs[i] = *reinterpret_cast<const float*>(row + 2 * D);
+      };
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        if (j0 + i < j1) {
-          const T* p = summary_at(j0 + i);
-          mn[i] = *reinterpret_cast<const V*>(p);
-          mx[i] = *reinterpret_cast<const V*>(p + D);
-        }
+        if (j0 + i < j1) load(i, j0 + i);
       }
       for (int j = j0; j < j1; ++j) {
         const V cmn = mn[0], cmx = mx[0];
+        const float row_scale = rs[0];
         mn[0] = mn[1];
         mx[0] = mx[1];
-        if (j + 2 < j1) {
-          const T* p = summary_at(j + 2);
-          mn[1] = *reinterpret_cast<const V*>(p);
-          mx[1] = *reinterpret_cast<const V*>(p + D);
-        }
+        rs[0] = rs[1];
+        if (j + 2 < j1) load(1, j + 2);
         float lo[C], hi[C];
 #pragma unroll
         for (int k = 0; k < C; ++k) {
-          lo[k] = to_f(reinterpret_cast<const T*>(&cmn)[k]);
-          hi[k] = to_f(reinterpret_cast<const T*>(&cmx)[k]);
+          lo[k] = static_cast<float>(reinterpret_cast<const E*>(&cmn)[k]);
+          hi[k] = static_cast<float>(reinterpret_cast<const E*>(&cmx)[k]);
         }
         float x[2 * kScorePass];
 #pragma unroll
@@ -280,7 +322,7 @@ __global__ void __launch_bounds__(kScoreThreads)
         float r = (b2 ? z[1] : z[0]) + __shfl_xor_sync(0xffffffffu, b2 ? z[0] : z[1], 4);
         r += __shfl_xor_sync(0xffffffffu, r, 2);
         r += __shfl_xor_sync(0xffffffffu, r, 1);
-        const float val = (centre ? 0.5f * r : r) * a.scale;
+        const float val = (centre ? 0.5f * r : r) * (a.scale * row_scale);
         if (live) {
           run_max = max(run_max, order_bits(val));
           if (lane % 4 == 0) raw[j] = val;
@@ -292,29 +334,37 @@ __global__ void __launch_bounds__(kScoreThreads)
   flush_maxima(smax, a, s, Hq);
 }
 
-// The same two values on tensor cores, for 16-bit summaries: a warp per (KV head, run of
-// blocks, a multiple of 8), one m16n8k16 product per 8 blocks and 16 summary values. Rows of
-// A are coefficients: row g the bound's of query head g0 + g (q- against the minima, q+
-// against the maxima, so the row times the summary is u), row 8 + g its lower bound's (the
-// other way round: l); columns of B are the 8 blocks' summary rows (k = the 2D values, minima
-// then maxima). Lane (g, t) of a fragment holds block g's values 32c + 8t .. 32c + 8t + 7 of
-// each chunk c of 32 (one 16-byte load; a quad reads 64 contiguous bytes), the first four as
-// one k-step's b0 / b1 and the last four as the next's; the A fragments take the same k
-// order, which is free since the sum over k does not care. The C fragment then gives lane
-// (g, t) u and l of head g0 + g at blocks 2t and 2t + 1, so no shuffles per block. Products
-// of 16-bit values are exact in fp32; only the order of the fp32 sums differs from
-// score_kernel's. A tile's products run while the next tile's loads are in flight, in two
+// Codes `byte` and `byte + 1` of w (int8) as a pair of T, the lower first: exact, |code| <= 128.
+template <typename T>
+__device__ __forceinline__ uint32_t codes_pair(uint32_t w, int byte) {
+  return pack2<T>(static_cast<float>(static_cast<int8_t>(w >> (8 * byte))),
+                  static_cast<float>(static_cast<int8_t>(w >> (8 * byte + 8))));
+}
+
+// The same two values on tensor cores, for int8-coded summaries (16-bit KV): a warp per (KV
+// head, run of blocks, a multiple of 8), one m16n8k16 product per 8 blocks and 16 summary
+// codes. Rows of A are coefficients: row g the bound's of query head g0 + g (q- against the
+// minima, q+ against the maxima, so the row times the codes is u / scale), row 8 + g its lower
+// bound's (the other way round: l); columns of B are the 8 blocks' codes, converted to the
+// MMA's 16-bit type (exact: |code| <= 128) (k = the 2D codes, minima then maxima). Lane (g, t)
+// holds block g's codes 64m + 16t .. 64m + 16t + 15 of each run m of 64 (one 16-byte load; a
+// quad reads 64 contiguous bytes), four by four as four k-steps' b0 / b1; the A fragments take
+// the same k order, which is free since the sum over k does not care. The C fragment then gives
+// lane (g, t) u and l of head g0 + g at blocks 2t and 2t + 1, times those blocks' scales (from
+// the lanes that loaded them), so no shuffles per block beyond two. Products of 16-bit values
+// are exact in fp32; only the order of the fp32 sums differs from score_kernel's. A tile's products run while the next tile's loads are in flight, in two
 // accumulators (half the dependent chain), over runs of up to 32 blocks (B8 @ 128K, H200:
 // 104 -> 92 us; one tile at a time, one accumulator, runs of 16 before). (score_kernel, at
 // ~115 instructions per (block, KV head) and ~0.4 IPC, ran at a third of the summaries'
 // bandwidth: 191 us for 269 MB at B8 @ 128K.)
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads)
-    score_mma_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ summ, SparseSelect a, int run) {
+    score_mma_kernel(const T* __restrict__ q, int64_t q_stride, const void* __restrict__ summ, SparseSelect a, int run) {
   pdl_wait();
   pdl_trigger();
-  constexpr int kQuarter = D / 32;       // chunks of 32 channels in a head (of q, of the minima)
-  constexpr int kChunks = 2 * kQuarter;  // chunks of a summary row
+  static_assert(kCodedSummaries<T> && D % 64 == 0, "int8-coded rows of 64-channel runs");
+  constexpr int kHalf = D / 64;       // 16-byte loads of a lane in each half (minima, maxima) of a row
+  constexpr int kLoads = 2 * kHalf;
   const ScoreTask w = score_task(a, run);
   if (!w.cta_has_work) return;  // uniform
   const int s = w.s, nb = w.nb, h = w.h, j0 = w.j0, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -327,73 +377,86 @@ __global__ void __launch_bounds__(kScoreThreads)
     const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
     for (int g0 = 0; g0 < group; g0 += 8) {
       const bool live = g0 + g < group;
-      uint32_t qf[kChunks][2][4];  // A fragments: chunk, its two k-steps
+      uint32_t qf[kLoads][4][4];  // A fragments: load m, its four k-steps
       {
-        float qv[kQuarter][8];  // channels 32c + 8t .. 32c + 8t + 7 of head g0 + g (0: no head)
+        float qv[kHalf][16];  // channels 64m + 16t .. 64m + 16t + 15 of head g0 + g (0: no head)
 #pragma unroll
-        for (int c = 0; c < kQuarter; ++c) {
-          uint4 v = make_uint4(0, 0, 0, 0);
-          if (live) v = *reinterpret_cast<const uint4*>(qrow + (g0 + g) * D + 32 * c + 8 * t);
-          const T* e = reinterpret_cast<const T*>(&v);
+        for (int m = 0; m < kHalf; ++m) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) qv[c][i] = to_f(e[i]);
+          for (int x = 0; x < 2; ++x) {
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (live) v = *reinterpret_cast<const uint4*>(qrow + (g0 + g) * D + 64 * m + 16 * t + 8 * x);
+            const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) qv[m][8 * x + i] = to_f(e[i]);
+          }
         }
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          const bool maxima = c >= kQuarter;
+        for (int m = 0; m < kLoads; ++m) {
+          const bool maxima = m >= kHalf;
 #pragma unroll
-          for (int st = 0; st < 2; ++st) {
-            float u[4], l[4];  // coefficients of values 32c + 8t + 4st + i
+          for (int st = 0; st < 4; ++st) {
+            float u[4], l[4];  // coefficients of row values 64m + 16t + 4st + i
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              const float x = qv[c % kQuarter][4 * st + i];
+              const float x = qv[m % kHalf][4 * st + i];
               u[i] = maxima ? fmaxf(x, 0.0f) : fminf(x, 0.0f);
               l[i] = maxima ? fminf(x, 0.0f) : fmaxf(x, 0.0f);
             }
-            qf[c][st][0] = pack2<T>(u[0], u[1]);  // (g, 2t..): pairs with b0
-            qf[c][st][1] = pack2<T>(l[0], l[1]);  // (g + 8, 2t..)
-            qf[c][st][2] = pack2<T>(u[2], u[3]);  // (g, 2t + 8..): pairs with b1
-            qf[c][st][3] = pack2<T>(l[2], l[3]);
+            qf[m][st][0] = pack2<T>(u[0], u[1]);  // (g, 2t..): pairs with b0
+            qf[m][st][1] = pack2<T>(l[0], l[1]);  // (g + 8, 2t..)
+            qf[m][st][2] = pack2<T>(u[2], u[3]);  // (g, 2t + 8..): pairs with b1
+            qf[m][st][3] = pack2<T>(l[2], l[3]);
           }
         }
       }
       float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + g) * 2 * MB;
       uint32_t max_u = 0, max_c = 0;
-      // This lane's block of the tile at jt: its summary values (zeros past the run).
-      auto load_tile = [&](int jt, uint4(&b)[kChunks]) {
+      // This lane's block of the tile at jt: its 16-byte runs of codes and the row's scale
+      // (zeros past the run).
+      auto load_tile = [&](int jt, uint4(&b)[kLoads], float& sc) {
         if (jt + g < j1) {
-          const T* p = summary_row(a, summ, table[jt + g], h, D) + 8 * t;
+          const uint8_t* row = summary_row<T>(a, summ, table[jt + g], h, D);
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c) b[c] = *reinterpret_cast<const uint4*>(p + 32 * c);
+          for (int m = 0; m < kLoads; ++m) b[m] = *reinterpret_cast<const uint4*>(row + 64 * m + 16 * t);
+          sc = *reinterpret_cast<const float*>(row + 2 * D);
         } else {
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c) b[c] = make_uint4(0, 0, 0, 0);
+          for (int m = 0; m < kLoads; ++m) b[m] = make_uint4(0, 0, 0, 0);
+          sc = 0.0f;
         }
       };
-      uint4 next[kChunks];
-      load_tile(j0, next);
+      uint4 next[kLoads];
+      float next_sc;
+      load_tile(j0, next, next_sc);
       for (int jt = j0; jt < j1; jt += 8) {
-        uint4 b[kChunks];
+        uint4 b[kLoads];
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) b[c] = next[c];
-        if (jt + 8 < j1) load_tile(jt + 8, next);  // the next tile's loads in flight under this one's products
-        // Two accumulators (even and odd chunks): half the dependent chain of products.
+        for (int m = 0; m < kLoads; ++m) b[m] = next[m];
+        const float own_sc = next_sc;
+        if (jt + 8 < j1) load_tile(jt + 8, next, next_sc);  // the next tile's loads in flight under this one's products
+        // Two accumulators (even and odd k-steps): half the dependent chain of products.
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int c = 0; c < kChunks; c += 2) {
-          mma16816<T>(acc, qf[c][0], b[c].x, b[c].y);
-          mma16816<T>(acc2, qf[c + 1][0], b[c + 1].x, b[c + 1].y);
-          mma16816<T>(acc, qf[c][1], b[c].z, b[c].w);
-          mma16816<T>(acc2, qf[c + 1][1], b[c + 1].z, b[c + 1].w);
+        for (int m = 0; m < kLoads; ++m) {
+          const uint32_t wd[4] = {b[m].x, b[m].y, b[m].z, b[m].w};
+#pragma unroll
+          for (int st = 0; st < 4; ++st) {
+            mma16816<T>(st % 2 ? acc2 : acc, qf[m][st], codes_pair<T>(wd[st], 0), codes_pair<T>(wd[st], 2));
+          }
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
+        // The C fragment's blocks 2t and 2t + 1: their scales from the lanes that loaded them.
+        float sc[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) sc[i] = __shfl_sync(0xffffffffu, own_sc, 4 * (2 * t + i)) * a.scale;
         if (live) {
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             const int j = jt + 2 * t + i;
             if (j < j1) {
-              const float u = acc[i] * a.scale, c = 0.5f * (acc[i] + acc[2 + i]) * a.scale;
+              const float u = acc[i] * sc[i], c = 0.5f * (acc[i] + acc[2 + i]) * sc[i];
               raw[j] = u;
               raw[MB + j] = c;
               max_u = max(max_u, order_bits(u));
@@ -776,12 +839,12 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
     const int run = long_warps >= static_cast<int64_t>(sms) * warps_per_sm ? long_run : kScoreRunShort;
     const int tasks = Hkv * ((MB + run - 1) / run);
     launch_pdl(kernel, dim3((tasks + kScoreThreads / 32 - 1) / (kScoreThreads / 32), S), kScoreThreads, 0, stream,
-               static_cast<const T*>(q), q_stride, static_cast<const T*>(summaries), a, run);
+               static_cast<const T*>(q), q_stride, summaries, a, run);
   };
   if constexpr (std::is_same_v<T, float>) {
     launch_score(score_kernel<T, D>, kScoreRunLong, 32);
   } else {
-    // Tensor cores for 16-bit summaries (q rows 16-byte aligned, as the QKV buffer leaves
+    // Tensor cores for coded summaries (q rows 16-byte aligned, as the QKV buffer leaves
     // them); K25_SPARSE_SCORE_MMA=0 keeps the CUDA-core kernel (for comparisons).
     static const bool mma = [] {
       const char* env = std::getenv("K25_SPARSE_SCORE_MMA");
@@ -809,7 +872,7 @@ void update_block_summaries(DType t, KVCache kv, int32_t layer, void* summaries,
   // A decode touches one block per sequence; a prompt chunk many: spread those over z.
   const dim3 grid(num_seqs, kv.num_kv_heads, 8);
   K25_DISPATCH_DTYPE(t, (launch_pdl(summary_kernel<T>, grid, kv.head_dim, 0, stream, kv, layer,
-                                    static_cast<T*>(summaries), query_start, context_lens, block_tables,
+                                    static_cast<uint8_t*>(summaries), query_start, context_lens, block_tables,
                                     max_blocks)));
 }
 

@@ -141,8 +141,13 @@ int32_t decode_attention_wave(DType t, int32_t head_dim, int32_t group);
 // Query heads per KV head up to which decodes take the decode kernel.
 constexpr int32_t kDecodeMaxGroup = 8;
 // ---- Dynamic block sparsity on the device (block_sparsity.cu; docs/sparsity.md "CUDA") ----
-// Key summaries: [num_blocks][num_layers][num_kv_heads][min, max][head_dim] in the KV
-// dtype (the min and max of bf16 / fp16 keys are bf16 / fp16 values: exact).
+// Key summaries: bytes, [num_blocks][num_layers][num_kv_heads] rows of summary_row_bytes.
+// float32 KV: the keys' per-channel minima then maxima (2 x head_dim floats). 16-bit KV: their
+// int8 codes (minima rounded down, maxima up: the Quest bound stays a bound), then the row's
+// float scale (value = code x scale) and 12 bytes of padding: 2 x head_dim + 16 bytes.
+constexpr int64_t summary_row_bytes(DType t, int32_t head_dim) {
+  return t == DType::kF32 ? 8 * static_cast<int64_t>(head_dim) : 2 * static_cast<int64_t>(head_dim) + 16;
+}
 // Recomputes, for every block that this step's tokens wrote (positions [ctx - q_len, ctx)
 // of each sequence), its summary of `layer` from the keys in the cache (slots below the
 // block's fill only).

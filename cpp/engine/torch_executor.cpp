@@ -654,7 +654,7 @@ class TorchExecutor : public ModelExecutor {
     if (!sparse_ || !kv_.is_cuda() || cold_->device == nullptr) return;
     grow_cold_summaries();
     const int64_t slot = cold_slot(*cold_, cold_data);
-    const int64_t per = cuda_glue::block_summary_elems(layout_);
+    const int64_t per = cuda_glue::block_summary_bytes(layout_, model_->dtype());
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());  // before the step that rewrites the block's rows
     at::Tensor& sm = sparse_->device_summaries;
@@ -669,7 +669,7 @@ class TorchExecutor : public ModelExecutor {
   std::vector<float> cold_l3_summaries(int32_t block) override {
 #ifdef K25_WITH_CUDA
     if (!sparse_ || !kv_.is_cuda()) return {};
-    const int64_t per = cuda_glue::block_summary_elems(layout_);
+    const int64_t per = cuda_glue::block_summary_bytes(layout_, model_->dtype());
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());  // after the writes of the block's rows
     const at::Tensor row = sparse_->device_summaries.narrow(0, static_cast<int64_t>(block) * per, per);
@@ -934,7 +934,7 @@ class TorchExecutor : public ModelExecutor {
     if (!sparse_ || !kv_.is_cuda() || cold_->device == nullptr) return;
     const int64_t rows = static_cast<int64_t>(num_blocks_) + 1 + cold_->num_slots;
     at::Tensor& sm = sparse_->device_summaries;
-    if (sm.numel() >= rows * cuda_glue::block_summary_elems(layout_)) return;
+    if (sm.numel() >= rows * cuda_glue::block_summary_bytes(layout_, model_->dtype())) return;
     if (!graphs_.empty()) fail(ErrorCode::kInternal, "the block summaries cannot grow under captured CUDA graphs");
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());  // ordered with every summary update

@@ -434,20 +434,22 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
   check_launch("paged_attention");
 }
 
-int64_t block_summary_elems(const KVLayout& layout) {
-  return static_cast<int64_t>(layout.num_layers) * layout.num_kv_heads * 2 * layout.head_dim;
+int64_t block_summary_bytes(const KVLayout& layout, at::ScalarType kv_dtype) {
+  return static_cast<int64_t>(layout.num_layers) * layout.num_kv_heads *
+         cuda::summary_row_bytes(dtype_of(kv_dtype), layout.head_dim);
 }
 
-at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType dtype,
+at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType kv_dtype,
                                 const at::Device& device) {
-  const int64_t n = num_blocks * block_summary_elems(layout);
-  return at::zeros({n}, at::TensorOptions().dtype(dtype).device(device));
+  const int64_t n = num_blocks * block_summary_bytes(layout, kv_dtype);
+  return at::zeros({n}, at::TensorOptions().dtype(at::kByte).device(device));
 }
 
 void update_block_summaries(const at::Tensor& kv, const KVLayout& layout, int32_t layer, at::Tensor& summaries,
                             const DeviceBatch& b) {
-  need(summaries.scalar_type() == kv.scalar_type() && summaries.is_cuda() && summaries.is_contiguous(),
-       "block summaries: a contiguous CUDA tensor in the KV dtype");
+  need(summaries.scalar_type() == at::kByte && summaries.is_cuda() && summaries.is_contiguous() &&
+           summaries.numel() % block_summary_bytes(layout, kv.scalar_type()) == 0,
+       "block summaries: a contiguous CUDA byte tensor of make_block_summaries' rows");
   cuda::update_block_summaries(dtype_of(kv), cache_of(kv, layout), layer, summaries.data_ptr(),
                                b.query_start.data_ptr<int32_t>(), b.context_lens.data_ptr<int32_t>(),
                                b.block_tables.data_ptr<int32_t>(), b.max_blocks,
@@ -513,7 +515,7 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
   need(S <= x.num_seqs && b.max_blocks <= x.max_blocks && num_heads == x.num_heads &&
            layout.num_kv_heads == x.num_kv_heads,
        "sparse scratch smaller than the batch");
-  need(summaries.scalar_type() == qkv.scalar_type() && qkv.stride(1) == 1, "selection inputs");
+  need(summaries.scalar_type() == at::kByte && qkv.stride(1) == 1, "selection inputs");
   need(layer_stats.scalar_type() == at::kDouble && layer_stats.is_contiguous() &&
            layer_stats.numel() >= 4 * static_cast<int64_t>(layer + 1),
        "layer stats: float64 [num_layers, 4]");
@@ -556,12 +558,12 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
   }
   if (cold_summaries.defined()) {
     need(cold_summaries.is_cuda() && cold_summaries.is_contiguous() &&
-             cold_summaries.scalar_type() == summaries.scalar_type() &&
-             cold_summaries.numel() >= b.cold.num_slots * block_summary_elems(layout),
-         "staged cold entries' summaries: a row per entry, the summaries' dtype");
+             cold_summaries.scalar_type() == at::kByte &&
+             cold_summaries.numel() >= b.cold.num_slots * block_summary_bytes(layout, qkv.scalar_type()),
+         "staged cold entries' summaries: a row per entry, bytes");
     a.cold_summaries = cold_summaries.data_ptr();
   } else if (b.cold.data != nullptr) {
-    const int64_t per_block = block_summary_elems(layout);
+    const int64_t per_block = block_summary_bytes(layout, qkv.scalar_type());
     need(summaries.numel() >= (pool_blocks + b.cold.num_slots) * per_block && pool_blocks + b.cold.num_slots <= INT32_MAX,
          "block summaries without rows for the L2 slots (cold blocks)");
     a.cold_summary_base = static_cast<int32_t>(pool_blocks);

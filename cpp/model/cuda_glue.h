@@ -84,10 +84,11 @@ DeviceBatch make_batch(const at::Tensor& query_start, const at::Tensor& context_
 at::Tensor derived_split_counters(int32_t num_seqs, int32_t num_kv_heads, const at::Device& device);
 
 // Dynamic block sparsity on the device (cuda/block_sparsity.cu, docs/sparsity.md "CUDA").
-// Key summaries of every block: [num_blocks * layers * kv heads * 2 * head_dim] in the KV dtype.
-// Elements of one block's key summaries (min and max per layer, KV head and channel).
-int64_t block_summary_elems(const KVLayout& layout);
-at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType dtype,
+// Key summaries of every block: bytes (uint8), a row of cuda::summary_row_bytes per (block,
+// layer, KV head) (int8 codes and a scale for 16-bit KV, floats for float32).
+// Bytes of one block's key summaries (all its layers and KV heads).
+int64_t block_summary_bytes(const KVLayout& layout, at::ScalarType kv_dtype);
+at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType kv_dtype,
                                 const at::Device& device);
 // Recomputes the summaries of `layer` of every block this step's tokens wrote.
 void update_block_summaries(const at::Tensor& kv, const KVLayout& layout, int32_t layer, at::Tensor& summaries,
@@ -112,7 +113,7 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
 // blocks (batch.cold), the summaries of L2 slot s are block row pool_blocks + s, past the
 // KV pool's pool_blocks rows (TorchExecutor::grow_cold_summaries); with cold_summaries
 // defined (a staged step: cold blocks in L3, cold ids naming the step's cold entries), those
-// of cold entry j are its block row j (block_summary_elems each, the summaries' dtype).
+// of cold entry j are its block row j (block_summary_bytes each).
 DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t layer, const at::Tensor& summaries,
                           int64_t pool_blocks, const DeviceBatch& batch, int32_t num_heads, double scale,
                           const SparsityParams& p, SparseScratch& scratch, at::Tensor& layer_stats,

@@ -541,7 +541,7 @@ void LlamaModel::Pass::State::stage_cold_summaries() {
   // Entry j's rows at block j of cold_summ: an L3 block's from the host copy it took down
   // (TorchExecutor::cold_l3_summaries), an L2 block's from its slot's rows on the device.
   const at::Tensor& sm = sparse->device_summaries;
-  const int64_t per = cuda_glue::block_summary_elems(layout);
+  const int64_t per = cuda_glue::block_summary_bytes(layout, kv.scalar_type());
   const int64_t n = static_cast<int64_t>(meta.cold_blocks.size());
   const int64_t pool_blocks = kv.numel() / layout.block_elems();
   if (static_cast<int64_t>(meta.cold_summaries.size()) != n) {

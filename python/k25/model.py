@@ -311,10 +311,12 @@ class K25Model:
             # "Cold blocks on CUDA"; at most 32 MiB in all).
             workspace += 32 << 20
         if config.enable_dynamic_sparsity:
-            # Block summaries (min and max of the keys in the KV dtype) for every block, and
-            # the selection's scratch for max_batch_size (at least the largest CUDA-graph
-            # bucket's) sequences of max_seq_len (docs/sparsity.md "CUDA").
-            per_block += c["num_layers"] * c["num_kv_heads"] * 2 * c["head_dim"] * elem
+            # Block summaries (the keys' min and max: int8 codes and a scale for 16-bit KV,
+            # floats for float32) for every block, and the selection's scratch for
+            # max_batch_size (at least the largest CUDA-graph bucket's) sequences of
+            # max_seq_len (docs/sparsity.md "CUDA"; cuda::summary_row_bytes).
+            row = 8 * c["head_dim"] if elem == 4 else 2 * c["head_dim"] + 16
+            per_block += c["num_layers"] * c["num_kv_heads"] * row
             seqs = max(config.max_batch_size, 1 << (min(config.max_batch_size, 128) - 1).bit_length())
             hq, hkv = c["num_heads"], c["num_kv_heads"]
             workspace += seqs * (seq_blocks * (2 * hq + 2 * hkv + 1) * 4 + hkv * (1024 * 16 + 40) + hq * 8)

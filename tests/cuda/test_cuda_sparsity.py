@@ -1,6 +1,7 @@
 """Dynamic block sparsity on the device (cuda/block_sparsity.cu) against PyTorch.
 
-- Block summaries equal the per-channel min / max of each written block's keys (torch).
+- Block summaries equal the per-channel min / max of each written block's keys (torch): exactly
+  for float32 KV, as int8 codes rounded outward on the row's scale for 16-bit KV.
 - The selection equals a float64 PyTorch implementation of the documented device rule
   (docs/sparsity.md "CUDA": Quest bound ranks, centre estimate sizes, estimates quantised to
   1/32 nat) up to blocks whose quantum rounding differs; its invariants hold exactly
@@ -122,10 +123,18 @@ def build(seed, dtype, Hq, Hkv, D, bs, seqs, hot_frac=0.05, decode_splits=0):
     return call, buf, info, layout, kv
 
 
-def summaries_view(summ, layout, layer):
+def summaries_view(summ, layout, layer, dtype):
+    """The minima and maxima that the summaries of `layer` stand for, float32 [blocks, Hkv, D]
+    each, and the rows' scales ([blocks, Hkv, 1]; None for float32 rows, which hold the values).
+    16-bit KV: rows of 2D int8 codes and a float32 scale in 2D + 16 bytes."""
     L, Hkv, D, bs = layout
-    v = summ.view(-1, L, Hkv, 2, D)[:, layer]
-    return v[:, :, 0], v[:, :, 1]  # [blocks, Hkv, D] each
+    if dtype == torch.float32:
+        v = summ.view(torch.float32).view(-1, L, Hkv, 2, D)[:, layer]
+        return v[:, :, 0], v[:, :, 1], None
+    r = summ.view(-1, L, Hkv, 2 * D + 16)[:, layer]
+    codes = r[..., :2 * D].contiguous().view(torch.int8).float()
+    scale = r[..., 2 * D:2 * D + 4].contiguous().view(torch.float32)
+    return codes[..., :D] * scale, codes[..., D:] * scale, scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -135,18 +144,26 @@ def test_summaries_are_the_min_and_max_of_each_written_block(dtype, D, bs):
     seqs = [(1000, 1), (37, 37), (300, 20), (5, 5)]
     call, buf, info, layout, kv = build(D + bs, dtype, Hq, Hkv, D, bs, seqs)
     summ = cu.make_block_summaries(kv.numel() // (layout[0] * 2 * Hkv * bs * D), layout, kv)
-    summ.fill_(float("nan"))
+    summ.fill_(255)  # float32 rows NaN; 16-bit rows codes -1 and a NaN scale
     call.update_summaries(summ)
-    mn, mx = summaries_view(summ, layout, 1)
+    mn, mx, scale = summaries_view(summ, layout, 1, dtype)
     for s in info:
         ctx, qlen, table = s["ctx"], s["qlen"], s["table"]
         touched = range((ctx - qlen) // bs, (ctx - 1) // bs + 1)
         for j in range(len(table)):
             b = table[j]
             if j in touched:
-                keys = s["k"][j * bs:min(ctx, (j + 1) * bs)]  # [n, Hkv, D]
-                assert torch.equal(mn[b], keys.amin(0)), (j, ctx)
-                assert torch.equal(mx[b], keys.amax(0)), (j, ctx)
+                keys = s["k"][j * bs:min(ctx, (j + 1) * bs)].float()  # [n, Hkv, D]
+                lo, hi = keys.amin(0), keys.amax(0)
+                if scale is None:
+                    assert torch.equal(mn[b], lo) and torch.equal(mx[b], hi), (j, ctx)
+                    continue
+                # Codes on the row's scale (its largest magnitude / 127), rounded outward by at
+                # most two steps (the floor, then one step for the division's rounding).
+                top = torch.maximum(lo.abs(), hi.abs()).amax(-1, keepdim=True)
+                torch.testing.assert_close(scale[b], top / 127, rtol=1e-5, atol=0)
+                assert (mn[b] <= lo).all() and (mx[b] >= hi).all(), (j, ctx)
+                assert (mn[b] >= lo - 2 * scale[b]).all() and (mx[b] <= hi + 2 * scale[b]).all(), (j, ctx)
             else:
                 assert torch.isnan(mn[b]).all() and torch.isnan(mx[b]).all(), "a block the step did not write"
 
@@ -182,7 +199,7 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
                     want[pos[b]] += 1
         assert torch.equal(reads[i], want), f"sequence {i}: counted reads differ from its head tables"
     assert reads.sum().item() > 0
-    mn, mx = summaries_view(summ, layout, 1)
+    mn, mx, _ = summaries_view(summ, layout, 1, buf.dtype)
     row = 0
     mismatched = kept_total = sparse_heads = nb_sum = keep_sum = 0
     for i, s in enumerate(info):
