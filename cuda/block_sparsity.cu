@@ -22,6 +22,8 @@
 //      order; a dense sequence gets its table copied. The histograms, sums and maxima back
 //      to zero (many threads here; the count kernel's one CTA per sequence is the serial
 //      part).
+// On sm_90, 2 to 4 are one launch instead (choose_kernel, section "2-4 in one launch"): a CTA per
+// (sequence, KV head), a cluster per sequence, histograms in shared memory.
 // Quantised (1/32 nat) rather than sorted: the count and the ranking need only prefix sums
 // of a histogram, so a head's selection is a few passes over its blocks, spread over CTAs,
 // not a sort in one CTA (at batch 1 there are only num_kv_heads of those).
@@ -177,6 +179,7 @@ constexpr int kScoreThreads = 256;  // 8 warps
 constexpr int kScoreRunShort = 8, kScoreRunLong = 16;
 constexpr int kScorePass = 4;       // query heads per pass: 8 values, the reduce-scatter's 3 halvings
 constexpr int kScoreMmaRunLong = 32;  // score_mma_kernel's long runs: 4 tiles of 8 blocks
+static_assert(kScoreMmaRunLong <= 32, "score_mma_kernel: a lane holds each of a run's table entries");
 static_assert(kScoreRunLong <= 32 && 2 * kScorePass == 8, "score_kernel's lane mapping");
 
 // The score kernels' work split: CTA x of row s (the sequence) has kScoreThreads / 32 warps,
@@ -373,7 +376,9 @@ __global__ void __launch_bounds__(kScoreThreads)
   clear_maxima(smax, Hq);
   if (j0 < nb) {  // warp-uniform
     const int j1 = min(nb, j0 + run);
-    const int* table = a.block_tables + static_cast<int64_t>(s) * MB;
+    // The run's table entries, lane l block j0 + l (run <= 32), loaded once with q: a tile's
+    // summary loads then wait for one round trip, not for a table load and then theirs.
+    const int my_block = lane < j1 - j0 ? a.block_tables[static_cast<int64_t>(s) * MB + j0 + lane] : 0;
     const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
     for (int g0 = 0; g0 < group; g0 += 8) {
       const bool live = g0 + g < group;
@@ -415,8 +420,9 @@ __global__ void __launch_bounds__(kScoreThreads)
       // This lane's block of the tile at jt: its 16-byte runs of codes and the row's scale
       // (zeros past the run).
       auto load_tile = [&](int jt, uint4(&b)[kLoads], float& sc) {
+        const int block = __shfl_sync(0xffffffffu, my_block, (jt - j0 + g) % 32);  // every lane shuffles
         if (jt + g < j1) {
-          const uint8_t* row = summary_row<T>(a, summ, table[jt + g], h, D);
+          const uint8_t* row = summary_row<T>(a, summ, block, h, D);
 #pragma unroll
           for (int m = 0; m < kLoads; ++m) b[m] = *reinterpret_cast<const uint4*>(row + 64 * m + 16 * t);
           sc = *reinterpret_cast<const float*>(row + 2 * D);
@@ -482,6 +488,53 @@ __global__ void __launch_bounds__(kScoreThreads)
 
 constexpr int kBinThreads = 256;
 
+// Block j's mass n exp(es) (n keys, es its estimate relative to the best, maxed over the
+// group) in fixed point, 0 for NaN keys; its m log m (the entropy statistic) added to mlogm.
+__device__ __forceinline__ unsigned long long block_mass(int n, double log_n, float es, double& mlogm) {
+  float m = static_cast<float>(n) * expf(es);
+  if (!(m >= 0.0f && m <= static_cast<float>(n))) m = 0.0f;  // NaN keys
+  if (m > 0.0f) mlogm += static_cast<double>(m) * (static_cast<double>(es) + log_n);
+  return __double2ull_rn(static_cast<double>(m) * kMassUnit);
+}
+
+// Block j's keys of a sequence of nb blocks of bs, ctx keys, and their log (log_bs given:
+// only the last block's is computed).
+struct BlockKeys {
+  int n;
+  double log_n;
+};
+__device__ __forceinline__ BlockKeys block_keys(int j, int nb, int ctx, int bs, double log_bs) {
+  if (j != nb - 1) return {bs, log_bs};
+  const int n = ctx - (nb - 1) * bs;
+  return {n, log(static_cast<double>(n))};
+}
+
+// The CTA's sums of three per-thread values, in thread 0.
+template <int kThreads>
+__device__ __forceinline__ void cta_sums(unsigned long long& total, unsigned long long& covered, double& mlogm) {
+  for (int o = 16; o > 0; o >>= 1) {
+    total += __shfl_xor_sync(0xffffffffu, total, o);
+    covered += __shfl_xor_sync(0xffffffffu, covered, o);
+    mlogm += __shfl_xor_sync(0xffffffffu, mlogm, o);
+  }
+  __shared__ unsigned long long st[kThreads / 32][2];
+  __shared__ double sm[kThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    st[warp][0] = total;
+    st[warp][1] = covered;
+    sm[warp] = mlogm;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) {
+      total += st[w][0];
+      covered += st[w][1];
+      mlogm += sm[w];
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kBinThreads) bin_kernel(SparseSelect a) {
   pdl_wait();
   pdl_trigger();
@@ -489,7 +542,7 @@ __global__ void __launch_bounds__(kBinThreads) bin_kernel(SparseSelect a) {
   const int nb = eligible_blocks(a, s);
   const int j = blockIdx.x * kBinThreads + threadIdx.x;
   if (blockIdx.x * kBinThreads >= nb) return;
-  const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks, bs = a.block_size;
+  const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks;
   const int64_t sh = static_cast<int64_t>(s) * Hkv + h;
   unsigned long long total = 0, covered = 0;
   double mlogm = 0.0;
@@ -503,13 +556,9 @@ __global__ void __launch_bounds__(kBinThreads) bin_kernel(SparseSelect a) {
       es = fmaxf(es, raw[MB + j] - from_order_bits(mx[1]));
     }
     a.score[sh * MB + j] = sc;
-    const int ctx = a.context_lens[s];
-    const int n = j == nb - 1 ? ctx - (nb - 1) * bs : bs;
-    float m = static_cast<float>(n) * expf(es);
-    if (!(m >= 0.0f && m <= static_cast<float>(n))) m = 0.0f;  // NaN keys
-    const unsigned long long fixed = __double2ull_rn(static_cast<double>(m) * kMassUnit);
+    const BlockKeys k = block_keys(j, nb, a.context_lens[s], a.block_size, log(static_cast<double>(a.block_size)));
+    const unsigned long long fixed = block_mass(k.n, k.log_n, es, mlogm);
     total = fixed;
-    if (m > 0.0f) mlogm = static_cast<double>(m) * (static_cast<double>(es) + log(static_cast<double>(n)));
     int ob, oe;
     others_range(a, nb, &ob, &oe);
     if (j < ob || j >= oe) {
@@ -523,26 +572,8 @@ __global__ void __launch_bounds__(kBinThreads) bin_kernel(SparseSelect a) {
     }
   }
   // The CTA's sums, then one atomic each.
-  for (int o = 16; o > 0; o >>= 1) {
-    total += __shfl_xor_sync(0xffffffffu, total, o);
-    covered += __shfl_xor_sync(0xffffffffu, covered, o);
-    mlogm += __shfl_xor_sync(0xffffffffu, mlogm, o);
-  }
-  __shared__ unsigned long long st[kBinThreads / 32][2];
-  __shared__ double sm[kBinThreads / 32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    st[warp][0] = total;
-    st[warp][1] = covered;
-    sm[warp] = mlogm;
-  }
-  __syncthreads();
+  cta_sums<kBinThreads>(total, covered, mlogm);
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kBinThreads / 32; ++w) {
-      total += st[w][0];
-      covered += st[w][1];
-      mlogm += sm[w];
-    }
     atomicAdd(a.head_mass + 2 * sh, total);
     atomicAdd(a.head_mass + 2 * sh + 1, covered);
     atomicAdd(a.head_mlogm + sh, mlogm);
@@ -669,6 +700,63 @@ __device__ __forceinline__ Crossing find_crossing(const unsigned long long* val,
   return r;
 }
 
+// A KV head's need (one warp): the mandatory blocks plus the fewest others, best estimate
+// first, whose mass reaches mass_target of the total. lv, lc: the lane sums of its mass and
+// estimate-count histograms (lane_mass_sum, lane_count_sum).
+__device__ __forceinline__ int head_need(const SparseSelect& a, const unsigned long long* mass, const int* est,
+                                         unsigned long long lv, int lc, unsigned long long total,
+                                         unsigned long long covered, int nb, int n_mand) {
+  const unsigned long long want =
+      static_cast<unsigned long long>(ceil(static_cast<double>(a.mass_target) * static_cast<double>(total)));
+  if (covered >= want) return n_mand;
+  const Crossing c = find_crossing(mass, est, lv, lc, covered, want);
+  if (c.bin < 0) return nb;  // rounding: everything
+  // Within the crossing quantum, as many blocks as its mean mass says.
+  const double mean = static_cast<double>(c.val) / max(c.count, 1);
+  const double rest = static_cast<double>(want - covered - c.above);
+  const int k = min(c.count, max(1, static_cast<int>(ceil(rest / mean - 1e-9))));
+  return n_mand + c.count_above + k;
+}
+
+// What a head keeps (select's four values): keep blocks; sparse: the threshold quantum `bin`
+// of its score histogram and how many blocks of it (the others above it all kept).
+struct Pick {
+  int keep = 0, bin = kBins, in_bin = 0, sparse = 0;
+};
+
+// From the largest need of the sequence's heads, clamped so the skipped fraction lies in
+// [min_ratio, max_ratio], one head's pick (one warp; scr its score-count histogram).
+__device__ __forceinline__ Pick head_pick(const SparseSelect& a, int need, int nb, int n_mand, const int* scr,
+                                          const CountBins& score_bins) {
+  const int keep_min = static_cast<int>(ceil(nb * (1.0 - a.max_ratio) - 1e-9));
+  const int keep_max = static_cast<int>(floor(nb * (1.0 - a.min_ratio) + 1e-9));
+  Pick p;
+  p.keep = max(n_mand, min(max(need, keep_min), keep_max));
+  if (p.keep >= nb) {
+    p.keep = nb;
+    return p;
+  }
+  p.sparse = 1;
+  const int take = p.keep - n_mand;
+  if (take > 0) {  // else no other block: bin stays past the top
+    const Crossing c = count_crossing(scr, score_bins, take);
+    p.bin = c.bin;  // always found: take <= the others' count
+    p.in_bin = take - c.count_above;
+  }
+  return p;
+}
+
+// A sparse head's statistics (one thread): blocks, kept, one selection, entropy in bits.
+__device__ __forceinline__ void add_stats(const SparseSelect& a, int nb, int keep, unsigned long long total,
+                                          double mlogm) {
+  double* st = a.layer_stats;
+  atomicAdd(st, static_cast<double>(nb));
+  atomicAdd(st + 1, static_cast<double>(keep));
+  atomicAdd(st + 2, 1.0);
+  const double t = static_cast<double>(total) / kMassUnit;
+  if (t > 0) atomicAdd(st + 3, (log(t) - mlogm / t) / log(2.0));
+}
+
 __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSelect a) {
   pdl_wait();
   pdl_trigger();
@@ -688,55 +776,20 @@ __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSel
   const int lc = lane_count_sum(est);
   const CountBins score_bins = load_count_bins(scr);
   const unsigned long long total = a.head_mass[2 * sh], covered = a.head_mass[2 * sh + 1];
-  const unsigned long long want =
-      static_cast<unsigned long long>(ceil(static_cast<double>(a.mass_target) * static_cast<double>(total)));
-  int need = n_mand;
-  if (covered < want) {
-    const Crossing c = find_crossing(mass, est, lv, lc, covered, want);
-    if (c.bin < 0) {
-      need = nb;  // rounding: everything
-    } else {
-      // Within the crossing quantum, as many blocks as its mean mass says.
-      const double mean = static_cast<double>(c.val) / max(c.count, 1);
-      const double rest = static_cast<double>(want - covered - c.above);
-      const int k = min(c.count, max(1, static_cast<int>(ceil(rest / mean - 1e-9))));
-      need = n_mand + c.count_above + k;
-    }
-  }
+  const int need = head_need(a, mass, est, lv, lc, total, covered, nb, n_mand);
   __shared__ int needs[kMaxSparseKvHeads];
   if (lane == 0) needs[h] = need;
   __syncthreads();
-  int keep = n_mand;
-  for (int i = 0; i < Hkv; ++i) keep = max(keep, needs[i]);
-  const int keep_min = static_cast<int>(ceil(nb * (1.0 - a.max_ratio) - 1e-9));
-  const int keep_max = static_cast<int>(floor(nb * (1.0 - a.min_ratio) + 1e-9));
-  keep = max(n_mand, min(max(keep, keep_min), keep_max));
-  int* sel = a.select + 4 * sh;
-  if (keep >= nb) {
-    if (lane == 0) {
-      sel[0] = nb;
-      sel[3] = 0;
-    }
-  } else {
-    const int take = keep - n_mand;
-    int bin = kBins, in_bin = 0;  // take == 0: no other block
-    if (take > 0) {
-      const Crossing c = count_crossing(scr, score_bins, take);
-      bin = c.bin;  // always found: take <= the others' count
-      in_bin = take - c.count_above;
-    }
-    if (lane == 0) {
-      sel[0] = keep;
-      sel[1] = bin;
-      sel[2] = in_bin;
-      sel[3] = 1;
-      double* st = a.layer_stats;
-      atomicAdd(st, static_cast<double>(nb));
-      atomicAdd(st + 1, static_cast<double>(keep));
-      atomicAdd(st + 2, 1.0);
-      const double t = static_cast<double>(total) / kMassUnit;
-      if (t > 0) atomicAdd(st + 3, (log(t) - a.head_mlogm[sh] / t) / log(2.0));
-    }
+  int most = n_mand;
+  for (int i = 0; i < Hkv; ++i) most = max(most, needs[i]);
+  const Pick p = head_pick(a, most, nb, n_mand, scr, score_bins);
+  if (lane == 0) {
+    int* sel = a.select + 4 * sh;
+    sel[0] = p.keep;
+    sel[1] = p.bin;
+    sel[2] = p.in_bin;
+    sel[3] = p.sparse;
+    if (p.sparse) add_stats(a, nb, p.keep, total, a.head_mlogm[sh]);
   }
 }
 
@@ -744,17 +797,88 @@ __global__ void __launch_bounds__(32 * kMaxSparseKvHeads) count_kernel(SparseSel
 
 constexpr int kTableThreads = 512;
 
+// The head table of (s, h) and the sequence's kept keys (a CTA of kThreads): with p.sparse,
+// the kept blocks (mandatory, quantum above p.bin, and the lowest-numbered p.in_bin of it; bin_of(j)
+// block j's score quantum) in position order; else a copy of the table. The block reads
+// counted for a decode row.
+template <int kThreads, typename BinOf, int kBatch = 8>
+__device__ __forceinline__ void write_head_table(const SparseSelect& a, int s, int h, int nb, const Pick& p,
+                                                 BinOf bin_of) {
+  const int MB = a.max_blocks, bs = a.block_size;
+  const int64_t sh = static_cast<int64_t>(s) * a.num_kv_heads + h;
+  const int ctx = a.context_lens[s];
+  const int* table = a.block_tables + static_cast<int64_t>(s) * MB;
+  int* out = a.head_tables + sh * MB;
+  // The passes that read each block position (a decode row's; a prompt chunk predicts nothing).
+  int* reads = a.block_reads != nullptr && a.query_start[s + 1] - a.query_start[s] == 1
+                   ? a.block_reads + static_cast<int64_t>(s) * a.reads_stride
+                   : nullptr;
+  if (nb == 0 || !p.sparse) {
+    const int n = ctx > 0 ? (ctx + bs - 1) / bs : 0;
+    // kBatch loads before their stores: out may alias table as far as the compiler knows,
+    // so a load after a store would wait for the one before it (a round trip per entry).
+    for (int j0 = threadIdx.x; j0 < n; j0 += kBatch * kThreads) {
+      int v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) v[i] = j0 + i * kThreads < n ? table[j0 + i * kThreads] : 0;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int j = j0 + i * kThreads;
+        if (j >= n) break;
+        out[j] = v[i];
+        if (reads) atomicAdd(reads + j, 1);
+      }
+    }
+    if (h == 0 && threadIdx.x == 0) a.context_lens_out[s] = ctx;
+    return;
+  }
+  int ob, oe;
+  others_range(a, nb, &ob, &oe);
+  // Each thread a run of blocks in position order.
+  const int per = (nb + kThreads - 1) / kThreads;
+  const int lo = min(nb, static_cast<int>(threadIdx.x) * per), hi = min(nb, lo + per);
+  int ties = 0;
+  for (int j = lo; j < hi; ++j) ties += j >= ob && j < oe && bin_of(j) == p.bin;
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  int tie_rank;
+  Scan(tmp).ExclusiveSum(ties, tie_rank);
+  __syncthreads();
+  // Whether block j is kept; r counts this thread's threshold-quantum blocks so far.
+  auto kept_at = [&](int j, int& r) {
+    if (j < ob || j >= oe) return true;
+    const int b = bin_of(j);
+    return b > p.bin || (b == p.bin && r++ < p.in_bin);
+  };
+  int kept = 0;
+  for (int j = lo, r = tie_rank; j < hi; ++j) kept += kept_at(j, r);
+  int pos;
+  __syncthreads();  // the scan's storage is reused
+  Scan(tmp).ExclusiveSum(kept, pos);
+  for (int j0 = lo, r = tie_rank; j0 < hi; j0 += kBatch) {
+    int v[kBatch];  // loaded before the stores (above)
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) v[i] = j0 + i < hi ? table[j0 + i] : 0;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int j = j0 + i;
+      if (j >= hi) break;
+      if (!kept_at(j, r)) continue;
+      out[pos++] = v[i];
+      if (reads) atomicAdd(reads + j, 1);
+    }
+  }
+  if (h == 0 && threadIdx.x == 0) a.context_lens_out[s] = (p.keep - 1) * bs + (ctx - (nb - 1) * bs);
+}
+
 __global__ void __launch_bounds__(kTableThreads) table_kernel(SparseSelect a) {
   pdl_wait();
   pdl_trigger();
   const int h = blockIdx.x, s = blockIdx.y;
-  const int Hkv = a.num_kv_heads, MB = a.max_blocks, bs = a.block_size;
+  const int Hkv = a.num_kv_heads, MB = a.max_blocks;
   const int64_t sh = static_cast<int64_t>(s) * Hkv + h;
-  const int ctx = a.context_lens[s];
-  const int* table = a.block_tables + static_cast<int64_t>(s) * MB;
-  int* out = a.head_tables + sh * MB;
   const int nb = eligible_blocks(a, s);
-  const int* sel = a.select + 4 * sh;
+  Pick p;
   if (nb > 0) {
     // Back to zero for the next layer or step: the readers of the histograms, sums and
     // maxima (bin_kernel, count_kernel) are done.
@@ -773,51 +897,240 @@ __global__ void __launch_bounds__(kTableThreads) table_kernel(SparseSelect a) {
     for (int i = threadIdx.x; i < 2 * group; i += blockDim.x) {
       a.maxima[(static_cast<int64_t>(s) * a.num_heads + h * group) * 2 + i] = 0;
     }
+    const int* sel = a.select + 4 * sh;
+    p.keep = sel[0];
+    p.bin = sel[1];
+    p.in_bin = sel[2];
+    p.sparse = sel[3];
   }
-  // The passes that read each block position (a decode row's; a prompt chunk predicts nothing).
-  int* reads = a.block_reads != nullptr && a.query_start[s + 1] - a.query_start[s] == 1
-                   ? a.block_reads + static_cast<int64_t>(s) * a.reads_stride
-                   : nullptr;
-  if (nb == 0 || sel[3] == 0) {
-    const int n = ctx > 0 ? (ctx + bs - 1) / bs : 0;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-      out[j] = table[j];
-      if (reads) atomicAdd(reads + j, 1);
-    }
-    if (h == 0 && threadIdx.x == 0) a.context_lens_out[s] = ctx;
+  const float* score = a.score + sh * MB;
+  write_head_table<kTableThreads>(a, s, h, nb, p, [&](int j) { return quantum(score[j]); });
+}
+
+// ---- 2-4 in one launch (sm_90) -------------------------------------------------------------
+
+// choose_kernel: bin, count and table of one (sequence, KV head) per CTA, the sequence's KV
+// heads one thread-block cluster, which exchanges their needs through distributed shared
+// memory. The histograms and each block's score quantum stay in the CTA's shared memory, so
+// there are no global histogram atomics, no scratch to clear, and two launches fewer. Used
+// where the cluster fits (compute capability 9.0, at most 8 KV heads, max_blocks within
+// kChooseMaxBlocks); elsewhere the three kernels above.
+constexpr int kChooseThreads = 512;
+constexpr int kChooseMaxBlocks = 65536;  // 128 KB of score quanta (1M keys at block size 16)
+
+// Dynamic shared memory: the three histograms, then a uint16 score quantum per block.
+__host__ __device__ constexpr size_t choose_smem(int max_blocks) {
+  return static_cast<size_t>(kBins) * (8 + 4 + 4) + 2 * static_cast<size_t>(max_blocks);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// *p += x for a fixed-point mass in shared memory, as 32-bit atomics (a 64-bit add there is a
+// compare-and-swap loop): the low word, then the high word with the low word's carry. The
+// result is exact and independent of the order once every add is done.
+__device__ __forceinline__ void add_fixed(unsigned long long* p, unsigned long long x) {
+  unsigned* w = reinterpret_cast<unsigned*>(p);  // little-endian: low word first
+  const unsigned lo = static_cast<unsigned>(x), old = atomicAdd(w, lo);
+  const unsigned hi = static_cast<unsigned>(x >> 32) + (old + lo < old ? 1u : 0u);
+  if (hi != 0) atomicAdd(w + 1, hi);
+}
+
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+// The int at `p` in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ int load_cluster_int(const int* p, int rank) {
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t remote;
+  int v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.s32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
+  return v;
+}
+#endif
+
+__global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  pdl_wait();
+  pdl_trigger();
+  const int h = blockIdx.x, s = blockIdx.y;  // cluster (Hkv, 1): rank h
+  const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks, bs = a.block_size;
+  // The group's maxima (bound, centre) loaded with the sequence's lengths: one round trip.
+  __shared__ float best[2][kMaxSparseHeads];
+  __shared__ int need_of_head, pick[4];  // pick: keep, bin, in_bin, sparse
+  uint32_t* mx = a.maxima + (static_cast<int64_t>(s) * Hq + h * group) * 2;  // this CTA's alone
+  uint32_t my_max = 0;
+  if (threadIdx.x < 2 * group) my_max = mx[threadIdx.x];
+  const int nb = eligible_blocks(a, s);  // the same in the whole cluster: every barrier or none
+  if (nb == 0) {
+    write_head_table<kChooseThreads>(a, s, h, 0, Pick{}, [](int) { return 0; });
     return;
   }
-  const int keep = sel[0], bin = sel[1], in_bin = sel[2];
+  if (threadIdx.x < 2 * group) {
+    best[threadIdx.x % 2][threadIdx.x / 2] = from_order_bits(my_max);
+    mx[threadIdx.x] = 0;  // at rest for the next layer or step
+  }
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto* mass = reinterpret_cast<unsigned long long*>(smem);
+  int* est = reinterpret_cast<int*>(mass + kBins);
+  int* scr = est + kBins;
+  auto* qbin = reinterpret_cast<uint16_t*>(scr + kBins);
+  for (int b = threadIdx.x; b < kBins; b += kChooseThreads) {
+    mass[b] = 0;
+    est[b] = 0;
+    scr[b] = 0;
+  }
+  __syncthreads();
   int ob, oe;
   others_range(a, nb, &ob, &oe);
-  const float* score = a.score + sh * MB;
-  // Each thread a run of blocks in position order.
-  const int per = (nb + kTableThreads - 1) / kTableThreads;
-  const int lo = min(nb, threadIdx.x * per), hi = min(nb, lo + per);
-  int ties = 0;
-  for (int j = lo; j < hi; ++j) ties += j >= ob && j < oe && quantum(score[j]) == bin;
-  using Scan = cub::BlockScan<int, kTableThreads>;
-  __shared__ typename Scan::TempStorage tmp;
-  int tie_rank;
-  Scan(tmp).ExclusiveSum(ties, tie_rank);
-  __syncthreads();
-  // Whether block j is kept; r counts this thread's threshold-quantum blocks so far.
-  auto kept_at = [&](int j, int& r) {
-    if (j < ob || j >= oe) return true;
-    const int b = quantum(score[j]);
-    return b > bin || (b == bin && r++ < in_bin);
+  const int ctx = a.context_lens[s];
+  unsigned long long total = 0, covered = 0;
+  double mlogm = 0.0;
+  const double log_bs = log(static_cast<double>(bs));
+  const float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group) * 2 * MB;
+  const bool vec = MB % 4 == 0;  // rows 16-byte aligned
+  // Four blocks a chunk, a float4 of each head's bound and centre; two chunks a thread per
+  // pass, their loads issued together.
+  auto load4 = [&](int g, int j0, float(&uv)[4], float(&cv)[4]) {
+    const float* u = raw + static_cast<int64_t>(g) * 2 * MB + j0;
+    if (vec) {
+      const float4 x = *reinterpret_cast<const float4*>(u), y = *reinterpret_cast<const float4*>(u + MB);
+      uv[0] = x.x, uv[1] = x.y, uv[2] = x.z, uv[3] = x.w;
+      cv[0] = y.x, cv[1] = y.y, cv[2] = y.z, cv[3] = y.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uv[i] = j0 + i < nb ? u[i] : -INFINITY;
+        cv[i] = j0 + i < nb ? u[MB + i] : -INFINITY;
+      }
+    }
   };
-  int kept = 0;
-  for (int j = lo, r = tie_rank; j < hi; ++j) kept += kept_at(j, r);
-  int pos;
-  __syncthreads();  // the scan's storage is reused
-  Scan(tmp).ExclusiveSum(kept, pos);
-  for (int j = lo, r = tie_rank; j < hi; ++j) {
-    if (!kept_at(j, r)) continue;
-    out[pos++] = table[j];
-    if (reads) atomicAdd(reads + j, 1);
+  auto add_blocks = [&](int j0, const float(&sc)[4], const float(&es)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = j0 + i;
+      if (j >= nb) break;
+      const int bq = quantum(sc[i]);
+      qbin[j] = static_cast<uint16_t>(bq);
+      const BlockKeys k = block_keys(j, nb, ctx, bs, log_bs);
+      const unsigned long long fixed = block_mass(k.n, k.log_n, es[i], mlogm);
+      total += fixed;
+      if (j < ob || j >= oe) {
+        covered += fixed;
+      } else {
+        const int be = quantum(es[i]);
+        add_fixed(mass + be, fixed);
+        atomicAdd(est + be, 1);
+        atomicAdd(scr + bq, 1);
+      }
+    }
+  };
+  for (int j0 = 4 * threadIdx.x; j0 < nb; j0 += 8 * kChooseThreads) {
+    const int j1 = j0 + 4 * kChooseThreads;
+    const bool two = j1 < nb;
+    float sc[2][4], es[2][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sc[0][i] = sc[1][i] = es[0][i] = es[1][i] = -INFINITY;
+#pragma unroll 2
+    for (int g = 0; g < group; ++g) {
+      float uv[2][4], cv[2][4];
+      load4(g, j0, uv[0], cv[0]);
+      if (two) load4(g, j1, uv[1], cv[1]);
+      const float bu = best[0][g], bc = best[1][g];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sc[0][i] = fmaxf(sc[0][i], uv[0][i] - bu);
+        es[0][i] = fmaxf(es[0][i], cv[0][i] - bc);
+        if (two) {
+          sc[1][i] = fmaxf(sc[1][i], uv[1][i] - bu);
+          es[1][i] = fmaxf(es[1][i], cv[1][i] - bc);
+        }
+      }
+    }
+    add_blocks(j0, sc[0], es[0]);
+    if (two) add_blocks(j1, sc[1], es[1]);
   }
-  if (h == 0 && threadIdx.x == 0) a.context_lens_out[s] = (keep - 1) * bs + (ctx - (nb - 1) * bs);
+  cta_sums<kChooseThreads>(total, covered, mlogm);  // thread 0's; its barrier orders the histograms
+  const int n_mand = nb - (oe - ob);
+  if (threadIdx.x < 32) {
+    const unsigned long long lv = lane_mass_sum(mass);
+    const int lc = lane_count_sum(est);
+    const CountBins score_bins = load_count_bins(scr);
+    const unsigned long long t = __shfl_sync(0xffffffffu, total, 0), c = __shfl_sync(0xffffffffu, covered, 0);
+    const int need = head_need(a, mass, est, lv, lc, t, c, nb, n_mand);
+    if (threadIdx.x == 0) need_of_head = need;
+    cluster_sync_all();  // every head's need posted
+    // Lane r reads head r's need: the remote loads in parallel, then a max over the lanes.
+    int most = threadIdx.x < Hkv ? max(n_mand, load_cluster_int(&need_of_head, threadIdx.x)) : n_mand;
+    for (int o = 16; o > 0; o >>= 1) most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
+    cluster_arrive();  // done reading the others' shared memory; their exit waits for it
+    const Pick p = head_pick(a, most, nb, n_mand, scr, score_bins);
+    if (threadIdx.x == 0) {
+      pick[0] = p.keep;
+      pick[1] = p.bin;
+      pick[2] = p.in_bin;
+      pick[3] = p.sparse;
+      int* sel = a.select + 4 * (static_cast<int64_t>(s) * Hkv + h);
+      sel[0] = p.keep;
+      sel[1] = p.bin;
+      sel[2] = p.in_bin;
+      sel[3] = p.sparse;
+      if (p.sparse) add_stats(a, nb, p.keep, t, mlogm);
+    }
+  } else {
+    cluster_sync_all();
+    cluster_arrive();
+  }
+  __syncthreads();
+  Pick p;
+  p.keep = pick[0];
+  p.bin = pick[1];
+  p.in_bin = pick[2];
+  p.sparse = pick[3];
+  write_head_table<kChooseThreads>(a, s, h, nb, p, [&](int j) { return static_cast<int>(qbin[j]); });
+  cluster_wait();  // no CTA leaves while another may still read its need
+#endif
+}
+
+// choose_kernel where its cluster fits: compute capability 9.0 or later, at most 8 KV heads
+// (a portable cluster), max_blocks within kChooseMaxBlocks; K25_SPARSE_FUSED=0 (read at every
+// launch, for comparisons and tests) keeps the three kernels.
+bool use_choose(const SparseSelect& a) {
+  static const bool sm90 = [] {
+    int major = 0, dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    return major >= 9;
+  }();
+  const char* env = std::getenv("K25_SPARSE_FUSED");
+  return sm90 && !(env && std::strcmp(env, "0") == 0) && a.num_kv_heads <= 8 && a.max_blocks <= kChooseMaxBlocks;
+}
+
+// A cluster of the sequence's KV heads per sequence, with programmatic dependent launch as
+// launch_pdl sets it.
+void launch_choose(const SparseSelect& a, cudaStream_t stream) {
+  // Past 48 KB of dynamic shared memory only with the attribute (once: the device used first).
+  static const cudaError_t attr_set =
+      cudaFuncSetAttribute(choose_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(choose_smem(kChooseMaxBlocks)));
+  (void)attr_set;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(a.num_kv_heads, a.num_seqs);
+  cfg.blockDim = dim3(kChooseThreads);
+  cfg.dynamicSmemBytes = choose_smem(a.max_blocks);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = a.num_kv_heads;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 2 : 1;
+  // An error stays in cudaGetLastError() for the glue's check.
+  (void)cudaLaunchKernelEx(&cfg, choose_kernel, a);
 }
 
 template <typename T, int D>
@@ -858,9 +1171,13 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
       launch_score(score_kernel<T, D>, kScoreRunLong, 32);
     }
   }
-  launch_pdl(bin_kernel, dim3((MB + kBinThreads - 1) / kBinThreads, Hkv, S), kBinThreads, 0, stream, a);
-  launch_pdl(count_kernel, S, 32 * Hkv, 0, stream, a);
-  launch_pdl(table_kernel, dim3(Hkv, S), kTableThreads, 0, stream, a);
+  if (use_choose(a)) {
+    launch_choose(a, stream);
+  } else {
+    launch_pdl(bin_kernel, dim3((MB + kBinThreads - 1) / kBinThreads, Hkv, S), kBinThreads, 0, stream, a);
+    launch_pdl(count_kernel, S, 32 * Hkv, 0, stream, a);
+    launch_pdl(table_kernel, dim3(Hkv, S), kTableThreads, 0, stream, a);
+  }
 }
 
 }  // namespace

@@ -3,8 +3,9 @@ one selection, 8B attention shape, at B1 @ 8K, B1 @ 32K, B8 @ 32K and B8 @ 128K 
 cases given as BxL arguments). Diagnostic, not a benchmark. --plain B L runs three
 selections of one case without the profiler, for Nsight Compute. The selection's launches use
 programmatic dependent launch: a kernel starts before the one ahead of it ends and waits
-inside its own duration, so per-kernel times include that wait (count_kernel's 18 us at B8 @ 128K is
-probably mostly bin_kernel's tail; not yet measured apart); K25_PDL=0 gives each kernel's time alone:
+inside its own duration, so per-kernel times include that wait (count_kernel's 18 us at B8 @ 128K
+is 7.6 us alone); K25_PDL=0 gives each kernel's time alone. On sm_90 the last three steps are one
+launch (choose_kernel); K25_SPARSE_FUSED=0 shows the three kernels instead:
 
     python3 bench/gpu/profile_select.py [BxL ...]
     ncu --metrics gpu__time_duration.sum --kernel-name regex:"score|bin|count|table" \

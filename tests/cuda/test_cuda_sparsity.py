@@ -291,6 +291,36 @@ def test_selection_leaves_its_scratch_clean():
     assert stats[1, 2].item() == 2 * 2 * 2, "statistics add up over selections"
 
 
+@pytest.mark.parametrize("Hq,Hkv,D,seqs", [
+    (8, 2, 128, [(3000, 1), (40, 1), (2500, 1), (2000, 20)]),  # 157 blocks wide: rows not 16-byte aligned
+    (9, 3, 64, [(3000, 1)]),  # a cluster of 3
+    (32, 8, 128, [(9000, 1), (4001, 1), (2600, 1)]),  # a cluster of 8
+])
+def test_selection_in_one_launch_equals_the_three_kernels(monkeypatch, Hq, Hkv, D, seqs):
+    # On sm_90, bin, count and table run as one launch (choose_kernel: a cluster of the
+    # sequence's KV heads); K25_SPARSE_FUSED=0 runs bin_kernel, count_kernel and table_kernel.
+    # Both apply the same integer rule: the same tables, kept lengths and counts (entropy up to
+    # the summation order), each also checked against the float64 rule.
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the one-launch selection needs compute capability 9.0 (thread-block clusters)")
+    call, buf, info, layout, kv = build(17 + Hkv, torch.bfloat16, Hq, Hkv, D, 16, seqs, hot_frac=0.03)
+    got = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("K25_SPARSE_FUSED", fused)
+        stats = torch.zeros(2, 4, dtype=torch.float64, device="cuda")  # the calls select layer 1
+        tables, lens, heads = check_selection(call, buf, info, layout, kv, Hq, PARAMS["mass"], stats)
+        got[fused] = (tables, lens, heads, stats.cpu())
+    (t1, l1, h1, s1), (t0, l0, h0, s0) = got["1"], got["0"]
+    assert h1 == h0 > 0
+    assert torch.equal(l1, l0)
+    for i, s in enumerate(info):
+        nb, ctx = len(s["table"]), s["ctx"]
+        keep = (l1[i].item() - (ctx - (nb - 1) * 16)) // 16 + 1
+        assert torch.equal(t1[i, :, :keep], t0[i, :, :keep]), f"sequence {i}"
+    assert torch.equal(s1[1, :3], s0[1, :3])
+    torch.testing.assert_close(s1[1, 3], s0[1, 3], rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_selection_of_queries_in_rows_not_16_byte_aligned(dtype):
     # 16-bit scores run on tensor cores, which load q 16 bytes at a time; q rows that are not
