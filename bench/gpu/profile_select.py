@@ -7,11 +7,12 @@ inside its own duration, so per-kernel times include that wait (count_kernel's 1
 is 7.6 us alone); K25_PDL=0 gives each kernel's time alone. On sm_90 the last three steps are one
 launch (choose_kernel); K25_SPARSE_FUSED=0 shows the three kernels instead:
 
-    python3 bench/gpu/profile_select.py [BxL ...]
+    python3 bench/gpu/profile_select.py [--brief] [BxL ...]   (--brief: one line a case)
     ncu --metrics gpu__time_duration.sum --kernel-name regex:"score|bin|count|table" \
         --launch-skip 4 --launch-count 4 python3 bench/gpu/profile_select.py --plain 1 32768
 """
 import math
+import re
 import sys
 
 import torch
@@ -23,13 +24,29 @@ cu = _C.cuda_ops
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
+def kernel_times(prof, n):
+    """One line of the selection's kernels and their mean device time per selection (us)."""
+    out = []
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None)
+        if total is None:
+            total = e.cuda_time_total
+        name = re.search(r"\w+_kernel", e.key)
+        if total > 0 and name:
+            out.append((total / n, name.group(0)))
+    return ", ".join(f"{name} {t:.1f}" for t, name in sorted(out, reverse=True))
+
+
 def main():
-    plain = len(sys.argv) == 4 and sys.argv[1] == "--plain"
+    args = sys.argv[1:]
+    brief = "--brief" in args
+    args = [a for a in args if a != "--brief"]
+    plain = len(args) == 3 and args[0] == "--plain"
     if plain:
-        cases = [(int(sys.argv[2]), int(sys.argv[3]))]
+        cases = [(int(args[1]), int(args[2]))]
     else:
-        cases = [tuple(int(x) for x in c.split("x")) for c in sys.argv[1:]] or [(1, 8192), (1, 32768), (8, 32768),
-                                                                                (8, 131072)]
+        cases = [tuple(int(x) for x in c.split("x")) for c in args] or [(1, 8192), (1, 32768), (8, 32768),
+                                                                        (8, 131072)]
     for B, L in cases:
         layout = (1, HKV, D, PAGE)
         nb = L // PAGE
@@ -53,6 +70,9 @@ def main():
             for _ in range(10):
                 call.select(q, summ, stats, **p)
             torch.cuda.synchronize()
+        if brief:
+            print(f"B{B} @ {L // 1024}K, us per selection: {kernel_times(prof, 10)}")
+            continue
         print(f"B{B} @ {L // 1024}K, 10 selections:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
 
