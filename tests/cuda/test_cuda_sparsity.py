@@ -308,7 +308,12 @@ def test_selection_in_one_launch_equals_the_three_kernels(monkeypatch, Hq, Hkv, 
     for fused in ("1", "0"):
         monkeypatch.setenv("K25_SPARSE_FUSED", fused)
         stats = torch.zeros(2, 4, dtype=torch.float64, device="cuda")  # the calls select layer 1
-        tables, lens, heads = check_selection(call, buf, info, layout, kv, Hq, PARAMS["mass"], stats)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            tables, lens, heads = check_selection(call, buf, info, layout, kv, Hq, PARAMS["mass"], stats)
+            torch.cuda.synchronize()
+        launched = {e.key for e in prof.key_averages()}
+        assert any("choose_kernel" in k for k in launched) == (fused == "1"), "the launch the variable selects"
+        assert any("count_kernel" in k for k in launched) == (fused == "0")
         got[fused] = (tables, lens, heads, stats.cpu())
     (t1, l1, h1, s1), (t0, l0, h0, s0) = got["1"], got["0"]
     assert h1 == h0 > 0
