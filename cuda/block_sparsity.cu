@@ -30,8 +30,6 @@
 #include <cub/block/block_scan.cuh>
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "common.cuh"
@@ -1071,11 +1069,6 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
       pick[1] = p.bin;
       pick[2] = p.in_bin;
       pick[3] = p.sparse;
-      int* sel = a.select + 4 * (static_cast<int64_t>(s) * Hkv + h);
-      sel[0] = p.keep;
-      sel[1] = p.bin;
-      sel[2] = p.in_bin;
-      sel[3] = p.sparse;
       if (p.sparse) add_stats(a, nb, p.keep, t, mlogm);
     }
   } else {
@@ -1097,40 +1090,19 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
 // (a portable cluster), max_blocks within kChooseMaxBlocks; K25_SPARSE_FUSED=0 (read at every
 // launch, for comparisons and tests) keeps the three kernels.
 bool use_choose(const SparseSelect& a) {
-  static const bool sm90 = [] {
-    int major = 0, dev = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    return major >= 9;
-  }();
-  const char* env = std::getenv("K25_SPARSE_FUSED");
-  return sm90 && !(env && std::strcmp(env, "0") == 0) && a.num_kv_heads <= 8 && a.max_blocks <= kChooseMaxBlocks;
+  return device_compute_major() >= 9 && !env_is_zero("K25_SPARSE_FUSED") && a.num_kv_heads <= 8 &&
+         a.max_blocks <= kChooseMaxBlocks;
 }
 
-// A cluster of the sequence's KV heads per sequence, with programmatic dependent launch as
-// launch_pdl sets it.
+// A cluster of the sequence's KV heads per sequence.
 void launch_choose(const SparseSelect& a, cudaStream_t stream) {
   // Past 48 KB of dynamic shared memory only with the attribute (once: the device used first).
   static const cudaError_t attr_set =
       cudaFuncSetAttribute(choose_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(choose_smem(kChooseMaxBlocks)));
   (void)attr_set;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.num_kv_heads, a.num_seqs);
-  cfg.blockDim = dim3(kChooseThreads);
-  cfg.dynamicSmemBytes = choose_smem(a.max_blocks);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = a.num_kv_heads;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 2 : 1;
-  // An error stays in cudaGetLastError() for the glue's check.
-  (void)cudaLaunchKernelEx(&cfg, choose_kernel, a);
+  launch_pdl_clusters(choose_kernel, dim3(a.num_kv_heads, a.num_seqs), kChooseThreads, choose_smem(a.max_blocks),
+                      stream, static_cast<unsigned>(a.num_kv_heads), a);
 }
 
 template <typename T, int D>
@@ -1159,10 +1131,7 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
   } else {
     // Tensor cores for coded summaries (q rows 16-byte aligned, as the QKV buffer leaves
     // them); K25_SPARSE_SCORE_MMA=0 keeps the CUDA-core kernel (for comparisons).
-    static const bool mma = [] {
-      const char* env = std::getenv("K25_SPARSE_SCORE_MMA");
-      return !(env && std::strcmp(env, "0") == 0);
-    }();
+    static const bool mma = !env_is_zero("K25_SPARSE_SCORE_MMA");
     const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && q_stride % 8 == 0;
     if (mma && aligned) {
       // Its long runs keep the next tile's loads under this one's products.

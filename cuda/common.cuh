@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cfloat>
+#include <utility>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -335,29 +336,53 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// Whether the environment variable `name` is set to "0" (the kernels' A/B switches, read
+// where they are used).
+bool env_is_zero(const char* name);
+
+// The current device's compute capability major (looked up once per device; 0 on error).
+int device_compute_major();
+
 // Whether launch_pdl sets the attribute: the current device has compute capability 9.0
 // or later and the environment variable K25_PDL is not "0" (read at every launch, so A/B
 // runs need no rebuild; CUDA graphs keep what was set when they were captured).
 bool pdl_enabled();
 
 // kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization
-// when pdl_enabled(). Only for kernels that call pdl_wait() before touching anything an
+// when pdl_enabled(), and with cluster_x > 0 as thread-block clusters of cluster_x CTAs
+// along x (sm_90). Only for kernels that call pdl_wait() before touching anything an
 // earlier kernel writes or reads.
 template <typename... Params, typename... Args>
-void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                Args&&... args) {
+void launch_pdl_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                         unsigned cluster_x, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (cluster_x > 0) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = n;
   // An error stays in cudaGetLastError() for the glue's check.
   (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
+  launch_pdl_clusters(kernel, grid, block, smem, stream, 0u, std::forward<Args>(args)...);
 }
 
 }  // namespace k25::cuda
