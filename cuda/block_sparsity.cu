@@ -2,7 +2,7 @@
 //
 // Per layer and decode step, four launches that need no host decision (CUDA graphs):
 //   1. score_mma_kernel (int8-coded summaries of 16-bit KV; score_kernel for float32), a warp per (sequence,
-//      KV head, 8 to 32 blocks): per block and query head the Quest bound
+//      KV head, run of blocks): per block and query head the Quest bound
 //      sum_d max(q_d mn_d, q_d mx_d) and the centre estimate q·(mn + mx) / 2, scaled, from
 //      the block's summary; the per-(sequence, query head) maxima by atomicMax.
 //   2. bin_kernel (CTAs over (sequence, KV head, 256 blocks)): relative to each query
@@ -176,8 +176,6 @@ constexpr int kScoreThreads = 256;  // 8 warps
 // flight (B1 @ 32K: 11.5 us, 13.6 with 16).
 constexpr int kScoreRunShort = 8, kScoreRunLong = 16;
 constexpr int kScorePass = 4;       // query heads per pass: 8 values, the reduce-scatter's 3 halvings
-constexpr int kScoreMmaRunLong = 32;  // score_mma_kernel's long runs: 4 tiles of 8 blocks
-static_assert(kScoreMmaRunLong <= 32, "score_mma_kernel: a lane holds each of a run's table entries");
 static_assert(kScoreRunLong <= 32 && 2 * kScorePass == 8, "score_kernel's lane mapping");
 
 // The score kernels' work split: CTA x of row s (the sequence) has kScoreThreads / 32 warps,
@@ -335,29 +333,40 @@ __global__ void __launch_bounds__(kScoreThreads)
   flush_maxima(smax, a, s, Hq);
 }
 
-// Codes `byte` and `byte + 1` of w (int8) as a pair of T, the lower first: exact, |code| <= 128.
-template <typename T>
-__device__ __forceinline__ uint32_t codes_pair(uint32_t w, int byte) {
-  return pack2<T>(static_cast<float>(static_cast<int8_t>(w >> (8 * byte))),
-                  static_cast<float>(static_cast<int8_t>(w >> (8 * byte + 8))));
+// Codes `byte` and `byte + 1` of x = w ^ 0x80808080 (each code + 128, unsigned) as a half2, the
+// lower first: the bytes under an fp16 exponent of 2^10 (1024 + u, exact) by one byte
+// permute, less 1152 by one half2 subtraction (exact: integers below 2048). Two codes in two
+// full-rate instructions instead of two int-to-float conversions and a pack.
+__device__ __forceinline__ uint32_t codes_pair_h(uint32_t x, int byte) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(0x64646464u), "r"(byte == 0 ? 0x5150u : 0x5352u));
+  const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&r), __half2half2(__ushort_as_half(0x6480)));  // 1152
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // The same two values on tensor cores, for int8-coded summaries (16-bit KV): a warp per (KV
-// head, run of blocks, a multiple of 8), one m16n8k16 product per 8 blocks and 16 summary
+// head, run of blocks, a multiple of 8), one m16n8k16 fp16 product per 8 blocks and 16 summary
 // codes. Rows of A are coefficients: row g the bound's of query head g0 + g (q- against the
 // minima, q+ against the maxima, so the row times the codes is u / scale), row 8 + g its lower
-// bound's (the other way round: l); columns of B are the 8 blocks' codes, converted to the
-// MMA's 16-bit type (exact: |code| <= 128) (k = the 2D codes, minima then maxima). Lane (g, t)
-// holds block g's codes 64m + 16t .. 64m + 16t + 15 of each run m of 64 (one 16-byte load; a
-// quad reads 64 contiguous bytes), four by four as four k-steps' b0 / b1; the A fragments take
-// the same k order, which is free since the sum over k does not care. The C fragment then gives
-// lane (g, t) u and l of head g0 + g at blocks 2t and 2t + 1, times those blocks' scales (from
-// the lanes that loaded them), so no shuffles per block beyond two. Products of 16-bit values
-// are exact in fp32; only the order of the fp32 sums differs from score_kernel's. A tile's products run while the next tile's loads are in flight, in two
-// accumulators (half the dependent chain), over runs of up to 32 blocks (B8 @ 128K, H200:
-// 104 -> 92 us; one tile at a time, one accumulator, runs of 16 before). (score_kernel, at
-// ~115 instructions per (block, KV head) and ~0.4 IPC, ran at a third of the summaries'
-// bandwidth: 191 us for 269 MB at B8 @ 128K.)
+// bound's (the other way round: l); columns of B are the 8 blocks' codes as fp16 (codes_pair_h,
+// exact) (k = the 2D codes, minima then maxima). Lane (g, t) holds block g's codes
+// 64m + 16t .. 64m + 16t + 15 of each run m of 64 (one 16-byte load; a quad reads 64 contiguous
+// bytes), four by four as four k-steps' b0 / b1; the A fragments take the same k order, which is
+// free since the sum over k does not care. The C fragment then gives lane (g, t) u and l of head
+// g0 + g at blocks 2t and 2t + 1, times those blocks' scales (from the lanes that loaded them),
+// so no shuffles per block beyond two. The query goes in as fp16 whatever T, times the power of
+// two that puts the pass's largest |q| in [2^14, 2^15) (undone with the scale): a bf16 value is
+// exact there down to 2^-28 of that largest. Products of 16-bit values are exact in fp32; only
+// the order of the fp32 sums differs from score_kernel's. A tile's products run while the next
+// tile's loads are in flight, in two accumulators (half the dependent chain). Runs are as long
+// as still give every SM 16 warps (launch_select), so a warp's fixed work (the query's
+// fragments) is spread over many tiles: B8 @ 128K 256 blocks a warp, one wave.
+// Same-call A/B on an H100 (2026-12-05, session 28; bench/RESULTS.md), score alone at
+// B8 @ 128K / B8 @ 32K: 74.8 / 19.5 us with runs of 32 and the codes converted through fp32
+// (I2F and a pack); 62.6 / 15.9 with the long runs; 73.0 / 17.4 with the byte-permute
+// conversion; 62.2 / 13.3 with both. Two tiles of loads in flight instead of one: slower (79.7).
+// (score_kernel, at ~115 instructions per (block, KV head) and ~0.4 IPC, ran at a third of the
+// summaries' bandwidth: 191 us for 269 MB at B8 @ 128K.)
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads)
     score_mma_kernel(const T* __restrict__ q, int64_t q_stride, const void* __restrict__ summ, SparseSelect a, int run) {
@@ -374,13 +383,12 @@ __global__ void __launch_bounds__(kScoreThreads)
   clear_maxima(smax, Hq);
   if (j0 < nb) {  // warp-uniform
     const int j1 = min(nb, j0 + run);
-    // The run's table entries, lane l block j0 + l (run <= 32), loaded once with q: a tile's
-    // summary loads then wait for one round trip, not for a table load and then theirs.
-    const int my_block = lane < j1 - j0 ? a.block_tables[static_cast<int64_t>(s) * MB + j0 + lane] : 0;
+    const int* tab = a.block_tables + static_cast<int64_t>(s) * MB;
     const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
     for (int g0 = 0; g0 < group; g0 += 8) {
       const bool live = g0 + g < group;
       uint32_t qf[kLoads][4][4];  // A fragments: load m, its four k-steps
+      float inv_qscale;
       {
         float qv[kHalf][16];  // channels 64m + 16t .. 64m + 16t + 15 of head g0 + g (0: no head)
 #pragma unroll
@@ -394,6 +402,20 @@ __global__ void __launch_bounds__(kScoreThreads)
             for (int i = 0; i < 8; ++i) qv[m][8 * x + i] = to_f(e[i]);
           }
         }
+        // fp16 products whatever T: the query scaled by a power of two that puts the pass's
+        // largest |q| in [2^14, 2^15) (a bf16 q is then exact in fp16 down to 2^-28 of it).
+        float mabs = 0.0f;
+#pragma unroll
+        for (int m = 0; m < kHalf; ++m) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) mabs = fmaxf(mabs, fabsf(qv[m][i]));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mabs = fmaxf(mabs, __shfl_xor_sync(0xffffffffu, mabs, o));
+        int e = 0;
+        if (mabs > 0.0f && mabs < INFINITY) e = min(126, max(-126, 14 - ((__float_as_int(mabs) >> 23) - 127)));
+        const float qscale = __int_as_float((127 + e) << 23);
+        inv_qscale = __int_as_float((127 - e) << 23);
 #pragma unroll
         for (int m = 0; m < kLoads; ++m) {
           const bool maxima = m >= kHalf;
@@ -402,14 +424,14 @@ __global__ void __launch_bounds__(kScoreThreads)
             float u[4], l[4];  // coefficients of row values 64m + 16t + 4st + i
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              const float x = qv[m % kHalf][4 * st + i];
+              const float x = qv[m % kHalf][4 * st + i] * qscale;
               u[i] = maxima ? fmaxf(x, 0.0f) : fminf(x, 0.0f);
               l[i] = maxima ? fminf(x, 0.0f) : fmaxf(x, 0.0f);
             }
-            qf[m][st][0] = pack2<T>(u[0], u[1]);  // (g, 2t..): pairs with b0
-            qf[m][st][1] = pack2<T>(l[0], l[1]);  // (g + 8, 2t..)
-            qf[m][st][2] = pack2<T>(u[2], u[3]);  // (g, 2t + 8..): pairs with b1
-            qf[m][st][3] = pack2<T>(l[2], l[3]);
+            qf[m][st][0] = pack2<__half>(u[0], u[1]);  // (g, 2t..): pairs with b0
+            qf[m][st][1] = pack2<__half>(l[0], l[1]);  // (g + 8, 2t..)
+            qf[m][st][2] = pack2<__half>(u[2], u[3]);  // (g, 2t + 8..): pairs with b1
+            qf[m][st][3] = pack2<__half>(l[2], l[3]);
           }
         }
       }
@@ -417,8 +439,14 @@ __global__ void __launch_bounds__(kScoreThreads)
       uint32_t max_u = 0, max_c = 0;
       // This lane's block of the tile at jt: its 16-byte runs of codes and the row's scale
       // (zeros past the run).
+      // The run's table entries 32 at a time, lane l block cb + l of this chunk (tab_cur) and
+      // of the next (tab_nxt, loaded a chunk ahead): a tile's summary loads then wait for one
+      // round trip, not for a table load and then theirs.
+      int cb = j0;
+      int tab_cur = j0 + lane < j1 ? tab[j0 + lane] : 0, tab_nxt = j0 + 32 + lane < j1 ? tab[j0 + 32 + lane] : 0;
       auto load_tile = [&](int jt, uint4(&b)[kLoads], float& sc) {
-        const int block = __shfl_sync(0xffffffffu, my_block, (jt - j0 + g) % 32);  // every lane shuffles
+        const int r = jt - cb + g;  // r < 32 is warp-uniform (jt - cb a multiple of 8, g < 8)
+        const int block = __shfl_sync(0xffffffffu, r < 32 ? tab_cur : tab_nxt, r % 32);  // every lane shuffles
         if (jt + g < j1) {
           const uint8_t* row = summary_row<T>(a, summ, block, h, D);
 #pragma unroll
@@ -434,6 +462,11 @@ __global__ void __launch_bounds__(kScoreThreads)
       float next_sc;
       load_tile(j0, next, next_sc);
       for (int jt = j0; jt < j1; jt += 8) {
+        if (jt - cb == 32) {  // the next chunk's entries now, and the one after's loads
+          cb += 32;
+          tab_cur = tab_nxt;
+          tab_nxt = cb + 32 + lane < j1 ? tab[cb + 32 + lane] : 0;
+        }
         uint4 b[kLoads];
 #pragma unroll
         for (int m = 0; m < kLoads; ++m) b[m] = next[m];
@@ -443,10 +476,11 @@ __global__ void __launch_bounds__(kScoreThreads)
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int m = 0; m < kLoads; ++m) {
-          const uint32_t wd[4] = {b[m].x, b[m].y, b[m].z, b[m].w};
+          const uint32_t wd[4] = {b[m].x ^ 0x80808080u, b[m].y ^ 0x80808080u, b[m].z ^ 0x80808080u,
+                                  b[m].w ^ 0x80808080u};
 #pragma unroll
           for (int st = 0; st < 4; ++st) {
-            mma16816<T>(st % 2 ? acc2 : acc, qf[m][st], codes_pair<T>(wd[st], 0), codes_pair<T>(wd[st], 2));
+            mma16816<__half>(st % 2 ? acc2 : acc, qf[m][st], codes_pair_h(wd[st], 0), codes_pair_h(wd[st], 2));
           }
         }
 #pragma unroll
@@ -454,7 +488,7 @@ __global__ void __launch_bounds__(kScoreThreads)
         // The C fragment's blocks 2t and 2t + 1: their scales from the lanes that loaded them.
         float sc[2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) sc[i] = __shfl_sync(0xffffffffu, own_sc, 4 * (2 * t + i)) * a.scale;
+        for (int i = 0; i < 2; ++i) sc[i] = __shfl_sync(0xffffffffu, own_sc, 4 * (2 * t + i)) * (a.scale * inv_qscale);
         if (live) {
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
@@ -1118,10 +1152,20 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     return n > 0 ? n : 132;
   }();
-  // A kernel's long runs while they still give every SM `warps_per_sm` warps, else short ones.
+  // A kernel's long runs while they still give every SM `warps_per_sm` warps, else short ones;
+  // long_run 0: the longest run (a multiple of 8 blocks) that still gives every SM its warps.
+  // max_blocks stands for every sequence's length here (a batch of one long and many short
+  // sequences gets runs sized for all of them long).
   auto launch_score = [&](auto kernel, int long_run, int warps_per_sm) {
-    const int64_t long_warps = static_cast<int64_t>(S) * Hkv * ((MB + long_run - 1) / long_run);
-    const int run = long_warps >= static_cast<int64_t>(sms) * warps_per_sm ? long_run : kScoreRunShort;
+    const int64_t slots = static_cast<int64_t>(sms) * warps_per_sm;
+    int run;
+    if (long_run == 0) {
+      const int64_t per = (static_cast<int64_t>(S) * Hkv * MB + slots - 1) / slots;
+      run = static_cast<int>(std::max<int64_t>(kScoreRunShort, (per + 7) / 8 * 8));
+    } else {
+      const int64_t long_warps = static_cast<int64_t>(S) * Hkv * ((MB + long_run - 1) / long_run);
+      run = long_warps >= slots ? long_run : kScoreRunShort;
+    }
     const int tasks = Hkv * ((MB + run - 1) / run);
     launch_pdl(kernel, dim3((tasks + kScoreThreads / 32 - 1) / (kScoreThreads / 32), S), kScoreThreads, 0, stream,
                static_cast<const T*>(q), q_stride, summaries, a, run);
@@ -1134,8 +1178,7 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
     static const bool mma = !env_is_zero("K25_SPARSE_SCORE_MMA");
     const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && q_stride % 8 == 0;
     if (mma && aligned) {
-      // Its long runs keep the next tile's loads under this one's products.
-      launch_score(score_mma_kernel<T, D>, kScoreMmaRunLong, 16);
+      launch_score(score_mma_kernel<T, D>, 0, 16);
     } else {
       launch_score(score_kernel<T, D>, kScoreRunLong, 32);
     }

@@ -89,14 +89,18 @@ PARAMS = {
 }
 
 
-def build(seed, dtype, Hq, Hkv, D, bs, seqs, hot_frac=0.05, decode_splits=0):
+def build(seed, dtype, Hq, Hkv, D, bs, seqs, hot_frac=0.05, decode_splits=0, q_mult=1.0, width=None):
     """A paged batch whose single-token sequences have a few 'hot' blocks (keys aligned with
     the query), so that the estimated mass is concentrated there. Returns the call, the q
-    buffer, per-sequence keys / values / tables / hot blocks, the layout and the pool."""
+    buffer, per-sequence keys / values / tables / hot blocks, the layout and the pool.
+    q_mult multiplies the queries and divides the call's softmax scale (the same selection);
+    width pads the block tables to that many columns."""
     g = torch.Generator().manual_seed(seed)
     L, layer = 2, 1
     layout = (L, Hkv, D, bs)
     kv, pv, tables, lists = paged_pool(g, seqs, layout, dtype)
+    if width is not None:
+        tables = torch.cat([tables, torch.full((len(seqs), width - tables.shape[1]), -1, dtype=torch.int32)], 1)
     qs, cl, qrows, info = [0], [], [], []
     group = Hq // Hkv
     for (ctx, qlen), table in zip(seqs, lists):
@@ -111,6 +115,7 @@ def build(seed, dtype, Hq, Hkv, D, bs, seqs, hot_frac=0.05, decode_splits=0):
             sl = slice(b * bs, min(ctx, (b + 1) * bs))
             for h in range(Hkv):
                 k[sl, h] += 0.6 * math.sqrt(D) * qn[h * group:(h + 1) * group].sum(0)
+        q = q * q_mult
         k, v, q = k.to(dtype).cuda(), torch.randn(ctx, Hkv, D, generator=g).to(dtype).cuda(), q.to(dtype).cuda()
         write_kv(pv, layer, bs, table, k, v)
         qrows.append(q.reshape(qlen, Hq * D))
@@ -119,7 +124,7 @@ def build(seed, dtype, Hq, Hkv, D, bs, seqs, hot_frac=0.05, decode_splits=0):
         info.append(dict(k=k, v=v, table=table, hot=hot, ctx=ctx, qlen=qlen))
     buf = query_buffer(qrows, Hkv, D, dtype)
     call = cu.AttentionCall(kv, layout, layer, torch.tensor(qs, dtype=torch.int32), torch.tensor(cl, dtype=torch.int32),
-                            tables, Hq, 1.0 / math.sqrt(D), 0, 264, decode_splits)
+                            tables, Hq, 1.0 / (math.sqrt(D) * q_mult), 0, 264, decode_splits)
     return call, buf, info, layout, kv
 
 
@@ -168,8 +173,9 @@ def test_summaries_are_the_min_and_max_of_each_written_block(dtype, D, bs):
                 assert torch.isnan(mn[b]).all() and torch.isnan(mx[b]).all(), "a block the step did not write"
 
 
-def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True):
-    """Selects with `call` and checks the result against ref_select; returns (tables, lens, sparse heads)."""
+def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True, q_mult=1.0):
+    """Selects with `call` and checks the result against ref_select; returns (tables, lens, sparse heads).
+    q_mult: build's (the call's scale is 1 / (sqrt(D) q_mult))."""
     L, Hkv, D, bs = layout
     group = Hq // Hkv
     summ = cu.make_block_summaries(kv.numel() // (L * 2 * Hkv * bs * D), layout, kv)
@@ -210,7 +216,7 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
         keep_ref, kept_ref = nb, None
         if qlen == 1 and ctx > p["min_context"]:
             keep_ref, kept_ref = ref_select(q, mn[table].transpose(0, 1), mx[table].transpose(0, 1), ctx, bs, group,
-                                            1.0 / math.sqrt(D), p)
+                                            1.0 / (math.sqrt(D) * q_mult), p)
         if kept_ref is None:
             assert lens[i].item() == ctx
             for h in range(Hkv):
@@ -259,6 +265,21 @@ def test_selection_of_a_long_context_and_many_heads():
     check_selection(call, buf, info, layout, kv, 32, PARAMS["mass"])
     call, buf, info, layout, kv = build(8, torch.bfloat16, 32, 8, 128, 16, seqs, hot_frac=0.02)
     check_selection(call, buf, info, layout, kv, 32, dict(PARAMS["capped"], max_ratio=0.8, recent_blocks=16))
+
+
+@pytest.mark.parametrize("q_mult", [2.0 ** 17, 2.0 ** -20])
+def test_selection_of_far_scaled_queries_in_long_runs(q_mult):
+    # The tensor-core score kernel takes the query as fp16 times a power of two (a bf16 query
+    # of 2^17 would overflow fp16, one of 2^-20 be subnormal there) and gives each warp runs
+    # as long as still fill the device, counted from the table's width: 32768 columns for two
+    # sequences give runs of 64 blocks or more on any GPU of up to 256 SMs, so a warp crosses
+    # chunks of 32 table entries. The same selection as with q_mult 1 (power-of-two multiples
+    # of the query, the scale divided by them).
+    seqs = [(9000, 1), (4001, 1)]
+    call, buf, info, layout, kv = build(23, torch.bfloat16, 32, 8, 128, 16, seqs, hot_frac=0.03, q_mult=q_mult,
+                                        width=32768)
+    _, _, heads = check_selection(call, buf, info, layout, kv, 32, PARAMS["mass"], q_mult=q_mult)
+    assert heads == 2 * 8
 
 
 def test_selection_of_one_sequence_with_an_odd_number_of_query_heads():
