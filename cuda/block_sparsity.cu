@@ -180,8 +180,11 @@ static_assert(kScoreRunLong <= 32 && 2 * kScorePass == 8, "score_kernel's lane m
 
 // The score kernels' work split: CTA x of row s (the sequence) has kScoreThreads / 32 warps,
 // each a (KV head, run of `run` blocks from j0); a CTA past the sequence's blocks has none.
+// run 0: the run from the sequence's own blocks, the shortest multiple of 8 (at least
+// kScoreRunShort) with which the row's warps cover them, so the launch (sized for the
+// table's width, e.g. a CUDA graph's) need not know the lengths.
 struct ScoreTask {
-  int s, nb, h, j0;
+  int s, nb, h, j0, run;
   bool cta_has_work;
 };
 __device__ __forceinline__ ScoreTask score_task(const SparseSelect& a, int run) {
@@ -190,6 +193,11 @@ __device__ __forceinline__ ScoreTask score_task(const SparseSelect& a, int run) 
   w.s = blockIdx.y;
   w.nb = eligible_blocks(a, w.s);
   const int Hkv = a.num_kv_heads;
+  if (run == 0) {
+    const int per_head = max(1, static_cast<int>(gridDim.x) * kWarps / Hkv);
+    run = max(kScoreRunShort, ((w.nb + per_head - 1) / per_head + 7) / 8 * 8);
+  }
+  w.run = run;
   w.cta_has_work = (static_cast<int>(blockIdx.x) * kWarps / Hkv) * run < w.nb;
   const int task = blockIdx.x * kWarps + threadIdx.x / 32;
   w.h = task % Hkv;
@@ -358,9 +366,10 @@ __device__ __forceinline__ uint32_t codes_pair_h(uint32_t x, int byte) {
 // two that puts the pass's largest |q| in [2^14, 2^15) (undone with the scale): a bf16 value is
 // exact there down to 2^-28 of that largest. Products of 16-bit values are exact in fp32; only
 // the order of the fp32 sums differs from score_kernel's. A tile's products run while the next
-// tile's loads are in flight, in two accumulators (half the dependent chain). Runs are as long
-// as still give every SM 16 warps (launch_select), so a warp's fixed work (the query's
-// fragments) is spread over many tiles: B8 @ 128K 256 blocks a warp, one wave.
+// tile's loads are in flight, in two accumulators (half the dependent chain). The launch gives
+// every sequence an equal share of one wave of warps (16 an SM) and each sequence's warps split
+// its own blocks (score_task, run 0), so a warp's fixed work (the query's fragments, the first
+// tile's round trip) is spread over many tiles: B8 @ 128K 256 blocks a warp, B1 @ 32K 8.
 // Same-call A/B on an H100 (2026-12-05, session 28; bench/RESULTS.md), score alone at
 // B8 @ 128K / B8 @ 32K: 74.8 / 19.5 us with runs of 32 and the codes converted through fp32
 // (I2F and a pack); 62.6 / 15.9 with the long runs; 73.0 / 17.4 with the byte-permute
@@ -382,7 +391,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   __shared__ uint32_t smax[2 * kMaxSparseHeads];
   clear_maxima(smax, Hq);
   if (j0 < nb) {  // warp-uniform
-    const int j1 = min(nb, j0 + run);
+    const int j1 = min(nb, j0 + w.run);
     const int* tab = a.block_tables + static_cast<int64_t>(s) * MB;
     const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
     for (int g0 = 0; g0 < group; g0 += 8) {
@@ -1152,23 +1161,27 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     return n > 0 ? n : 132;
   }();
-  // A kernel's long runs while they still give every SM `warps_per_sm` warps, else short ones;
-  // long_run 0: the longest run (a multiple of 8 blocks) that still gives every SM its warps.
-  // max_blocks stands for every sequence's length here (a batch of one long and many short
-  // sequences gets runs sized for all of them long).
+  // A kernel's long runs while they still give every SM `warps_per_sm` warps, else short ones
+  // (max_blocks standing for every sequence's length). long_run 0: every row (sequence) gets
+  // an equal share of one wave of warps, at least one per KV head, and each sequence's run
+  // follows from its own length on the device (score_task): a short sequence in a table
+  // sized for long ones (a CUDA graph's) keeps short runs and many warps.
   auto launch_score = [&](auto kernel, int long_run, int warps_per_sm) {
+    constexpr int kWarps = kScoreThreads / 32;
     const int64_t slots = static_cast<int64_t>(sms) * warps_per_sm;
-    int run;
     if (long_run == 0) {
-      const int64_t per = (static_cast<int64_t>(S) * Hkv * MB + slots - 1) / slots;
-      run = static_cast<int>(std::max<int64_t>(kScoreRunShort, (per + 7) / 8 * 8));
-    } else {
-      const int64_t long_warps = static_cast<int64_t>(S) * Hkv * ((MB + long_run - 1) / long_run);
-      run = long_warps >= slots ? long_run : kScoreRunShort;
+      // (No more warps a head than the widest row has runs of kScoreRunShort.)
+      const int64_t per_head = std::max<int64_t>(
+          1, std::min<int64_t>(slots / (static_cast<int64_t>(S) * Hkv), (MB + kScoreRunShort - 1) / kScoreRunShort));
+      launch_pdl(kernel, dim3(static_cast<unsigned>((per_head * Hkv + kWarps - 1) / kWarps), S), kScoreThreads, 0,
+                 stream, static_cast<const T*>(q), q_stride, summaries, a, 0);
+      return;
     }
+    const int64_t long_warps = static_cast<int64_t>(S) * Hkv * ((MB + long_run - 1) / long_run);
+    const int run = long_warps >= slots ? long_run : kScoreRunShort;
     const int tasks = Hkv * ((MB + run - 1) / run);
-    launch_pdl(kernel, dim3((tasks + kScoreThreads / 32 - 1) / (kScoreThreads / 32), S), kScoreThreads, 0, stream,
-               static_cast<const T*>(q), q_stride, summaries, a, run);
+    launch_pdl(kernel, dim3((tasks + kWarps - 1) / kWarps, S), kScoreThreads, 0, stream, static_cast<const T*>(q),
+               q_stride, summaries, a, run);
   };
   if constexpr (std::is_same_v<T, float>) {
     launch_score(score_kernel<T, D>, kScoreRunLong, 32);

@@ -270,16 +270,16 @@ def test_selection_of_a_long_context_and_many_heads():
 @pytest.mark.parametrize("q_mult", [2.0 ** 17, 2.0 ** -20])
 def test_selection_of_far_scaled_queries_in_long_runs(q_mult):
     # The tensor-core score kernel takes the query as fp16 times a power of two (a bf16 query
-    # of 2^17 would overflow fp16, one of 2^-20 be subnormal there) and gives each warp runs
-    # as long as still fill the device, counted from the table's width: 32768 columns for two
-    # sequences give runs of 64 blocks or more on any GPU of up to 256 SMs, so a warp crosses
-    # chunks of 32 table entries. The same selection as with q_mult 1 (power-of-two multiples
-    # of the query, the scale divided by them).
-    seqs = [(9000, 1), (4001, 1)]
+    # of 2^17 would overflow fp16, one of 2^-20 be subnormal there), and each sequence's warps
+    # (an equal share of one wave: 33 a KV head for 8 rows on 132 SMs) split its own blocks:
+    # 3750 blocks give runs of ~120, so a warp crosses chunks of 32 table entries, while the
+    # short rows keep runs of 8, in a table as wide as a CUDA graph's (16384 columns). The same
+    # selection as with q_mult 1 (power-of-two multiples of the query, the scale divided by them).
+    seqs = [(60000, 1), (9000, 1), (40, 1), (2000, 20), (2100, 1), (300, 1), (1500, 3), (3000, 1)]
     call, buf, info, layout, kv = build(23, torch.bfloat16, 32, 8, 128, 16, seqs, hot_frac=0.03, q_mult=q_mult,
-                                        width=32768)
+                                        width=16384)
     _, _, heads = check_selection(call, buf, info, layout, kv, 32, PARAMS["mass"], q_mult=q_mult)
-    assert heads == 2 * 8
+    assert heads == 5 * 8, "five sequences were meant to select"
 
 
 def test_selection_of_one_sequence_with_an_odd_number_of_query_heads():
