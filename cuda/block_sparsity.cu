@@ -446,13 +446,13 @@ __global__ void __launch_bounds__(kScoreThreads)
       }
       float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + g) * 2 * MB;
       uint32_t max_u = 0, max_c = 0;
-      // This lane's block of the tile at jt: its 16-byte runs of codes and the row's scale
-      // (zeros past the run).
       // The run's table entries 32 at a time, lane l block cb + l of this chunk (tab_cur) and
       // of the next (tab_nxt, loaded a chunk ahead): a tile's summary loads then wait for one
       // round trip, not for a table load and then theirs.
       int cb = j0;
       int tab_cur = j0 + lane < j1 ? tab[j0 + lane] : 0, tab_nxt = j0 + 32 + lane < j1 ? tab[j0 + 32 + lane] : 0;
+      // This lane's block of the tile at jt: its 16-byte runs of codes and the row's scale
+      // (zeros past the run).
       auto load_tile = [&](int jt, uint4(&b)[kLoads], float& sc) {
         const int r = jt - cb + g;  // r < 32 is warp-uniform (jt - cb a multiple of 8, g < 8)
         const int block = __shfl_sync(0xffffffffu, r < 32 ? tab_cur : tab_nxt, r % 32);  // every lane shuffles

@@ -2,7 +2,7 @@
 # One call on the GPU machine: build k25 with CUDA once, run tests/cuda, then the GPU
 # benchmarks. Results and logs go to $OUT. Extra arguments go to pytest.
 #   bash bench/gpu/run_all.sh [-k expr]
-# K25_SKIP_TESTS=1 skips tests/cuda; K25_ATTN_BENCH=1, K25_SPARSE_BENCH=1, K25_BENCH=1,
+# K25_SKIP_TESTS=1 skips tests/cuda; K25_ATTN_BENCH=1, K25_SPARSE_BENCH=1, K25_SPARSE_MODEL=1, K25_BENCH=1,
 # K25_TIER_BENCH=1, K25_LONGEST=1 and K25_PROBE=1 (carried probe/ binaries) run the benchmarks.
 # K25_EXTRA="command" runs a command of its own last, in this environment (output in $OUT/extra.log).
 set -uo pipefail
@@ -55,6 +55,12 @@ fi
 if [ "${K25_SPARSE_BENCH:-0}" = "1" ]; then
   python3 bench/gpu/sparse_attention_bench.py --json "$OUT/sparse_attention_bench.json" 2>&1 | grep -v Warning \
     | tee "$OUT/sparse_attention_bench.log"
+fi
+if [ "${K25_SPARSE_MODEL:-0}" = "1" ]; then
+  # Issue #5 end to end: the 8B shape (random bf16 weights), B1 / B8 at 8K-128K, dense and caps 0.6 / 0.8.
+  # K25_SPARSE_MODEL_ARGS replaces the defaults (e.g. "--layers 8 --path /tmp/llama8b-8l" fits B8 @ 128K).
+  python3 bench/gpu/sparse_model_bench.py --json "$OUT/sparse_model_bench.json" ${K25_SPARSE_MODEL_ARGS:-} 2>&1 \
+    | grep -v Warn | tee "$OUT/sparse_model_bench.log"
 fi
 if [ "${K25_TIER_BENCH:-0}" = "1" ]; then
   # Tiered KV on CUDA (issue #6): swap-in vs recompute of a preempted 8K sequence; then cold
