@@ -64,8 +64,9 @@ def main():
     args = ap.parse_args()
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     from k25 import K25Config, K25Model
-    base = dict(device=args.device, max_seq_len=max(L for _, L in cases) + args.new + 16,
-                max_batch_size=max(B for B, _ in cases), enable_prefix_caching=True)
+    # max_seq_len: the model's own (128K for the 8B shape); a case longer than it allows for
+    # its new tokens runs at the longest prompt that fits (131,008 tokens for "128K").
+    base = dict(device=args.device, max_batch_size=max(B for B, _ in cases), enable_prefix_caching=True)
     if args.path != "default":
         if not os.path.exists(os.path.join(args.path, "config.json")):
             from model_bench import write_checkpoint
@@ -89,8 +90,9 @@ def main():
         try:
             pool_tokens = model.stats()["kv_cache_bytes"] // (model.kv_block_bytes // model.engine_config.block_size)
             for B, L in cases:
+                L = min(L, model.max_seq_len - args.new - 16)
                 if B * (L + args.new + 16) > pool_tokens:
-                    print(f"[{name}] B{B} @ {L // 1024}K: skipped, {B * L} tokens of KV against a pool of "
+                    print(f"[{name}] B{B} @ {L / 1024:.0f}K: skipped, {B * L} tokens of KV against a pool of "
                           f"{pool_tokens} (--layers fewer fits it)", flush=True)
                     continue
                 g = torch.Generator().manual_seed(B * 1000003 + L)
@@ -102,7 +104,7 @@ def main():
                 results[name][f"{B}x{L}"] = dict(tok_s=rate, skipped=skipped, prefill_s=prefill_s)
                 dense = results["dense"].get(f"{B}x{L}")
                 vs = f", {rate / dense['tok_s']:.2f}x dense" if dense and name != "dense" else ""
-                print(f"[{name}] B{B} @ {L // 1024}K: {rate:8.1f} tok/s{vs}, skipped {skipped:.3f} "
+                print(f"[{name}] B{B} @ {L / 1024:.0f}K: {rate:8.1f} tok/s{vs}, skipped {skipped:.3f} "
                       f"(prefill {prefill_s:.1f} s)", flush=True)
         finally:
             model.close()
