@@ -8,7 +8,8 @@ mass, so the cap decides the count: the skipped fraction r is measured from the
 selection's statistics, the bound on the speed-up is 1 / (1 - r), and the issue's target
 is 0.85 of it at 32K and 128K. Summaries of bf16 KV are int8 codes and a scale: 2 x 128 + 16
 bytes per (block, KV head) = 3.3% of the block's K and V bytes, read by the selection.
---width N pads the block tables to N columns, as the engine's CUDA graphs size them.
+--width N pads the block tables to N columns, as the engine's CUDA graphs size them; a case
+B1xL1+B2xL2 is one batch of rows of both lengths (e.g. 1x131072+7x2048).
 
     python3 bench/gpu/sparse_attention_bench.py [--json out.json] [--cases 1x8192,...] [--width 8192]
 """
@@ -26,13 +27,20 @@ DT = torch.bfloat16
 cu = _C.cuda_ops
 
 
-def case(B, L, caps, results, width=0):
+def case(lengths, caps, results, width=0):
+    """One batch of decode rows with these context lengths (all alike: the usual BxL cases)."""
+    B, L = len(lengths), max(lengths)
     layout = (1, HKV, D, PAGE)
-    nb = L // PAGE
-    num_blocks = B * nb + 1
-    torch.manual_seed(B * 7 + L)  # the same KV in every process (CPU and CUDA generators)
+    nbs = [n // PAGE for n in lengths]
+    nb = max(nbs)
+    num_blocks = sum(nbs) + 1
+    seed = B * 7 + L if len(set(lengths)) == 1 else sum(lengths)
+    torch.manual_seed(seed)  # the same KV in every process (CPU and CUDA generators)
     kv = torch.randn(num_blocks * 2 * HKV * PAGE * D, device="cuda", dtype=DT)
-    tables = torch.randperm(B * nb, dtype=torch.int32).view(B, nb)
+    perm = torch.randperm(sum(nbs), dtype=torch.int32)
+    tables = torch.full((B, max(nb, width)), -1, dtype=torch.int32)  # -1 past a row's blocks
+    for b, o in enumerate([sum(nbs[:i]) for i in range(B)]):
+        tables[b, :nbs[b]] = perm[o:o + nbs[b]]
     q = torch.randn(B, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)
     # Random keys spread the mass evenly (the rule then keeps 90%: the floor); 2% of the
     # blocks get keys along their group's queries, so the mass concentrates and the cap
@@ -40,21 +48,19 @@ def case(B, L, caps, results, width=0):
     pv = kv.view(num_blocks, 2, HKV, PAGE, D)
     qn = q[:, :HQ * D].float().view(B, HKV, HQ // HKV, D)
     qn = (qn / qn.norm(dim=-1, keepdim=True)).sum(2)  # [B, HKV, D]
-    g = torch.Generator().manual_seed(B * 7 + L)
+    g = torch.Generator().manual_seed(seed)
     for b in range(B):
-        hot = tables[b, torch.randperm(nb, generator=g)[:max(1, nb // 50)]].long().cuda()
+        hot = tables[b, torch.randperm(nbs[b], generator=g)[:max(1, nbs[b] // 50)]].long().cuda()
         pv[hot, 0] += (1.0 * math.sqrt(D) * qn[b])[None, :, None, :].to(DT)
-    if width > nb:  # tables as wide as a CUDA graph's in the engine (max positions / page), -1 past the blocks
-        tables = torch.cat([tables, torch.full((B, width - nb), -1, dtype=torch.int32)], 1)
     splits = cu.decode_splits_for(q, D, HQ // HKV, B, HKV)
     scale = 1.0 / math.sqrt(D)
     qs = torch.arange(B + 1, dtype=torch.int32)
-    cl = torch.full((B,), L, dtype=torch.int32)
+    cl = torch.tensor(lengths, dtype=torch.int32)
     call = cu.AttentionCall(kv, layout, 0, qs, cl, tables, HQ, scale, 0, 264, splits)
     # Summaries of every block (the prefill that wrote them).
     summ = cu.make_block_summaries(num_blocks, layout, kv)
-    full = cu.AttentionCall(kv, layout, 0, torch.arange(B + 1, dtype=torch.int32) * L, cl, tables, HQ, scale, 0,
-                            264, 0)
+    full = cu.AttentionCall(kv, layout, 0, torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+                            cl, tables, HQ, scale, 0, 264, 0)
     full.update_summaries(summ)
     # Timed as CUDA graphs (as the engine runs decode): the host's launch cost is not timed.
     def graphed(fn):
@@ -66,8 +72,10 @@ def case(B, L, caps, results, width=0):
         return graph.replay
 
     dense_ms = time_ms(graphed(lambda: call.run(q)))
-    kv_bytes = B * L * HKV * D * 2 * 2
-    print(f"B{B} @ {L // 1024}K{f' (tables {width} wide)' if width > nb else ''}: dense {dense_ms * 1e3:.1f} us ({kv_bytes / dense_ms / 1e9:.2f} TB/s), splits {splits}")
+    kv_bytes = sum(lengths) * HKV * D * 2 * 2
+    label = f"B{B} @ {L // 1024}K" if len(set(lengths)) == 1 else \
+        "+".join(f"{lengths.count(n)}x{n // 1024}K" for n in sorted(set(lengths), reverse=True))
+    print(f"{label}{f' (tables {width} wide)' if width > nb else ''}: dense {dense_ms * 1e3:.1f} us ({kv_bytes / dense_ms / 1e9:.2f} TB/s), splits {splits}")
     for cap in caps:
         stats = torch.zeros(1, 4, dtype=torch.float64, device="cuda")
         params = dict(min_context=2048, sink_blocks=1, recent_blocks=16, min_ratio=0.1, max_ratio=cap,
@@ -83,7 +91,7 @@ def case(B, L, caps, results, width=0):
         speedup = dense_ms / both_ms
         print(f"  cap {cap}: skipped {r:.3f}, select {select_ms * 1e3:.1f} us + attend {attend_ms * 1e3:.1f} us "
               f"= {both_ms * 1e3:.1f} us; speed-up {speedup:.2f}x of bound {bound:.2f}x = {speedup / bound:.2f}")
-        results.append(dict(batch=B, context=L, width=max(width, nb), cap=cap, skipped=r, dense_us=dense_ms * 1e3,
+        results.append(dict(batch=B, context=L, lengths=lengths, width=max(width, nb), cap=cap, skipped=r, dense_us=dense_ms * 1e3,
                             select_us=select_ms * 1e3, attend_us=attend_ms * 1e3, sparse_us=both_ms * 1e3,
                             speedup=speedup, bound=bound, of_bound=speedup / bound))
     del kv, summ, call, full
@@ -100,9 +108,12 @@ def main():
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     results = []
-    for c in args.cases.split(","):
-        B, L = (int(x) for x in c.split("x"))
-        case(B, L, [0.6, 0.8], results, args.width)
+    for c in args.cases.split(","):  # BxL, or a mixed batch: B1xL1+B2xL2 (e.g. 1x131072+7x2048)
+        lengths = []
+        for part in c.split("+"):
+            B, L = (int(x) for x in part.split("x"))
+            lengths += [L] * B
+        case(lengths, [0.6, 0.8], results, args.width)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
