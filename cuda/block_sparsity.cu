@@ -79,10 +79,6 @@ __device__ __forceinline__ void others_range(const SparseSelect& a, int nb, int*
 // maxima, which the selection reads in full every step.
 template <typename T>
 constexpr bool kCodedSummaries = !std::is_same_v<T, float>;
-template <typename T>
-__device__ __forceinline__ int64_t summary_row_bytes(int D) {
-  return kCodedSummaries<T> ? 2 * D + 16 : 2 * D * static_cast<int64_t>(sizeof(float));  // k25_cuda.h's
-}
 
 // Where the summary of (block, KV head) of this layer begins: a pool block's row of `summ`;
 // a cold one's row past the pool's (L2 slot s), or of cold_summaries (the step's cold entry j).
@@ -97,7 +93,7 @@ __device__ __forceinline__ const uint8_t* summary_row(const SparseSelect& a, con
       row += a.cold_summary_base;
     }
   }
-  return static_cast<const uint8_t*>(summ) + ((row * a.num_layers + a.layer) * a.num_kv_heads + h) * summary_row_bytes<T>(D);
+  return static_cast<const uint8_t*>(summ) + ((row * a.num_layers + a.layer) * a.num_kv_heads + h) * summary_row_bytes(dtype_of<T>(), D);
 }
 
 // ---- summaries ----------------------------------------------------------------------
@@ -120,7 +116,7 @@ __global__ void summary_kernel(KVCache kv, int layer, uint8_t* __restrict__ summ
     const int64_t block = table[j];
     const int fill = min(bs, ctx - j * bs);
     const T* K = cache + (((block * kv.num_layers + layer) * 2) * Hkv + h) * static_cast<int64_t>(bs) * D;
-    uint8_t* out = summ + ((block * kv.num_layers + layer) * Hkv + h) * summary_row_bytes<T>(D);
+    uint8_t* out = summ + ((block * kv.num_layers + layer) * Hkv + h) * summary_row_bytes(dtype_of<T>(), D);
     float mn = INFINITY, mx = -INFINITY;
     for (int t = 0; t < fill; ++t) {
       const float k = to_f(K[static_cast<int64_t>(t) * D + d]);

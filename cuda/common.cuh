@@ -25,13 +25,13 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 template <typename T>
-constexpr DType dtype_of();
+constexpr __host__ __device__ DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::kF32; }
+constexpr __host__ __device__ DType dtype_of<float>() { return DType::kF32; }
 template <>
-constexpr DType dtype_of<__half>() { return DType::kF16; }
+constexpr __host__ __device__ DType dtype_of<__half>() { return DType::kF16; }
 template <>
-constexpr DType dtype_of<__nv_bfloat16>() { return DType::kBF16; }
+constexpr __host__ __device__ DType dtype_of<__nv_bfloat16>() { return DType::kBF16; }
 
 // Rounds a float to the element type and back: the value PyTorch would hold in T.
 template <typename T>

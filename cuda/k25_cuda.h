@@ -145,7 +145,7 @@ constexpr int32_t kDecodeMaxGroup = 8;
 // float32 KV: the keys' per-channel minima then maxima (2 x head_dim floats). 16-bit KV: their
 // int8 codes (minima rounded down, maxima up: the Quest bound stays a bound), then the row's
 // float scale (value = code x scale) and 12 bytes of padding: 2 x head_dim + 16 bytes.
-constexpr int64_t summary_row_bytes(DType t, int32_t head_dim) {
+constexpr __host__ __device__ int64_t summary_row_bytes(DType t, int32_t head_dim) {
   return t == DType::kF32 ? 8 * static_cast<int64_t>(head_dim) : 2 * static_cast<int64_t>(head_dim) + 16;
 }
 // Recomputes, for every block that this step's tokens wrote (positions [ctx - q_len, ctx)
