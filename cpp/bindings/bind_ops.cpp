@@ -259,6 +259,19 @@ void bind_cuda_ops(py::module_& m) {
 void bind_ops(py::module_& m) {
 #ifdef K25_WITH_CUDA
   bind_cuda_ops(m);
+  // Device bytes of dynamic sparsity for the pool's sizing (K25Model, gpu_memory_utilization):
+  // one block's key summaries and the selection's scratch, from the allocations' own sizes.
+  m.def("cuda_sparsity_bytes", [](py::tuple layout, const std::string& dtype, int32_t num_heads, int32_t num_seqs,
+                                  int32_t max_blocks, bool count_reads) {
+    const at::ScalarType t = dtype == "float32"    ? at::kFloat
+                             : dtype == "bfloat16" ? at::kBFloat16
+                             : dtype == "float16"  ? at::kHalf
+                                                   : throw Error(ErrorCode::kInvalidArgument, "dtype: " + dtype);
+    const KVLayout L = layout_of(layout);
+    return py::make_tuple(cuda_glue::block_summary_bytes(L, t),
+                          cuda_glue::sparse_scratch_bytes(num_seqs, max_blocks, num_heads, L.num_kv_heads, count_reads));
+  }, py::arg("layout"), py::arg("dtype"), py::arg("num_heads"), py::arg("num_seqs"), py::arg("max_blocks"),
+     py::arg("count_reads"));
 #endif
   py::module_ ops = m.def_submodule("ops", "CPU kernels on float32 tensors (for tests)");
   // The 16-lane exp and log of ops/vec16.h, elementwise (for their accuracy tests).

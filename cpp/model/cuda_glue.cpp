@@ -478,19 +478,39 @@ struct ZeroedParts {
   }
 };
 
+// Element counts of SparseScratch's device tensors (4 bytes each; `zeroed` in 8-byte words).
+struct ScratchSizes {
+  int64_t raw, score, select, head_tables, context_lens, zeroed_words, reads;
+  ScratchSizes(int64_t S, int64_t MB, int64_t Hq, int64_t Hkv, bool count_reads)
+      : raw(S * Hq * 2 * MB),
+        score(S * Hkv * MB),
+        select(S * Hkv * 4),
+        head_tables(S * Hkv * MB),
+        context_lens(S),
+        zeroed_words(ZeroedParts(S, Hq, Hkv).bytes / 8),
+        reads(count_reads ? S * MB : 0) {}
+  int64_t bytes() const { return 4 * (raw + score + select + head_tables + context_lens + reads) + 8 * zeroed_words; }
+};
+
 }  // namespace
+
+int64_t sparse_scratch_bytes(int32_t num_seqs, int32_t max_blocks, int32_t num_heads, int32_t num_kv_heads,
+                             bool count_reads) {
+  return ScratchSizes(num_seqs, max_blocks, num_heads, num_kv_heads, count_reads).bytes();
+}
 
 SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t num_heads, int32_t num_kv_heads,
                                   const at::Device& device, bool count_reads) {
   const auto i32 = at::TensorOptions().dtype(at::kInt).device(device);
   const int64_t S = num_seqs, MB = max_blocks;
+  const ScratchSizes n(S, MB, num_heads, num_kv_heads, count_reads);
   SparseScratch x;
-  x.raw = at::empty({S * num_heads * 2 * MB}, i32.dtype(at::kFloat));
-  x.score = at::empty({S * num_kv_heads * MB}, i32.dtype(at::kFloat));
-  x.select = at::empty({S * num_kv_heads * 4}, i32);
+  x.raw = at::empty({n.raw}, i32.dtype(at::kFloat));
+  x.score = at::empty({n.score}, i32.dtype(at::kFloat));
+  x.select = at::empty({n.select}, i32);
   x.head_tables = at::empty({S, num_kv_heads, MB}, i32);
-  x.context_lens = at::empty({S}, i32);
-  x.zeroed = at::zeros({ZeroedParts(S, num_heads, num_kv_heads).bytes / 8}, i32.dtype(at::kLong));
+  x.context_lens = at::empty({n.context_lens}, i32);
+  x.zeroed = at::zeros({n.zeroed_words}, i32.dtype(at::kLong));
   if (count_reads) {
     x.reads = at::zeros({S, MB}, i32);
     x.host_reads = at::zeros({S, MB}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));

@@ -105,6 +105,10 @@ struct SparseScratch {
 };
 SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t num_heads, int32_t num_kv_heads,
                                   const at::Device& device, bool count_reads = false);
+// The device bytes make_sparse_scratch allocates for those sizes (the pinned host copy of
+// the read counts not included): what gpu_memory_utilization's sizing sets aside.
+int64_t sparse_scratch_bytes(int32_t num_seqs, int32_t max_blocks, int32_t num_heads, int32_t num_kv_heads,
+                             bool count_reads);
 // Selects the blocks of `layer` for the batch's single-token sequences longer than
 // p.min_context (Quest bound ranks, centre estimate sizes) and returns the batch with
 // head_tables and the kept lengths set. layer_stats: float64 [num_layers, 4] on the device,

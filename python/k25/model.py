@@ -314,12 +314,14 @@ class K25Model:
             # Block summaries (the keys' min and max: int8 codes and a scale for 16-bit KV,
             # floats for float32) for every block, and the selection's scratch for
             # max_batch_size (at least the largest CUDA-graph bucket's) sequences of
-            # max_seq_len (docs/sparsity.md "CUDA"; cuda::summary_row_bytes).
-            row = 8 * c["head_dim"] if elem == 4 else 2 * c["head_dim"] + 16
-            per_block += c["num_layers"] * c["num_kv_heads"] * row
+            # max_seq_len, with the read counts when tiers are on (docs/sparsity.md "CUDA"):
+            # the sizes the engine allocates, from the engine.
             seqs = max(config.max_batch_size, 1 << (min(config.max_batch_size, 128) - 1).bit_length())
-            hq, hkv = c["num_heads"], c["num_kv_heads"]
-            workspace += seqs * (seq_blocks * (2 * hq + 2 * hkv + 1) * 4 + hkv * (1024 * 16 + 40) + hq * 8)
+            layout = (c["num_layers"], c["num_kv_heads"], c["head_dim"], config.block_size)
+            summary, scratch = _C.cuda_sparsity_bytes(layout, self.dtype, c["num_heads"], seqs, seq_blocks,
+                                                      config.cache_mode == "hierarchical")
+            per_block += summary
+            workspace += scratch
         budget = int(total * util) - (total - free) - workspace
         blocks = budget // per_block
         if blocks < seq_blocks:

@@ -312,6 +312,34 @@ def test_selection_leaves_its_scratch_clean():
     assert stats[1, 2].item() == 2 * 2 * 2, "statistics add up over selections"
 
 
+@pytest.mark.parametrize("count_reads", [False, True])
+def test_sparsity_bytes_for_the_pool_sizing_are_what_the_selection_allocates(count_reads):
+    # K25Model sizes the KV pool (gpu_memory_utilization) with _C.cuda_sparsity_bytes: one
+    # block's summaries and the selection's scratch. They must be what is allocated: the
+    # summaries' tensor, and the device memory the first selection of a call keeps (its scratch;
+    # the caching allocator rounds each tensor up to 512 bytes, and the selection's own outputs
+    # are views of the scratch).
+    Hq, Hkv, D = 8, 2, 128
+    seqs = [(30000, 1), (5000, 1), (2600, 1)]
+    call, buf, info, layout, kv = build(5, torch.bfloat16, Hq, Hkv, D, 16, seqs)
+    S, width = len(seqs), max(len(s["table"]) for s in info)
+    for dtype in ("bfloat16", "float16", "float32"):
+        like = torch.empty(1, dtype=getattr(torch, dtype), device="cuda")
+        per_block, _ = _C.cuda_sparsity_bytes(layout, dtype, Hq, S, width, count_reads)
+        assert per_block == cu.make_block_summaries(3, layout, like).numel() // 3
+    summ = cu.make_block_summaries(kv.numel() // (layout[0] * 2 * Hkv * 16 * D), layout, kv)
+    call.update_summaries(summ)
+    stats = torch.zeros(2, 4, dtype=torch.float64, device="cuda")
+    _, scratch = _C.cuda_sparsity_bytes(layout, "bfloat16", Hq, S, width, count_reads)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = call.select(buf, summ, stats, **PARAMS["mass"], count_reads=count_reads)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before
+    assert scratch <= kept <= scratch + 16 * 512, (scratch, kept)
+    assert out[0].shape[0] == S
+
+
 @pytest.mark.parametrize("Hq,Hkv,D,seqs", [
     (8, 2, 128, [(3000, 1), (40, 1), (2500, 1), (2000, 20)]),  # 157 blocks wide: rows not 16-byte aligned
     (9, 3, 64, [(3000, 1)]),  # a cluster of 3
