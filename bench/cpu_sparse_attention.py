@@ -63,7 +63,7 @@ def main():
             qs = torch.arange(b + 1, dtype=torch.int32)
             cl = torch.full((b,), ctx, dtype=torch.int32)
             # Summaries from the keys (prompt-style write of every block).
-            summ = torch.empty(b * nb, 1, HKV, 2, D)
+            summ = torch.empty(b * nb, 1, HKV, 1, D)  # packed bfloat16 min / max words (ops/block_sparsity.h)
             prompt_qs = torch.arange(b + 1, dtype=torch.int32) * ctx
             _C.ops.update_key_summaries(pool.view(-1), layout, summ, 0, prompt_qs, cl, tables)
             q = torch.randn(b, HQ * D, generator=g)

@@ -396,15 +396,16 @@ void bind_ops(py::module_& m) {
     return out;
   });
 
-  // Dynamic sparsity (ops/block_sparsity.h). summaries: float32 [blocks, layers, kv heads, 2 or 4,
-  // head_dim] (min, max; then the key and value sums used by compensation).
+  // Dynamic sparsity (ops/block_sparsity.h). summaries: float32 [blocks, layers, kv heads, 1 or 3,
+  // head_dim] (the packed bfloat16 min and max words; then the key and value sums used by
+  // compensation).
   auto summary_layout = [](const at::Tensor& summaries, const KVLayout& L) {
     check(summaries, at::kFloat, "summaries");
     if (!summaries.is_contiguous() || summaries.dim() != 5 || summaries.size(1) != L.num_layers ||
-        summaries.size(2) != L.num_kv_heads || (summaries.size(3) != 2 && summaries.size(3) != 4) ||
+        summaries.size(2) != L.num_kv_heads || (summaries.size(3) != 1 && summaries.size(3) != 3) ||
         summaries.size(4) != L.head_dim) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "summaries must be contiguous [blocks, layers, kv_heads, 2 or 4, head_dim]");
+                  "summaries must be contiguous [blocks, layers, kv_heads, 1 or 3, head_dim]");
     }
     return SummaryLayout{L.num_layers, L.num_kv_heads, L.head_dim, static_cast<int32_t>(summaries.size(3))};
   };
@@ -440,8 +441,8 @@ void bind_ops(py::module_& m) {
         p.compensation = compensation;
         if (score_channels < 0) throw Error(ErrorCode::kInvalidArgument, "score_channels must be >= 0");
         p.score_channels = score_channels;
-        if (compensation && S.fields != 4) {
-          throw Error(ErrorCode::kInvalidArgument, "compensation needs summaries with 4 fields (min, max, sums)");
+        if (compensation && S.fields != 3) {
+          throw Error(ErrorCode::kInvalidArgument, "compensation needs summaries with 3 fields (min and max, sums)");
         }
         // info=False (timing): the selection's buffers persist across calls, as the engine's
         // per-layer selections do, and no Python lists are built.

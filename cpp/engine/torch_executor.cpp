@@ -188,7 +188,7 @@ class TorchExecutor : public ModelExecutor {
       }
       sparse_ = std::make_unique<SparseStep>();
       sparse_->params = *sparsity;
-      sparse_->layout = SummaryLayout{c.num_layers, c.num_kv_heads, c.head_dim, sparsity->compensation ? 4 : 2};
+      sparse_->layout = SummaryLayout{c.num_layers, c.num_kv_heads, c.head_dim, sparsity->compensation ? 3 : 1};
       sparse_->layers.resize(c.num_layers);
       stats_.resize(c.num_layers);
       if (device.is_cpu()) {

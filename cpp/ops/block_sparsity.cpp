@@ -37,21 +37,24 @@ void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, 
         const int32_t off = pos % bs;
         for (int32_t h = 0; h < L.num_kv_heads; ++h) {
           const float* K = kv + L.k_offset(block, layer, h);
-          float* mn = summaries + S.offset(block, layer, h);
-          float* mx = mn + D;
+          float* row = summaries + S.offset(block, layer, h);
+          // Rounding is monotone, so the rounded minimum of the keys is the minimum of their
+          // rounded values: each key folds in rounded.
           for (int32_t d = 0; d < D; ++d) {
             const float k = key_at(K, L, off, d);
-            if (off == 0) {
-              mn[d] = k;
-              mx[d] = k;
-            } else {
-              mn[d] = std::min(mn[d], k);
-              mx[d] = std::max(mx[d], k);
+            float lo = bf16_down(k), hi = bf16_up(k);
+            if (off != 0) {
+              uint32_t w;
+              std::memcpy(&w, row + d, 4);
+              lo = std::min(lo, summary_min(w));
+              hi = std::max(hi, summary_max(w));
             }
+            const uint32_t w = summary_word(lo, hi);
+            std::memcpy(row + d, &w, 4);
           }
-          if (S.fields < 4) continue;
-          float* sk = mn + 2 * D;
-          float* sv = mn + 3 * D;
+          if (S.fields < 3) continue;
+          float* sk = row + D;
+          float* sv = row + 2 * D;
           const float* v = kv + L.v_offset(block, layer, h) + static_cast<int64_t>(off) * D;
           for (int32_t d = 0; d < D; ++d) {
             const float k = key_at(K, L, off, d);
@@ -140,18 +143,43 @@ struct QueryPrep {
   const float* qv;   // [R]: scale * q on the chosen channels
 };
 
-// Per block of kB: sum_d w_d * (mn_d + mx_d) (mx = mn + D).
+// A summary row's packed minima and maxima (SummaryLayout field 0), kLanes channels from d:
+// the bfloat16 halves widened to floats by a shift and a mask.
+typedef uint32_t vnw __attribute__((vector_size(sizeof(vn))));
+inline void load_bounds(const float* row, int32_t d, vn* lo, vn* hi) {
+  vnw w;
+  std::memcpy(&w, row + d, sizeof(w));  // one unaligned vector load
+  const vnw l = w << 16, h = w & 0xFFFF0000u;
+  std::memcpy(lo, &l, sizeof(l));
+  std::memcpy(hi, &h, sizeof(h));
+}
+inline void scalar_bounds(const float* row, int32_t d, float* lo, float* hi) {
+  uint32_t w;
+  std::memcpy(&w, row + d, 4);
+  *lo = summary_min(w);
+  *hi = summary_max(w);
+}
+
+// Per block of kB: sum_d w_d * (mn_d + mx_d) (row: the block's summary row).
 template <int kB>
-inline void centre_dots(const float* w, const float* const* mn, int32_t D, float* out) {
+inline void centre_dots(const float* w, const float* const* row, int32_t D, float* out) {
   vn acc[kB] = {};
   int32_t d = 0;
   for (; d + kLanes <= D; d += kLanes) {
     const vn wd = loadn(w + d);
-    for (int b = 0; b < kB; ++b) acc[b] += wd * (loadn(mn[b] + d) + loadn(mn[b] + D + d));
+    for (int b = 0; b < kB; ++b) {
+      vn lo, hi;
+      load_bounds(row[b], d, &lo, &hi);
+      acc[b] += wd * (lo + hi);
+    }
   }
   for (int b = 0; b < kB; ++b) {
     out[b] = fold_lanes<false>(acc[b]);
-    for (int32_t t = d; t < D; ++t) out[b] += w[t] * (mn[b][t] + mn[b][D + t]);
+    for (int32_t t = d; t < D; ++t) {
+      float lo, hi;
+      scalar_bounds(row[b], t, &lo, &hi);
+      out[b] += w[t] * (lo + hi);
+    }
   }
 }
 
@@ -237,7 +265,8 @@ inline void bound_and_centre(const QueryPrep& qp, int32_t D, const float* const*
   for (; d + kLanes <= D; d += kLanes) {
     const vn qa = loadn(qp.a + d), qb = loadn(qp.b + d), q = loadn(qp.q + d);
     for (int b = 0; b < kB; ++b) {
-      const vn lo = loadn(mn[b] + d), hi = loadn(mn[b] + D + d);
+      vn lo, hi;
+      load_bounds(mn[b], d, &lo, &hi);
       u[b] += qa * hi + qb * lo;
       c[b] += q * (lo + hi);
     }
@@ -245,8 +274,10 @@ inline void bound_and_centre(const QueryPrep& qp, int32_t D, const float* const*
   for (int b = 0; b < kB; ++b) {
     float us = fold_lanes<false>(u[b]), cs = fold_lanes<false>(c[b]);
     for (int32_t t = d; t < D; ++t) {
-      us += qp.a[t] * mn[b][D + t] + qp.b[t] * mn[b][t];
-      cs += qp.q[t] * (mn[b][t] + mn[b][D + t]);
+      float lo, hi;
+      scalar_bounds(mn[b], t, &lo, &hi);
+      us += qp.a[t] * hi + qp.b[t] * lo;
+      cs += qp.q[t] * (lo + hi);
     }
     ub[b] = us * scale;
     ctr[b] = 0.5f * cs * scale;
@@ -651,7 +682,7 @@ void compensate_skipped(const float* q, int64_t q_stride, float* out, const floa
                         const LayerSelection& sel, int32_t num_heads, float scale) {
   const int32_t Hkv = L.num_kv_heads, group = num_heads / Hkv, D = L.head_dim, bs = L.block_size;
   const int32_t MB = B.max_blocks_per_seq;
-  if (S.fields < 4) return;
+  if (S.fields < 3) return;
   parallel_for(0, static_cast<int64_t>(B.num_seqs) * Hkv, 1, [&](int64_t ib, int64_t ie) {
     std::vector<int32_t> skipped;
     std::vector<float> c, mk, mv;
@@ -683,7 +714,7 @@ void compensate_skipped(const float* q, int64_t q_stride, float* out, const floa
         c.resize(skipped.size());
         float m = base;
         for (size_t b = 0; b < skipped.size(); ++b) {
-          const float* sk = summary_at(summaries, S, B, skipped[b], layer, h) + 2 * D;
+          const float* sk = summary_at(summaries, S, B, skipped[b], layer, h) + D;
           float dot = 0.0f;
           for (int32_t d = 0; d < D; ++d) dot += qh[d] * sk[d];
           c[b] = scale * dot * inv_n + log_n;
@@ -695,7 +726,7 @@ void compensate_skipped(const float* q, int64_t q_stride, float* out, const floa
         for (size_t b = 0; b < skipped.size(); ++b) {
           const float w = std::exp(c[b] - m);
           den += w;
-          const float* sv = summary_at(summaries, S, B, skipped[b], layer, h) + 3 * D;
+          const float* sv = summary_at(summaries, S, B, skipped[b], layer, h) + 2 * D;
           for (int32_t d = 0; d < D; ++d) mv[d] += w * inv_n * sv[d];
         }
         const float inv = 1.0f / den;

@@ -29,6 +29,7 @@
 // also keep the per-channel sums of keys and of values.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <vector>
 
@@ -49,23 +50,44 @@ struct SparsityParams {
                                 // 0: Quest bound ranks, centre estimate sizes
 };
 
-// Block summaries: [num_blocks][num_layers][num_kv_heads][fields][head_dim] floats, the
-// fields being min and max of the keys, then (fields == 4, for compensation) the sums of
-// the keys and of the values.
+// Block summaries: [num_blocks][num_layers][num_kv_heads][fields][head_dim] 32-bit words.
+// Field 0 holds, per channel, the keys' minimum and maximum as bfloat16 in one word (the
+// minimum rounded down in the low half, the maximum rounded up in the high half: the Quest
+// bound stays a bound, and the scoring reads half the bytes of two floats); with fields == 3
+// (for compensation) the float sums of the keys and of the values follow.
 struct SummaryLayout {
   int32_t num_layers = 0, num_kv_heads = 0, head_dim = 0;
-  int32_t fields = 2;
+  int32_t fields = 1;
   int64_t block_elems() const { return static_cast<int64_t>(num_layers) * num_kv_heads * fields * head_dim; }
   int64_t offset(int64_t block, int32_t layer, int32_t head) const {
     return block * block_elems() + (static_cast<int64_t>(layer) * num_kv_heads + head) * fields * head_dim;
   }
 };
 
-// Folds the keys (and with fields == 4 the values) this step wrote for `layer` into their
+// Folds the keys (and with fields == 3 the values) this step wrote for `layer` into their
 // blocks' summaries, token by token in position order: a block's first slot resets it.
 // Keys are read back from the cache (after RoPE), so any write path works.
 void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
                           int32_t layer, const cpu::AttentionBatch& B);
+
+// A summary word's bfloat16 halves (field 0 of SummaryLayout) and their making: x rounded
+// down (toward -inf) or up to the nearest bfloat16, kept as a float. A finite x past the
+// largest bfloat16 stays at the largest (it is then no bound; keys never come near 3.4e38).
+inline float summary_min(uint32_t w) { return std::bit_cast<float>(w << 16); }
+inline float summary_max(uint32_t w) { return std::bit_cast<float>(w & 0xFFFF0000u); }
+inline float bf16_down(float x) {
+  uint32_t b = std::bit_cast<uint32_t>(x);
+  if ((b & 0xFFFFu) != 0 && (b >> 31) != 0 && ((b >> 16) & 0x7FFFu) < 0x7F7Fu) b += 0x10000u;  // more negative
+  return std::bit_cast<float>(b & 0xFFFF0000u);
+}
+inline float bf16_up(float x) {
+  uint32_t b = std::bit_cast<uint32_t>(x);
+  if ((b & 0xFFFFu) != 0 && (b >> 31) == 0 && ((b >> 16) & 0x7FFFu) < 0x7F7Fu) b += 0x10000u;  // larger
+  return std::bit_cast<float>(b & 0xFFFF0000u);
+}
+inline uint32_t summary_word(float mn, float mx) {
+  return (std::bit_cast<uint32_t>(mx) & 0xFFFF0000u) | (std::bit_cast<uint32_t>(mn) >> 16);
+}
 
 // One layer's selection for one step.
 struct LayerSelection {

@@ -39,11 +39,32 @@ def batch(ctxs, qlens, tables):
     return qs, cl, bt
 
 
+def bounds(summ):
+    """The minima and maxima a summary row stands for (field 0: per channel one 32-bit word,
+    the minimum's bfloat16 bits in its low half, the maximum's in its high half)."""
+    w = summ[..., 0, :].contiguous().view(torch.int32)
+    return (w << 16).view(torch.float32), (w & -65536).view(torch.float32)
+
+
+def bf16_outward(x, up):
+    """x rounded to bfloat16 toward +inf (up) or -inf, from torch's round-to-nearest: where the
+    nearest lies on the wrong side of x, one bfloat16 step further."""
+    r = x.to(torch.bfloat16).to(torch.float32)
+    wrong = r < x if up else r > x
+    bits = r.view(torch.int32)
+    # One step up (down): the magnitude grows for a value of that sign, shrinks for the other.
+    away = (r > 0) if up else (r < 0)
+    step = torch.where(away, bits + 65536, bits - 65536)
+    step = torch.where(r == 0, torch.tensor(65536 if up else -2147418112, dtype=torch.int32), step)
+    return torch.where(wrong, step.view(torch.float32), r)
+
+
 def test_summaries_are_the_per_channel_min_and_max_of_each_blocks_keys():
+    # Rounded outward to bfloat16 (the Quest bound stays a bound), the minimum down, the maximum up.
     g = torch.Generator().manual_seed(0)
     nb = 12
     pool = empty_pool(nb)
-    summ = torch.full((nb, L, HKV, 2, D), float("nan"))
+    summ = torch.full((nb, L, HKV, 1, D), float("nan"))
     table = torch.randperm(nb, generator=g)[:9].tolist()
     keys = torch.randn(130, HKV, D, generator=g)
     vals = torch.randn(130, HKV, D, generator=g)
@@ -55,23 +76,28 @@ def test_summaries_are_the_per_channel_min_and_max_of_each_blocks_keys():
         write_keys(pool, 1, table, keys[t:t + 1], vals[t:t + 1], start=t)
         qs, cl, bt = batch([t + 1], [1], [table])
         _C.ops.update_key_summaries(pool.view(-1), LAYOUT, summ, 1, qs, cl, bt)
+    mn, mx = bounds(summ[:, 1])
     for j in range(-(-130 // BS)):
         blk = keys[j * BS:(j + 1) * BS]  # [n, HKV, D]
-        assert torch.equal(summ[table[j], 1, :, 0], blk.amin(0)), j
-        assert torch.equal(summ[table[j], 1, :, 1], blk.amax(0)), j
+        assert torch.equal(mn[table[j]], bf16_outward(blk.amin(0), up=False)), j
+        assert torch.equal(mx[table[j]], bf16_outward(blk.amax(0), up=True)), j
+        assert (mn[table[j]] <= blk.amin(0)).all() and (mx[table[j]] >= blk.amax(0)).all()
+        assert ((blk.amin(0) - mn[table[j]]) <= blk.amin(0).abs() / 128).all()
     assert torch.isnan(summ[:, 0]).all(), "another layer's summaries were touched"
     # A reused block starts over at its first slot: no stale minimum survives.
     write_keys(pool, 1, table, keys[:1] + 100.0, vals[:1])
     qs, cl, bt = batch([1], [1], [table])
     _C.ops.update_key_summaries(pool.view(-1), LAYOUT, summ, 1, qs, cl, bt)
-    assert torch.equal(summ[table[0], 1, :, 0], keys[0] + 100.0)
+    mn, mx = bounds(summ[table[0], 1])
+    assert torch.equal(mn, bf16_outward(keys[0] + 100.0, up=False))
+    assert torch.equal(mx, bf16_outward(keys[0] + 100.0, up=True))
 
 
 def random_sequences(seed, ctxs, Hq, bs=BS):
     g = torch.Generator().manual_seed(seed)
     nb_total = sum(-(-c // bs) for c in ctxs) + 2
     pool = empty_pool(nb_total, bs)
-    summ = torch.zeros(nb_total, L, HKV, 2, D)
+    summ = torch.zeros(nb_total, L, HKV, 1, D)
     free = torch.randperm(nb_total, generator=g).tolist()
     tables, ks, vs = [], [], []
     for c in ctxs:
@@ -139,22 +165,22 @@ def test_sparse_attention_equals_dense_attention_over_the_kept_blocks(Hq):
 
 
 def test_compensation_folds_skipped_blocks_back_as_mean_pseudo_keys():
-    """With 4 summary fields the key and value sums are kept too; compensation adds, per
+    """With 3 summary fields the key and value sums are kept too; compensation adds, per
     skipped block, a pseudo-key mean(k) with value mean(v) and weight = its token count."""
     Hq, ctxs = 4, [2600, 3100]
     pool, summ2, tables, ks, vs, q = random_sequences(5, ctxs, Hq)
-    summ = torch.zeros(summ2.shape[0], L, HKV, 4, D)
+    summ = torch.zeros(summ2.shape[0], L, HKV, 3, D)
     for t, c in zip(tables, ctxs):
         qs, cl, bt = batch([c], [c], [t])
         _C.ops.update_key_summaries(pool.view(-1), LAYOUT, summ, 0, qs, cl, bt)
-    assert torch.equal(summ[:, :, :, :2], summ2)
+    assert torch.equal(summ[:, :, :, :1].view(torch.int32), summ2.view(torch.int32))
     # Diffuse queries: the skipped blocks carry real mass, so compensation must matter.
     q = q * 0.05
     for i, (t, c) in enumerate(zip(tables, ctxs)):
         for j in range(-(-c // BS)):
             sl = slice(j * BS, min(c, (j + 1) * BS))
-            assert torch.allclose(summ[t[j], 0, :, 2], ks[i][sl].sum(0), atol=1e-4)
-            assert torch.allclose(summ[t[j], 0, :, 3], vs[i][sl].sum(0), atol=1e-4)
+            assert torch.allclose(summ[t[j], 0, :, 1], ks[i][sl].sum(0), atol=1e-4)
+            assert torch.allclose(summ[t[j], 0, :, 2], vs[i][sl].sum(0), atol=1e-4)
     qs, cl, bt = batch(ctxs, [1, 1], tables)
     kw = dict(min_context=1000, recent_blocks=4, sink_blocks=1, max_ratio=0.8, mass_target=0.5)
     out, info = _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, 1 / math.sqrt(D),
@@ -181,7 +207,7 @@ def test_compensation_folds_skipped_blocks_back_as_mean_pseudo_keys():
             o = out[i].view(Hq, D)[h * group:(h + 1) * group].double()
             assert (o - ref).abs().max().item() < 3e-5, (i, h)
             assert (o - plain[i].view(Hq, D)[h * group:(h + 1) * group]).abs().max().item() > 1e-4
-    with pytest.raises(ValueError, match="4 fields"):
+    with pytest.raises(ValueError, match="3 fields"):
         _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ2, Hq, 1 / math.sqrt(D),
                                 compensation=True, **kw)
 
@@ -191,8 +217,7 @@ def upper_bound_scores(q, summ, table, Hq, nb, centre=False):
     the max over the group, per KV head; with centre=True the same from q·(min + max)/2,
     the estimate the kept count comes from."""
     group = Hq // HKV
-    mn = summ[table[:nb], 0, :, 0].double()  # [nb, HKV, D]
-    mx = summ[table[:nb], 0, :, 1].double()
+    mn, mx = (x.double() for x in bounds(summ[table[:nb], 0]))  # [nb, HKV, D] each
     qq = q.view(Hq, D).double()
     out = []
     for h in range(HKV):
@@ -214,8 +239,7 @@ def channel_estimates(q, summ, table, keys, Hq, nb, ctx, R, bs=BS):
     q_d (min_d + max_d) / 2 on the others, scaled; a block's log-mass is the log-sum-exp
     of its keys' scores. Per head minus its best block, max over the group, per KV head."""
     group = Hq // HKV
-    mn = summ[table[:nb], 0, :, 0].double()  # [nb, HKV, D]
-    mx = summ[table[:nb], 0, :, 1].double()
+    mn, mx = (x.double() for x in bounds(summ[table[:nb], 0]))  # [nb, HKV, D] each
     qq = q.view(Hq, D)
     out = []
     for h in range(HKV):
