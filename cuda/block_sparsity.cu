@@ -1,7 +1,7 @@
 // Dynamic block sparsity on the device (issue #5; docs/sparsity.md "CUDA").
 //
 // Per layer and decode step, four launches that need no host decision (CUDA graphs):
-//   1. score_mma_kernel (int8-coded summaries of 16-bit KV; score_kernel for float32), a warp per (sequence,
+//   1. score_mma_kernel (4-bit-coded summaries of 16-bit KV; score_kernel for float32), a warp per (sequence,
 //      KV head, run of blocks): per block and query head the Quest bound
 //      sum_d max(q_d mn_d, q_d mx_d) and the centre estimate q·(mn + mx) / 2, scaled, from
 //      the block's summary; the per-(sequence, query head) maxima by atomicMax.
@@ -75,8 +75,8 @@ __device__ __forceinline__ void others_range(const SparseSelect& a, int nb, int*
 }
 
 // Summary rows, one per (block, layer, KV head) (k25_cuda.h, summary_row_bytes): float32 KV,
-// 2D floats; 16-bit KV, 2D int8 codes and a float scale: half the bytes of 16-bit minima and
-// maxima, which the selection reads in full every step.
+// 2D floats; 16-bit KV, 2D 4-bit codes and a float scale: a quarter of the bytes of 16-bit
+// minima and maxima, which the selection reads in full every step.
 template <typename T>
 constexpr bool kCodedSummaries = !std::is_same_v<T, float>;
 
@@ -135,20 +135,25 @@ __global__ void summary_kernel(KVCache kv, int layer, uint8_t* __restrict__ summ
       m = wmax[0];
       for (int w = 1; w < D / 32; ++w) m = fmaxf(m, wmax[w]);
       __syncthreads();  // wmax is rewritten by the next block's pass
-      // A hair over m / 127, so every code lies within [-127, 127] before the outward step.
-      const float scale = m > 0.0f && m < INFINITY ? m * (1.0f / 127.0f) * 1.000001f : 0.0f;
+      // A hair over m / 7, so every code lies within [-7, 7] before the outward step.
+      const float scale = m > 0.0f && m < INFINITY ? m * (1.0f / 7.0f) * 1.000001f : 0.0f;
       int lo = 0, hi = 0;
       if (scale > 0.0f) {
         lo = static_cast<int>(floorf(mn / scale));
         hi = static_cast<int>(ceilf(mx / scale));
         if (static_cast<float>(lo) * scale > mn) --lo;  // the division's rounding: one step out
         if (static_cast<float>(hi) * scale < mx) ++hi;
-        lo = max(lo, -128);
-        hi = min(hi, 127);
+        lo = max(lo, -8);
+        hi = min(hi, 7);
       }
-      reinterpret_cast<int8_t*>(out)[d] = static_cast<int8_t>(lo);
-      reinterpret_cast<int8_t*>(out)[D + d] = static_cast<int8_t>(hi);
-      if (d == 0) *reinterpret_cast<float*>(out + 2 * D) = scale;
+      // Channels d and d + 1 (d even) share a byte of minima and one of maxima: the even
+      // thread writes both.
+      const int lo1 = __shfl_down_sync(0xffffffffu, lo, 1), hi1 = __shfl_down_sync(0xffffffffu, hi, 1);
+      if (d % 2 == 0) {
+        out[d / 2] = static_cast<uint8_t>((lo & 15) | ((lo1 & 15) << 4));
+        out[D / 2 + d / 2] = static_cast<uint8_t>((hi & 15) | ((hi1 & 15) << 4));
+      }
+      if (d == 0) *reinterpret_cast<float*>(out + D) = scale;
     }
   }
 }
@@ -217,6 +222,10 @@ __device__ __forceinline__ void flush_maxima(const uint32_t* smax, const SparseS
 template <int B>
 struct Bytes;
 template <>
+struct Bytes<1> {
+  using type = uint8_t;
+};
+template <>
 struct Bytes<2> {
   using type = uint16_t;
 };
@@ -241,8 +250,10 @@ __global__ void __launch_bounds__(kScoreThreads)
   static_assert(D % 32 == 0, "a lane's channels");
   constexpr int C = D / 32;  // channels per lane
   constexpr bool kCoded = kCodedSummaries<T>;
-  using E = std::conditional_t<kCoded, int8_t, float>;  // a stored minimum or maximum
-  using V = typename Bytes<C * sizeof(E)>::type;
+  static_assert(!kCoded || C % 2 == 0, "a lane's 4-bit codes in whole bytes");
+  using E = std::conditional_t<kCoded, uint8_t, float>;  // a stored float, or a byte of two codes
+  constexpr int kPer = kCoded ? C / 2 : C;                 // of them per lane in each half
+  using V = typename Bytes<kPer * sizeof(E)>::type;
   const ScoreTask w = score_task(a, run);
   if (!w.cta_has_work) return;  // uniform
   const int s = w.s, nb = w.nb, h = w.h, j0 = w.j0, lane = threadIdx.x % 32;
@@ -276,10 +287,10 @@ __global__ void __launch_bounds__(kScoreThreads)
       float rs[2] = {1.0f, 1.0f};
       auto load = [&](int i, int j) {
         const uint8_t* row = row_at(j);
-        const E* p = reinterpret_cast<const E*>(row) + lane * C;
+        const E* p = reinterpret_cast<const E*>(row) + lane * kPer;
         mn[i] = *reinterpret_cast<const V*>(p);
-        mx[i] = *reinterpret_cast<const V*>(p + D);
-        if constexpr (kCoded) rs[i] = *reinterpret_cast<const float*>(row + 2 * D);
+        mx[i] = *reinterpret_cast<const V*>(p + (kCoded ? D / 2 : D));
+        if constexpr (kCoded) rs[i] = *reinterpret_cast<const float*>(row + D);
       };
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -295,8 +306,14 @@ __global__ void __launch_bounds__(kScoreThreads)
         float lo[C], hi[C];
 #pragma unroll
         for (int k = 0; k < C; ++k) {
-          lo[k] = static_cast<float>(reinterpret_cast<const E*>(&cmn)[k]);
-          hi[k] = static_cast<float>(reinterpret_cast<const E*>(&cmx)[k]);
+          if constexpr (kCoded) {  // code k: byte k / 2's low (k even) or high nibble, signed
+            const int sh = 4 * (k % 2);
+            lo[k] = static_cast<float>((((reinterpret_cast<const E*>(&cmn)[k / 2] >> sh) & 15) ^ 8) - 8);
+            hi[k] = static_cast<float>((((reinterpret_cast<const E*>(&cmx)[k / 2] >> sh) & 15) ^ 8) - 8);
+          } else {
+            lo[k] = reinterpret_cast<const E*>(&cmn)[k];
+            hi[k] = reinterpret_cast<const E*>(&cmx)[k];
+          }
         }
         float x[2 * kScorePass];
 #pragma unroll
@@ -337,26 +354,25 @@ __global__ void __launch_bounds__(kScoreThreads)
   flush_maxima(smax, a, s, Hq);
 }
 
-// Codes `byte` and `byte + 1` of x = w ^ 0x80808080 (each code + 128, unsigned) as a half2, the
-// lower first: the bytes under an fp16 exponent of 2^10 (1024 + u, exact) by one byte
-// permute, less 1152 by one half2 subtraction (exact: integers below 2048). Two codes in two
-// full-rate instructions instead of two int-to-float conversions and a pack.
-__device__ __forceinline__ uint32_t codes_pair_h(uint32_t x, int byte) {
-  uint32_t r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(0x64646464u), "r"(byte == 0 ? 0x5150u : 0x5352u));
-  const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&r), __half2half2(__ushort_as_half(0x6480)));  // 1152
+// 4-bit codes at nibbles 0 and 4 of x = w ^ 0x88888888 (each code + 8, unsigned) as a half2,
+// nibble 0 first: under an fp16 exponent of 2^10 (1024 + u, exact) by one mask-and-or, less
+// 1032 by one half2 subtraction.
+__device__ __forceinline__ uint32_t nibble_pair_h(uint32_t x) {
+  const uint32_t r = (x & 0x000F000Fu) | 0x64006400u;
+  const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&r), __half2half2(__ushort_as_half(0x6408)));  // 1032
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// The same two values on tensor cores, for int8-coded summaries (16-bit KV): a warp per (KV
+// The same two values on tensor cores, for 4-bit-coded summaries (16-bit KV): a warp per (KV
 // head, run of blocks, a multiple of 8), one m16n8k16 fp16 product per 8 blocks and 16 summary
 // codes. Rows of A are coefficients: row g the bound's of query head g0 + g (q- against the
 // minima, q+ against the maxima, so the row times the codes is u / scale), row 8 + g its lower
-// bound's (the other way round: l); columns of B are the 8 blocks' codes as fp16 (codes_pair_h,
+// bound's (the other way round: l); columns of B are the 8 blocks' codes as fp16 (nibble_pair_h,
 // exact) (k = the 2D codes, minima then maxima). Lane (g, t) holds block g's codes
-// 64m + 16t .. 64m + 16t + 15 of each run m of 64 (one 16-byte load; a quad reads 64 contiguous
-// bytes), four by four as four k-steps' b0 / b1; the A fragments take the same k order, which is
-// free since the sum over k does not care. The C fragment then gives lane (g, t) u and l of head
+// 64m + 16t .. 64m + 16t + 15 of each run m of 64 (one 8-byte load; a quad reads 32 contiguous
+// bytes), as four k-steps' b0 / b1 in the order the nibbles unpack (codes c, c + 4 and c + 1,
+// c + 5); the A fragments take the same k order, which is free since the sum over k does not
+// care. The C fragment then gives lane (g, t) u and l of head
 // g0 + g at blocks 2t and 2t + 1, times those blocks' scales (from the lanes that loaded them),
 // so no shuffles per block beyond two. The query goes in as fp16 whatever T, times the power of
 // two that puts the pass's largest |q| in [2^14, 2^15) (undone with the scale): a bf16 value is
@@ -377,7 +393,7 @@ __global__ void __launch_bounds__(kScoreThreads)
     score_mma_kernel(const T* __restrict__ q, int64_t q_stride, const void* __restrict__ summ, SparseSelect a, int run) {
   pdl_wait();
   pdl_trigger();
-  static_assert(kCodedSummaries<T> && D % 64 == 0, "int8-coded rows of 64-channel runs");
+  static_assert(kCodedSummaries<T> && D % 64 == 0, "4-bit-coded rows of 64-channel runs");
   constexpr int kHalf = D / 64;       // 16-byte loads of a lane in each half (minima, maxima) of a row
   constexpr int kLoads = 2 * kHalf;
   const ScoreTask w = score_task(a, run);
@@ -426,10 +442,13 @@ __global__ void __launch_bounds__(kScoreThreads)
           const bool maxima = m >= kHalf;
 #pragma unroll
           for (int st = 0; st < 4; ++st) {
-            float u[4], l[4];  // coefficients of row values 64m + 16t + 4st + i
+            // k-step st takes the lane's codes c, c + 4 (b0) and c + 1, c + 5 (b1) of its 16,
+            // c = 8 (st / 2) + 2 (st % 2): the order nibble_pair_h gives them in.
+            const int c = 8 * (st / 2) + 2 * (st % 2);
+            float u[4], l[4];  // coefficients of the lane's codes c, c + 4, c + 1, c + 5
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              const float x = qv[m % kHalf][4 * st + i] * qscale;
+              const float x = qv[m % kHalf][c + (i % 2) * 4 + i / 2] * qscale;
               u[i] = maxima ? fmaxf(x, 0.0f) : fminf(x, 0.0f);
               l[i] = maxima ? fminf(x, 0.0f) : fmaxf(x, 0.0f);
             }
@@ -449,21 +468,21 @@ __global__ void __launch_bounds__(kScoreThreads)
       int tab_cur = j0 + lane < j1 ? tab[j0 + lane] : 0, tab_nxt = j0 + 32 + lane < j1 ? tab[j0 + 32 + lane] : 0;
       // This lane's block of the tile at jt: its 16-byte runs of codes and the row's scale
       // (zeros past the run).
-      auto load_tile = [&](int jt, uint4(&b)[kLoads], float& sc) {
+      auto load_tile = [&](int jt, uint2(&b)[kLoads], float& sc) {
         const int r = jt - cb + g;  // r < 32 is warp-uniform (jt - cb a multiple of 8, g < 8)
         const int block = __shfl_sync(0xffffffffu, r < 32 ? tab_cur : tab_nxt, r % 32);  // every lane shuffles
         if (jt + g < j1) {
           const uint8_t* row = summary_row<T>(a, summ, block, h, D);
 #pragma unroll
-          for (int m = 0; m < kLoads; ++m) b[m] = *reinterpret_cast<const uint4*>(row + 64 * m + 16 * t);
-          sc = *reinterpret_cast<const float*>(row + 2 * D);
+          for (int m = 0; m < kLoads; ++m) b[m] = *reinterpret_cast<const uint2*>(row + 32 * m + 8 * t);
+          sc = *reinterpret_cast<const float*>(row + D);
         } else {
 #pragma unroll
-          for (int m = 0; m < kLoads; ++m) b[m] = make_uint4(0, 0, 0, 0);
+          for (int m = 0; m < kLoads; ++m) b[m] = make_uint2(0x88888888u, 0x88888888u);  // codes 0
           sc = 0.0f;
         }
       };
-      uint4 next[kLoads];
+      uint2 next[kLoads];
       float next_sc;
       load_tile(j0, next, next_sc);
       for (int jt = j0; jt < j1; jt += 8) {
@@ -472,7 +491,7 @@ __global__ void __launch_bounds__(kScoreThreads)
           tab_cur = tab_nxt;
           tab_nxt = cb + 32 + lane < j1 ? tab[cb + 32 + lane] : 0;
         }
-        uint4 b[kLoads];
+        uint2 b[kLoads];
 #pragma unroll
         for (int m = 0; m < kLoads; ++m) b[m] = next[m];
         const float own_sc = next_sc;
@@ -481,11 +500,11 @@ __global__ void __launch_bounds__(kScoreThreads)
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int m = 0; m < kLoads; ++m) {
-          const uint32_t wd[4] = {b[m].x ^ 0x80808080u, b[m].y ^ 0x80808080u, b[m].z ^ 0x80808080u,
-                                  b[m].w ^ 0x80808080u};
+          const uint32_t wd[2] = {b[m].x ^ 0x88888888u, b[m].y ^ 0x88888888u};  // codes + 8, unsigned
 #pragma unroll
           for (int st = 0; st < 4; ++st) {
-            mma16816<__half>(st % 2 ? acc2 : acc, qf[m][st], codes_pair_h(wd[st], 0), codes_pair_h(wd[st], 2));
+            const uint32_t x = wd[st / 2] >> (8 * (st % 2));  // codes c, c + 1, .., c + 4, c + 5 at nibbles 0, 1, 4, 5
+            mma16816<__half>(st % 2 ? acc2 : acc, qf[m][st], nibble_pair_h(x), nibble_pair_h(x >> 4));
           }
         }
 #pragma unroll
@@ -971,19 +990,42 @@ __device__ __forceinline__ void add_fixed(unsigned long long* p, unsigned long l
   if (hi != 0) atomicAdd(w + 1, hi);
 }
 
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+// The KV heads' needs are pushed, not pulled: lane r stores its head's need into CTA r's
+// `needs` with st.async, which completes bytes on CTA r's mbarrier, so no cluster barrier with
+// release semantics (MEMBAR.ALL.GPU: it waits for every earlier global store and atomic of the
+// thread) sits on the path. The one cluster barrier left is relaxed, arrived at right after the
+// mbarrier's initialisation and waited for just before the first remote store (its wait orders
+// the initialisation before any remote completion). A CTA reads no other CTA's shared memory
+// and leaves only once every store into its own has landed, so none needs the others to stay.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
-// The int at `p` in the shared memory of the cluster's CTA `rank`.
-__device__ __forceinline__ int load_cluster_int(const int* p, int rank) {
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+__device__ __forceinline__ void mbar_init_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// v into the int at `p` of the cluster's CTA `rank`, completing 4 bytes on its mbarrier `bar`.
+__device__ __forceinline__ void push_cluster_int(const int* p, uint32_t bar, int rank, int v) {
   const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  uint32_t remote;
-  int v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.s32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
-  return v;
+  uint32_t rp, rb;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rp) : "r"(local), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(bar), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.s32 [%0], %1, [%2];" ::"r"(rp), "r"(v), "r"(rb)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar)
+        : "memory");
+  } while (!done);
 }
 #endif
 
@@ -995,7 +1037,8 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
   const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks, bs = a.block_size;
   // The group's maxima (bound, centre) loaded with the sequence's lengths: one round trip.
   __shared__ float best[2][kMaxSparseHeads];
-  __shared__ int need_of_head, pick[4];  // pick: keep, bin, in_bin, sparse
+  __shared__ int needs[kMaxSparseKvHeads], pick[4];  // needs: every KV head's (pushed); pick: keep, bin, in_bin, sparse
+  __shared__ __align__(8) unsigned long long needs_bar;
   uint32_t* mx = a.maxima + (static_cast<int64_t>(s) * Hq + h * group) * 2;  // this CTA's alone
   uint32_t my_max = 0;
   if (threadIdx.x < 2 * group) my_max = mx[threadIdx.x];
@@ -1004,6 +1047,9 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
     write_head_table<kChooseThreads>(a, s, h, 0, Pick{}, [](int) { return 0; });
     return;
   }
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&needs_bar));
+  if (threadIdx.x == 0) mbar_init_expect(bar, 4 * Hkv);
+  cluster_arrive_relaxed();  // waited for before the pushes (warp 0) or at the end (the rest)
   if (threadIdx.x < 2 * group) {
     best[threadIdx.x % 2][threadIdx.x / 2] = from_order_bits(my_max);
     mx[threadIdx.x] = 0;  // at rest for the next layer or step
@@ -1096,12 +1142,11 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
     const CountBins score_bins = load_count_bins(scr);
     const unsigned long long t = __shfl_sync(0xffffffffu, total, 0), c = __shfl_sync(0xffffffffu, covered, 0);
     const int need = head_need(a, mass, est, lv, lc, t, c, nb, n_mand);
-    if (threadIdx.x == 0) need_of_head = need;
-    cluster_sync_all();  // every head's need posted
-    // Lane r reads head r's need: the remote loads in parallel, then a max over the lanes.
-    int most = threadIdx.x < Hkv ? max(n_mand, load_cluster_int(&need_of_head, threadIdx.x)) : n_mand;
+    cluster_wait();  // every CTA's barrier initialised
+    if (threadIdx.x < Hkv) push_cluster_int(&needs[h], bar, threadIdx.x, need);  // lane r: to head r
+    mbar_wait_cluster(bar);  // every head's need here
+    int most = threadIdx.x < Hkv ? max(n_mand, needs[threadIdx.x]) : n_mand;
     for (int o = 16; o > 0; o >>= 1) most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
-    cluster_arrive();  // done reading the others' shared memory; their exit waits for it
     const Pick p = head_pick(a, most, nb, n_mand, scr, score_bins);
     if (threadIdx.x == 0) {
       pick[0] = p.keep;
@@ -1111,8 +1156,7 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
       if (p.sparse) add_stats(a, nb, p.keep, t, mlogm);
     }
   } else {
-    cluster_sync_all();
-    cluster_arrive();
+    cluster_wait();
   }
   __syncthreads();
   Pick p;
@@ -1121,7 +1165,6 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
   p.in_bin = pick[2];
   p.sparse = pick[3];
   write_head_table<kChooseThreads>(a, s, h, nb, p, [&](int j) { return static_cast<int>(qbin[j]); });
-  cluster_wait();  // no CTA leaves while another may still read its need
 #endif
 }
 

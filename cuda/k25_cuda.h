@@ -143,10 +143,11 @@ constexpr int32_t kDecodeMaxGroup = 8;
 // ---- Dynamic block sparsity on the device (block_sparsity.cu; docs/sparsity.md "CUDA") ----
 // Key summaries: bytes, [num_blocks][num_layers][num_kv_heads] rows of summary_row_bytes.
 // float32 KV: the keys' per-channel minima then maxima (2 x head_dim floats). 16-bit KV: their
-// int8 codes (minima rounded down, maxima up: the Quest bound stays a bound), then the row's
-// float scale (value = code x scale) and 12 bytes of padding: 2 x head_dim + 16 bytes.
+// 4-bit codes in [-8, 7] (minima rounded down, maxima up: the Quest bound stays a bound), two a
+// byte (code i in byte i / 2, the even one in the low nibble; minima then maxima), then the row's
+// float scale (value = code x scale) and 12 bytes of padding: head_dim + 16 bytes.
 constexpr __host__ __device__ int64_t summary_row_bytes(DType t, int32_t head_dim) {
-  return t == DType::kF32 ? 8 * static_cast<int64_t>(head_dim) : 2 * static_cast<int64_t>(head_dim) + 16;
+  return t == DType::kF32 ? 8 * static_cast<int64_t>(head_dim) : static_cast<int64_t>(head_dim) + 16;
 }
 // Recomputes, for every block that this step's tokens wrote (positions [ctx - q_len, ctx)
 // of each sequence), its summary of `layer` from the keys in the cache (slots below the

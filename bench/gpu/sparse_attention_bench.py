@@ -7,8 +7,8 @@ the same decode kernel over each head's kept blocks; beside it, the dense kernel
 keys as were kept (each row's first ones, one table for every head). Random keys spread the attention
 mass, so the cap decides the count: the skipped fraction r is measured from the
 selection's statistics, the bound on the speed-up is 1 / (1 - r), and the issue's target
-is 0.85 of it at 32K and 128K. Summaries of bf16 KV are int8 codes and a scale: 2 x 128 + 16
-bytes per (block, KV head) = 3.3% of the block's K and V bytes, read by the selection.
+is 0.85 of it at 32K and 128K. Summaries of bf16 KV are 4-bit codes and a scale: 128 + 16
+bytes per (block, KV head) = 1.76% of the block's K and V bytes, read by the selection.
 --width N pads the block tables to N columns, as the engine's CUDA graphs size them; a case
 B1xL1+B2xL2 is one batch of rows of both lengths (e.g. 1x131072+7x2048).
 

@@ -64,14 +64,19 @@ def main():
     args = ap.parse_args()
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     from k25 import K25Config, K25Model
-    # max_seq_len: the model's own (128K for the 8B shape); a case longer than it allows for
-    # its new tokens runs at the longest prompt that fits (131,008 tokens for "128K").
+    # A case longer than max_seq_len allows for its new tokens runs at the longest prompt that
+    # fits (131,008 tokens for "128K" in the 8B shape's 131,072).
     base = dict(device=args.device, max_batch_size=max(B for B, _ in cases), enable_prefix_caching=True)
     if args.path != "default":
         if not os.path.exists(os.path.join(args.path, "config.json")):
             from model_bench import write_checkpoint
             write_checkpoint(args.path, args.layers)
         base["model_path"] = args.path
+        # max_seq_len as long as the longest case needs (K25Config's default is shorter than
+        # the 8B shape's 128K context), within the checkpoint's context.
+        with open(os.path.join(args.path, "config.json")) as f:
+            context = json.load(f).get("max_position_embeddings", 131072)
+        base["max_seq_len"] = min(context, max(L for _, L in cases) + args.new + 16)
     if args.device == "cuda":
         base.update(dtype="bfloat16", gpu_memory_utilization=0.92, max_num_batched_tokens=8192,
                     prefill_chunk_size=4096)

@@ -85,7 +85,7 @@ at::Tensor derived_split_counters(int32_t num_seqs, int32_t num_kv_heads, const 
 
 // Dynamic block sparsity on the device (cuda/block_sparsity.cu, docs/sparsity.md "CUDA").
 // Key summaries of every block: bytes (uint8), a row of cuda::summary_row_bytes per (block,
-// layer, KV head) (int8 codes and a scale for 16-bit KV, floats for float32).
+// layer, KV head) (4-bit codes and a scale for 16-bit KV, floats for float32).
 // Bytes of one block's key summaries (all its layers and KV heads).
 int64_t block_summary_bytes(const KVLayout& layout, at::ScalarType kv_dtype);
 at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType kv_dtype,

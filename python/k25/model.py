@@ -311,7 +311,7 @@ class K25Model:
             # "Cold blocks on CUDA"; at most 32 MiB in all).
             workspace += 32 << 20
         if config.enable_dynamic_sparsity:
-            # Block summaries (the keys' min and max: int8 codes and a scale for 16-bit KV,
+            # Block summaries (the keys' min and max: 4-bit codes and a scale for 16-bit KV,
             # floats for float32) for every block, and the selection's scratch for
             # max_batch_size (at least the largest CUDA-graph bucket's) sequences of
             # max_seq_len, with the read counts when tiers are on (docs/sparsity.md "CUDA"):

@@ -1,7 +1,7 @@
 """Dynamic block sparsity on the device (cuda/block_sparsity.cu) against PyTorch.
 
 - Block summaries equal the per-channel min / max of each written block's keys (torch): exactly
-  for float32 KV, as int8 codes rounded outward on the row's scale for 16-bit KV.
+  for float32 KV, as 4-bit codes rounded outward on the row's scale for 16-bit KV.
 - The selection equals a float64 PyTorch implementation of the documented device rule
   (docs/sparsity.md "CUDA": Quest bound ranks, centre estimate sizes, estimates quantised to
   1/32 nat) up to blocks whose quantum rounding differs; its invariants hold exactly
@@ -131,14 +131,17 @@ def build(seed, dtype, Hq, Hkv, D, bs, seqs, hot_frac=0.05, decode_splits=0, q_m
 def summaries_view(summ, layout, layer, dtype):
     """The minima and maxima that the summaries of `layer` stand for, float32 [blocks, Hkv, D]
     each, and the rows' scales ([blocks, Hkv, 1]; None for float32 rows, which hold the values).
-    16-bit KV: rows of 2D int8 codes and a float32 scale in 2D + 16 bytes."""
+    16-bit KV: rows of 2D 4-bit codes (code i in byte i / 2, the even one low) and a float32
+    scale in D + 16 bytes."""
     L, Hkv, D, bs = layout
     if dtype == torch.float32:
         v = summ.view(torch.float32).view(-1, L, Hkv, 2, D)[:, layer]
         return v[:, :, 0], v[:, :, 1], None
-    r = summ.view(-1, L, Hkv, 2 * D + 16)[:, layer]
-    codes = r[..., :2 * D].contiguous().view(torch.int8).float()
-    scale = r[..., 2 * D:2 * D + 4].contiguous().view(torch.float32)
+    r = summ.view(-1, L, Hkv, D + 16)[:, layer]
+    b = r[..., :D].long()
+    codes = torch.stack([b & 15, b >> 4], -1).flatten(-2)  # [.., 2D] in code order
+    codes = ((codes ^ 8) - 8).float()
+    scale = r[..., D:D + 4].contiguous().view(torch.float32)
     return codes[..., :D] * scale, codes[..., D:] * scale, scale
 
 
@@ -163,10 +166,10 @@ def test_summaries_are_the_min_and_max_of_each_written_block(dtype, D, bs):
                 if scale is None:
                     assert torch.equal(mn[b], lo) and torch.equal(mx[b], hi), (j, ctx)
                     continue
-                # Codes on the row's scale (its largest magnitude / 127), rounded outward by at
+                # Codes on the row's scale (its largest magnitude / 7), rounded outward by at
                 # most two steps (the floor, then one step for the division's rounding).
                 top = torch.maximum(lo.abs(), hi.abs()).amax(-1, keepdim=True)
-                torch.testing.assert_close(scale[b], top / 127, rtol=1e-5, atol=0)
+                torch.testing.assert_close(scale[b], top / 7, rtol=1e-5, atol=0)
                 assert (mn[b] <= lo).all() and (mx[b] >= hi).all(), (j, ctx)
                 assert (mn[b] >= lo - 2 * scale[b]).all() and (mx[b] <= hi + 2 * scale[b]).all(), (j, ctx)
             else:
