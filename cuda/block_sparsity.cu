@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   pdl_wait();
   pdl_trigger();
   static_assert(kCodedSummaries<T> && D % 64 == 0, "4-bit-coded rows of 64-channel runs");
-  constexpr int kHalf = D / 64;       // 16-byte loads of a lane in each half (minima, maxima) of a row
+  constexpr int kHalf = D / 64;       // 8-byte loads (16 codes) of a lane in each half (minima, maxima) of a row
   constexpr int kLoads = 2 * kHalf;
   const ScoreTask w = score_task(a, run);
   if (!w.cta_has_work) return;  // uniform
@@ -466,7 +466,7 @@ __global__ void __launch_bounds__(kScoreThreads)
       // round trip, not for a table load and then theirs.
       int cb = j0;
       int tab_cur = j0 + lane < j1 ? tab[j0 + lane] : 0, tab_nxt = j0 + 32 + lane < j1 ? tab[j0 + 32 + lane] : 0;
-      // This lane's block of the tile at jt: its 16-byte runs of codes and the row's scale
+      // This lane's block of the tile at jt: its 8-byte runs of 16 codes and the row's scale
       // (zeros past the run).
       auto load_tile = [&](int jt, uint2(&b)[kLoads], float& sc) {
         const int r = jt - cb + g;  // r < 32 is warp-uniform (jt - cb a multiple of 8, g < 8)
