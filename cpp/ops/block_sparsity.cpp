@@ -42,7 +42,7 @@ void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, 
           // rounded values: each key folds in rounded.
           for (int32_t d = 0; d < D; ++d) {
             const float k = key_at(K, L, off, d);
-            float lo = bf16_down(k), hi = bf16_up(k);
+            float lo = bf16_outward(k, false), hi = bf16_outward(k, true);
             if (off != 0) {
               uint32_t w;
               std::memcpy(&w, row + d, 4);

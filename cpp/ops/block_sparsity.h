@@ -71,18 +71,16 @@ void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, 
                           int32_t layer, const cpu::AttentionBatch& B);
 
 // A summary word's bfloat16 halves (field 0 of SummaryLayout) and their making: x rounded
-// down (toward -inf) or up to the nearest bfloat16, kept as a float. A finite x past the
-// largest bfloat16 stays at the largest (it is then no bound; keys never come near 3.4e38).
+// up (toward +inf) or down to the nearest bfloat16, kept as a float. Dropping the low half
+// rounds toward zero, which is outward for one sign; for the other sign (and low bits set) the
+// magnitude goes one step further. A finite x past the largest bfloat16 stays at the largest
+// (it is then no bound; keys never come near 3.4e38).
 inline float summary_min(uint32_t w) { return std::bit_cast<float>(w << 16); }
 inline float summary_max(uint32_t w) { return std::bit_cast<float>(w & 0xFFFF0000u); }
-inline float bf16_down(float x) {
+inline float bf16_outward(float x, bool up) {
   uint32_t b = std::bit_cast<uint32_t>(x);
-  if ((b & 0xFFFFu) != 0 && (b >> 31) != 0 && ((b >> 16) & 0x7FFFu) < 0x7F7Fu) b += 0x10000u;  // more negative
-  return std::bit_cast<float>(b & 0xFFFF0000u);
-}
-inline float bf16_up(float x) {
-  uint32_t b = std::bit_cast<uint32_t>(x);
-  if ((b & 0xFFFFu) != 0 && (b >> 31) == 0 && ((b >> 16) & 0x7FFFu) < 0x7F7Fu) b += 0x10000u;  // larger
+  const bool negative = (b >> 31) != 0;
+  if ((b & 0xFFFFu) != 0 && negative != up && ((b >> 16) & 0x7FFFu) < 0x7F7Fu) b += 0x10000u;
   return std::bit_cast<float>(b & 0xFFFF0000u);
 }
 inline uint32_t summary_word(float mn, float mx) {
