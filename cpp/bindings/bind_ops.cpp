@@ -12,6 +12,7 @@
 
 #ifdef K25_WITH_CUDA
 #include "model/cuda_glue.h"
+#include "model/llama_model.h"
 #endif
 
 namespace py = pybind11;
@@ -263,10 +264,7 @@ void bind_ops(py::module_& m) {
   // one block's key summaries and the selection's scratch, from the allocations' own sizes.
   m.def("cuda_sparsity_bytes", [](py::tuple layout, const std::string& dtype, int32_t num_heads, int32_t num_seqs,
                                   int32_t max_blocks, bool count_reads) {
-    const at::ScalarType t = dtype == "float32"    ? at::kFloat
-                             : dtype == "bfloat16" ? at::kBFloat16
-                             : dtype == "float16"  ? at::kHalf
-                                                   : throw Error(ErrorCode::kInvalidArgument, "dtype: " + dtype);
+    const at::ScalarType t = scalar_type_of(dtype);
     const KVLayout L = layout_of(layout);
     return py::make_tuple(cuda_glue::block_summary_bytes(L, t),
                           cuda_glue::sparse_scratch_bytes(num_seqs, max_blocks, num_heads, L.num_kv_heads, count_reads));

@@ -49,13 +49,6 @@ void single_threaded_here() {
   if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(1);
 }
 
-at::ScalarType scalar_type(const std::string& dtype) {
-  if (dtype == "float32") return at::kFloat;
-  if (dtype == "bfloat16") return at::kBFloat16;
-  if (dtype == "float16") return at::kHalf;
-  fail(ErrorCode::kInvalidArgument, "dtype must be float32, bfloat16 or float16, not '" + dtype + "'");
-}
-
 at::Device torch_device(const DeviceSpec& spec) {
   if (spec.device == "cpu") return at::Device(at::kCPU);
   if (spec.device.rfind("cuda", 0) == 0) {
@@ -118,7 +111,7 @@ std::shared_ptr<ModelHandle> load_model(const std::string& path, int32_t max_pos
   const auto t0 = std::chrono::steady_clock::now();
   if (max_positions < 0) fail(ErrorCode::kInvalidArgument, "max_positions must not be negative");
   const at::Device device = torch_device(spec);
-  const at::ScalarType dtype = scalar_type(spec.dtype);
+  const at::ScalarType dtype = scalar_type_of(spec.dtype);
   if (device.is_cpu() && dtype != at::kFloat) {
     fail(ErrorCode::kUnsupported, "the CPU backend computes in float32 (dtype='" + spec.dtype + "' needs CUDA)");
   }

@@ -712,4 +712,11 @@ void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta,
   }
 }
 
+at::ScalarType scalar_type_of(const std::string& dtype) {
+  if (dtype == "float32") return at::kFloat;
+  if (dtype == "bfloat16") return at::kBFloat16;
+  if (dtype == "float16") return at::kHalf;
+  fail(ErrorCode::kInvalidArgument, "dtype must be float32, bfloat16 or float16, not '" + dtype + "'");
+}
+
 }  // namespace k25

@@ -182,4 +182,8 @@ struct LoadedModel {
 };
 LoadedModel load_llama_weights(const std::string& path, int32_t num_threads);
 
+// The tensor type of a dtype name of the API ("float32", "bfloat16", "float16"); anything else
+// is kInvalidArgument.
+at::ScalarType scalar_type_of(const std::string& dtype);
+
 }  // namespace k25
