@@ -508,11 +508,11 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
   x.raw = at::empty({n.raw}, i32.dtype(at::kFloat));
   x.score = at::empty({n.score}, i32.dtype(at::kFloat));
   x.select = at::empty({n.select}, i32);
-  x.head_tables = at::empty({S, num_kv_heads, MB}, i32);
+  x.head_tables = at::empty({n.head_tables}, i32).view({S, num_kv_heads, MB});
   x.context_lens = at::empty({n.context_lens}, i32);
   x.zeroed = at::zeros({n.zeroed_words}, i32.dtype(at::kLong));
   if (count_reads) {
-    x.reads = at::zeros({S, MB}, i32);
+    x.reads = at::zeros({n.reads}, i32).view({S, MB});
     x.host_reads = at::zeros({S, MB}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
   }
   x.num_seqs = num_seqs;
