@@ -5,7 +5,9 @@ Per case: dense = k25's decode kernel over every block (the CUDA-graph form, spl
 one-wave rule); sparse = the device selection (cuda/block_sparsity.cu: two launches on sm_90) plus
 the same decode kernel over each head's kept blocks; beside it, the dense kernel over as many
 keys as were kept (each row's first ones, one table for every head), and the sparse path as a
-decode step runs it: the step's summary update (summary_kernel), then the selection and the attention. Random keys spread the attention
+decode step runs it: the step's summary update (summary_kernel), then the selection and the attention;
+and from RoPE on (RoPE and the cache write of the step's token, which updates the summaries
+itself where the tree fuses it, against RoPE and the dense kernel). Random keys spread the attention
 mass, so the cap decides the count: the skipped fraction r is measured from the
 selection's statistics, the bound on the speed-up is 1 / (1 - r), and the issue's target
 is 0.85 of it at 32K and 128K. Summaries of bf16 KV are 4-bit codes and a scale: 128 + 16
@@ -74,6 +76,20 @@ def case(lengths, caps, results, width=0):
         return graph.replay
 
     dense_ms = time_ms(graphed(lambda: call.run(q)))
+    # The decode step's part from the QKV projection's output to the attention's: RoPE and the
+    # cache write of the step's token (slot ctx - 1 of each row) first, in both paths, on a copy
+    # of q that every replay rotates again (the selection's count is the cap's either way).
+    qr = q.clone()
+    pos = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([int(tables[b, (n - 1) // PAGE]) * PAGE + (n - 1) % PAGE for b, n in enumerate(lengths)],
+                         dtype=torch.int64, device="cuda")
+    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    ang = torch.outer(torch.arange(L, dtype=torch.float64), inv)
+    cos, sin = ang.cos().float().cuda(), ang.sin().float().cuda()
+    del ang
+    rope = lambda **kw: cu.rope_write_kv(qr, pos, slots, HQ, cos, sin, kv, layout, 0, **kw)
+    fused = "summaries" in (cu.rope_write_kv.__doc__ or "")  # a tree whose rope_write_kv updates summaries
+    dense_rope_ms = time_ms(graphed(lambda: (rope(), call.run(qr))))
     kv_bytes = sum(lengths) * HKV * D * 2 * 2
     label = f"B{B} @ {L // 1024}K" if len(set(lengths)) == 1 else \
         "+".join(f"{lengths.count(n)}x{n // 1024}K" for n in sorted(set(lengths), reverse=True))
@@ -93,6 +109,15 @@ def case(lengths, caps, results, width=0):
         # recomputed from the same keys) before the selection, which the dense step does without.
         step_ms = time_ms(graphed(lambda: (call.update_summaries(summ), call.select(q, summ, stats, **params),
                                            call.run_sparse(q))))
+        # From the QKV projection on: RoPE and the cache write, the summary update (fused into the
+        # RoPE launch where the tree has it), the selection and the attention; against RoPE and
+        # the dense attention.
+        if fused:
+            rope_step = lambda: (rope(summaries=summ), call.select(qr, summ, stats, **params), call.run_sparse(qr))
+        else:
+            rope_step = lambda: (rope(), call.update_summaries(summ), call.select(qr, summ, stats, **params),
+                                 call.run_sparse(qr))
+        rope_step_ms = time_ms(graphed(rope_step))
         # The dense kernel over as many keys as were kept (each row's first kept-length keys
         # through its own shuffled table, one table for all heads): what the attention over
         # the kept blocks would cost without per-head tables.
@@ -106,12 +131,17 @@ def case(lengths, caps, results, width=0):
         print(f"  cap {cap}: skipped {r:.3f}, select {select_ms * 1e3:.1f} us + attend {attend_ms * 1e3:.1f} us "
               f"= {both_ms * 1e3:.1f} us; speed-up {speedup:.2f}x of bound {bound:.2f}x = {speedup / bound:.2f}; "
               f"dense over as many keys {same_keys_ms * 1e3:.1f} us; with the summary update {step_ms * 1e3:.1f} us: "
-              f"{dense_ms / step_ms:.2f}x = {dense_ms / step_ms / bound:.2f} of bound")
+              f"{dense_ms / step_ms:.2f}x = {dense_ms / step_ms / bound:.2f} of bound; from RoPE on "
+              f"({'summaries fused into RoPE' if fused else 'summary_kernel'}) {rope_step_ms * 1e3:.1f} us against "
+              f"{dense_rope_ms * 1e3:.1f}: {dense_rope_ms / rope_step_ms:.2f}x = "
+              f"{dense_rope_ms / rope_step_ms / bound:.2f} of bound")
         results.append(dict(batch=B, context=L, lengths=lengths, width=max(width, nb), cap=cap, skipped=r, dense_us=dense_ms * 1e3,
                             select_us=select_ms * 1e3, attend_us=attend_ms * 1e3, sparse_us=both_ms * 1e3,
                             same_keys_us=same_keys_ms * 1e3, speedup=speedup, bound=bound, of_bound=speedup / bound,
-                            step_us=step_ms * 1e3, step_speedup=dense_ms / step_ms))
-    del kv, summ, call, full
+                            step_us=step_ms * 1e3, step_speedup=dense_ms / step_ms, rope_step_us=rope_step_ms * 1e3,
+                            dense_rope_us=dense_rope_ms * 1e3, rope_step_speedup=dense_rope_ms / rope_step_ms,
+                            fused_summaries=fused))
+    del kv, summ, call, full, cos, sin
     torch.cuda.empty_cache()
 
 
