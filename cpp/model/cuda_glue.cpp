@@ -513,7 +513,7 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
   x.zeroed = at::zeros({n.zeroed_words}, i32.dtype(at::kLong));
   if (count_reads) {
     x.reads = at::zeros({n.reads}, i32).view({S, MB});
-    x.host_reads = at::zeros({S, MB}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    x.host_reads = at::zeros(x.reads.sizes(), at::TensorOptions().dtype(at::kInt).pinned_memory(true));  // its mirror
   }
   x.num_seqs = num_seqs;
   x.max_blocks = max_blocks;
