@@ -391,17 +391,24 @@ __device__ __forceinline__ uint32_t nibble_pair_h(uint32_t x) {
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads)
     score_mma_kernel(const T* __restrict__ q, int64_t q_stride, const void* __restrict__ summ, SparseSelect a, int run) {
-  pdl_wait();
-  pdl_trigger();
+  // pdl_wait comes after the query's fragments and the first table entries: q and the block
+  // tables are not written by the launch before this one (in a decode step that is summary_kernel,
+  // which writes summary rows only; q's writer, rope_write_kv, is complete once summary_kernel
+  // has passed its own pdl_wait). The summary rows, the raw scores and the maxima wait.
   static_assert(kCodedSummaries<T> && D % 64 == 0, "4-bit-coded rows of 64-channel runs");
   constexpr int kHalf = D / 64;       // 8-byte loads (16 codes) of a lane in each half (minima, maxima) of a row
   constexpr int kLoads = 2 * kHalf;
   const ScoreTask w = score_task(a, run);
-  if (!w.cta_has_work) return;  // uniform
+  if (!w.cta_has_work) {  // uniform; it still waits, so that the chain's "complete before" holds
+    pdl_wait();
+    pdl_trigger();
+    return;
+  }
   const int s = w.s, nb = w.nb, h = w.h, j0 = w.j0, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks;
   __shared__ uint32_t smax[2 * kMaxSparseHeads];
   clear_maxima(smax, Hq);
+  bool waited = false;  // warp-uniform
   if (j0 < nb) {  // warp-uniform
     const int j1 = min(nb, j0 + w.run);
     const int* tab = a.block_tables + static_cast<int64_t>(s) * MB;
@@ -466,6 +473,11 @@ __global__ void __launch_bounds__(kScoreThreads)
       // round trip, not for a table load and then theirs.
       int cb = j0;
       int tab_cur = j0 + lane < j1 ? tab[j0 + lane] : 0, tab_nxt = j0 + 32 + lane < j1 ? tab[j0 + 32 + lane] : 0;
+      if (!waited) {
+        pdl_wait();
+        pdl_trigger();
+        waited = true;
+      }
       // This lane's block of the tile at jt: its 8-byte runs of 16 codes and the row's scale
       // (zeros past the run).
       auto load_tile = [&](int jt, uint2(&b)[kLoads], float& sc) {
@@ -536,6 +548,10 @@ __global__ void __launch_bounds__(kScoreThreads)
         atomicMax(&smax[2 * (h * group + g0 + g) + 1], max_c);
       }
     }
+  }
+  if (!waited) {
+    pdl_wait();
+    pdl_trigger();
   }
   flush_maxima(smax, a, s, Hq);
 }
@@ -890,27 +906,33 @@ __device__ __forceinline__ void write_head_table(const SparseSelect& a, int s, i
   }
   int ob, oe;
   others_range(a, nb, &ob, &oe);
-  // Each thread a run of blocks in position order.
+  // Each thread a run of blocks in position order: its threshold-quantum blocks (ties) and
+  // the others it keeps outright (mandatory or above the quantum).
   const int per = (nb + kThreads - 1) / kThreads;
   const int lo = min(nb, static_cast<int>(threadIdx.x) * per), hi = min(nb, lo + per);
-  int ties = 0;
-  for (int j = lo; j < hi; ++j) ties += j >= ob && j < oe && bin_of(j) == p.bin;
-  using Scan = cub::BlockScan<int, kThreads>;
+  int2 cnt = make_int2(0, 0);  // ties, outright
+  for (int j = lo; j < hi; ++j) {
+    const bool other = j >= ob && j < oe;
+    const int b = other ? bin_of(j) : 0;
+    cnt.x += other && b == p.bin;
+    cnt.y += !other || b > p.bin;
+  }
+  // One scan of both: the ties before this thread (tie_rank) and the outright kept before it.
+  // Of the ties the first in_bin in position order are kept, so the kept blocks before this
+  // thread are its outright prefix plus min(in_bin, tie_rank).
+  using Scan = cub::BlockScan<int2, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  int tie_rank;
-  Scan(tmp).ExclusiveSum(ties, tie_rank);
-  __syncthreads();
+  int2 before;
+  Scan(tmp).ExclusiveScan(cnt, before, make_int2(0, 0),
+                          [](int2 x, int2 y) { return make_int2(x.x + y.x, x.y + y.y); });
+  const int tie_rank = before.x;
+  int pos = before.y + min(p.in_bin, tie_rank);
   // Whether block j is kept; r counts this thread's threshold-quantum blocks so far.
   auto kept_at = [&](int j, int& r) {
     if (j < ob || j >= oe) return true;
     const int b = bin_of(j);
     return b > p.bin || (b == p.bin && r++ < p.in_bin);
   };
-  int kept = 0;
-  for (int j = lo, r = tie_rank; j < hi; ++j) kept += kept_at(j, r);
-  int pos;
-  __syncthreads();  // the scan's storage is reused
-  Scan(tmp).ExclusiveSum(kept, pos);
   for (int j0 = lo, r = tie_rank; j0 < hi; j0 += kBatch) {
     int v[kBatch];  // loaded before the stores (above)
 #pragma unroll
@@ -1015,6 +1037,19 @@ __device__ __forceinline__ void push_cluster_int(const int* p, uint32_t bar, int
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.s32 [%0], %1, [%2];" ::"r"(rp), "r"(v), "r"(rb)
                : "memory");
 }
+// choose_kernel's scan over its histograms (ChooseSums: one thread's two bins, and its blocks'
+// mandatory mass and entropy term).
+struct ChooseSums {
+  unsigned long long mass, covered;
+  double mlogm;
+  int est, scr;
+};
+struct AddSums {
+  __device__ __forceinline__ ChooseSums operator()(const ChooseSums& x, const ChooseSums& y) const {
+    return {x.mass + y.mass, x.covered + y.covered, x.mlogm + y.mlogm, x.est + y.est, x.scr + y.scr};
+  }
+};
+
 __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar) {
   uint32_t done;
   do {
@@ -1031,50 +1066,53 @@ __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar) {
 
 __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  pdl_wait();
-  pdl_trigger();
+  // Before pdl_wait: only what the score kernel (the launch before) does not write (the batch's
+  // lengths and block tables) and this CTA's shared memory.
   const int h = blockIdx.x, s = blockIdx.y;  // cluster (Hkv, 1): rank h
   const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks, bs = a.block_size;
-  // The group's maxima (bound, centre) loaded with the sequence's lengths: one round trip.
-  __shared__ float best[2][kMaxSparseHeads];
-  __shared__ int needs[kMaxSparseKvHeads], pick[4];  // needs: every KV head's (pushed); pick: keep, bin, in_bin, sparse
-  __shared__ __align__(8) unsigned long long needs_bar;
-  uint32_t* mx = a.maxima + (static_cast<int64_t>(s) * Hq + h * group) * 2;  // this CTA's alone
-  uint32_t my_max = 0;
-  if (threadIdx.x < 2 * group) my_max = mx[threadIdx.x];
   const int nb = eligible_blocks(a, s);  // the same in the whole cluster: every barrier or none
-  if (nb == 0) {
-    write_head_table<kChooseThreads>(a, s, h, 0, Pick{}, [](int) { return 0; });
-    return;
-  }
-  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&needs_bar));
-  if (threadIdx.x == 0) mbar_init_expect(bar, 4 * Hkv);
-  cluster_arrive_relaxed();  // waited for before the pushes (warp 0) or at the end (the rest)
-  if (threadIdx.x < 2 * group) {
-    best[threadIdx.x % 2][threadIdx.x / 2] = from_order_bits(my_max);
-    mx[threadIdx.x] = 0;  // at rest for the next layer or step
-  }
+  const int ctx = a.context_lens[s];
+  __shared__ float best[2][kMaxSparseHeads];
+  // needs: every KV head's (pushed); choose_need: this head's; pick: the threshold quantum and
+  // how many blocks of it.
+  __shared__ int needs[kMaxSparseKvHeads], choose_need, pick[2];
+  __shared__ __align__(8) unsigned long long needs_bar;
   extern __shared__ __align__(16) unsigned char smem[];
   auto* mass = reinterpret_cast<unsigned long long*>(smem);
   int* est = reinterpret_cast<int*>(mass + kBins);
   int* scr = est + kBins;
   auto* qbin = reinterpret_cast<uint16_t*>(scr + kBins);
-  for (int b = threadIdx.x; b < kBins; b += kChooseThreads) {
-    mass[b] = 0;
-    est[b] = 0;
-    scr[b] = 0;
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&needs_bar));
+  if (nb > 0) {
+    if (threadIdx.x == 0) {
+      mbar_init_expect(bar, 4 * Hkv);
+      choose_need = nb;  // unless a crossing is found
+    }
+    cluster_arrive_relaxed();  // waited for before the pushes (warp 0) or at the end (the rest)
+    for (int b = threadIdx.x; b < kBins; b += kChooseThreads) {
+      mass[b] = 0;
+      est[b] = 0;
+      scr[b] = 0;
+    }
+    // The table entries write_head_table reads in this thread's run of positions, into L1.
+    const int per = (nb + kChooseThreads - 1) / kChooseThreads;
+    const int lo = min(nb, static_cast<int>(threadIdx.x) * per), hi = min(nb, lo + per);
+    const int* tab = a.block_tables + static_cast<int64_t>(s) * MB;
+    for (int j = lo & ~31; j < hi; j += 32) asm volatile("prefetch.L1 [%0];" ::"l"(tab + j));  // 128-byte lines
   }
-  __syncthreads();
-  int ob, oe;
-  others_range(a, nb, &ob, &oe);
-  const int ctx = a.context_lens[s];
-  unsigned long long total = 0, covered = 0;
-  double mlogm = 0.0;
-  const double log_bs = log(static_cast<double>(bs));
+  pdl_wait();
+  pdl_trigger();
+  // The group's maxima (bound, centre), loaded with this thread's first raw scores: one round trip.
+  uint32_t* mx = a.maxima + (static_cast<int64_t>(s) * Hq + h * group) * 2;  // this CTA's alone
+  uint32_t my_max = 0;
+  if (threadIdx.x < 2 * group) my_max = mx[threadIdx.x];
+  if (nb == 0) {
+    write_head_table<kChooseThreads>(a, s, h, 0, Pick{}, [](int) { return 0; });
+    return;
+  }
   const float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group) * 2 * MB;
   const bool vec = MB % 4 == 0;  // rows 16-byte aligned
-  // Four blocks a chunk, a float4 of each head's bound and centre; two chunks a thread per
-  // pass, their loads issued together.
+  // Four blocks a chunk, a float4 of each head's bound and centre.
   auto load4 = [&](int g, int j0, float(&uv)[4], float(&cv)[4]) {
     const float* u = raw + static_cast<int64_t>(g) * 2 * MB + j0;
     if (vec) {
@@ -1089,6 +1127,24 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
       }
     }
   };
+  // The first chunk's scores of up to kPre heads, in flight with the maxima.
+  constexpr int kPre = 4;
+  const int jf = 4 * threadIdx.x;
+  float pu[kPre][4], pc[kPre][4];
+#pragma unroll
+  for (int g = 0; g < kPre; ++g) {
+    if (g < group && jf < nb) load4(g, jf, pu[g], pc[g]);
+  }
+  if (threadIdx.x < 2 * group) {
+    best[threadIdx.x % 2][threadIdx.x / 2] = from_order_bits(my_max);
+    mx[threadIdx.x] = 0;  // at rest for the next layer or step
+  }
+  __syncthreads();
+  int ob, oe;
+  others_range(a, nb, &ob, &oe);
+  unsigned long long covered = 0;  // the mandatory blocks' mass (the others' is in the histogram)
+  double mlogm = 0.0;
+  const double log_bs = log(static_cast<double>(bs));
   auto add_blocks = [&](int j0, const float(&sc)[4], const float(&es)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -1098,7 +1154,6 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
       qbin[j] = static_cast<uint16_t>(bq);
       const BlockKeys k = block_keys(j, nb, ctx, bs, log_bs);
       const unsigned long long fixed = block_mass(k.n, k.log_n, es[i], mlogm);
-      total += fixed;
       if (j < ob || j >= oe) {
         covered += fixed;
       } else {
@@ -1109,61 +1164,114 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
       }
     }
   };
-  for (int j0 = 4 * threadIdx.x; j0 < nb; j0 += 8 * kChooseThreads) {
-    const int j1 = j0 + 4 * kChooseThreads;
-    const bool two = j1 < nb;
-    float sc[2][4], es[2][4];
+  // A head's bound and centre of four blocks into their scores relative to its best, maxed
+  // over the group.
+  auto fold = [&](int g, const float(&uv)[4], const float(&cv)[4], float(&sc)[4], float(&es)[4]) {
+    const float bu = best[0][g], bc = best[1][g];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) sc[0][i] = sc[1][i] = es[0][i] = es[1][i] = -INFINITY;
-#pragma unroll 2
-    for (int g = 0; g < group; ++g) {
-      float uv[2][4], cv[2][4];
-      load4(g, j0, uv[0], cv[0]);
-      if (two) load4(g, j1, uv[1], cv[1]);
-      const float bu = best[0][g], bc = best[1][g];
+    for (int i = 0; i < 4; ++i) {
+      sc[i] = fmaxf(sc[i], uv[i] - bu);
+      es[i] = fmaxf(es[i], cv[i] - bc);
+    }
+  };
+  // Chunk m of this thread starts at jf + 4 m kChooseThreads: the first from the preloaded
+  // scores, then a chunk a pass with four heads' loads issued together (one round trip a
+  // pass at group 4; a pass over two chunks of two heads each would wait as long).
+  for (int j0 = jf; j0 < nb; j0 += 4 * kChooseThreads) {
+    float sc[4], es[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sc[0][i] = fmaxf(sc[0][i], uv[0][i] - bu);
-        es[0][i] = fmaxf(es[0][i], cv[0][i] - bc);
-        if (two) {
-          sc[1][i] = fmaxf(sc[1][i], uv[1][i] - bu);
-          es[1][i] = fmaxf(es[1][i], cv[1][i] - bc);
-        }
+    for (int i = 0; i < 4; ++i) sc[i] = es[i] = -INFINITY;
+    int g0 = 0;
+    if (j0 == jf) {
+#pragma unroll
+      for (int g = 0; g < kPre; ++g) {
+        if (g < group) fold(g, pu[g], pc[g], sc, es);
+      }
+      g0 = kPre;
+    }
+    for (int g = g0; g < group; g += 4) {
+      float uv[4][4], cv[4][4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        if (g + x < group) load4(g + x, j0, uv[x], cv[x]);
+      }
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        if (g + x < group) fold(g + x, uv[x], cv[x], sc, es);
       }
     }
-    add_blocks(j0, sc[0], es[0]);
-    if (two) add_blocks(j1, sc[1], es[1]);
+    add_blocks(j0, sc, es);
   }
-  cta_sums<kChooseThreads>(total, covered, mlogm);  // thread 0's; its barrier orders the histograms
+  // The rest with every thread (no warp's serial walk): one scan over the histograms from the
+  // top bin down, two bins a thread, carrying the CTA's sums of the mandatory mass and the
+  // entropy term. A head's need and its threshold are then the crossings head_need and head_pick
+  // find, each found by the one thread whose bins hold it (the same integer prefixes, so the same
+  // counts as count_kernel's).
+  static_assert(kBins == 2 * kChooseThreads, "two bins a thread");
+  __syncthreads();  // the histograms are complete
+  const int b0 = kBins - 1 - 2 * static_cast<int>(threadIdx.x), b1 = b0 - 1;
+  const unsigned long long m0 = mass[b0], m1 = mass[b1];
+  const int e0 = est[b0], e1 = est[b1], r0 = scr[b0], r1 = scr[b1];
+  const ChooseSums mine{m0 + m1, covered, mlogm, e0 + e1, r0 + r1};
+  ChooseSums incl, all;
+  {
+    using Scan = cub::BlockScan<ChooseSums, kChooseThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+    __shared__ typename Scan::TempStorage tmp;
+    Scan(tmp).InclusiveScan(mine, incl, AddSums{}, all);
+  }
   const int n_mand = nb - (oe - ob);
-  if (threadIdx.x < 32) {
-    const unsigned long long lv = lane_mass_sum(mass);
-    const int lc = lane_count_sum(est);
-    const CountBins score_bins = load_count_bins(scr);
-    const unsigned long long t = __shfl_sync(0xffffffffu, total, 0), c = __shfl_sync(0xffffffffu, covered, 0);
-    const int need = head_need(a, mass, est, lv, lc, t, c, nb, n_mand);
-    cluster_wait();  // every CTA's barrier initialised
-    if (threadIdx.x < Hkv) push_cluster_int(&needs[h], bar, threadIdx.x, need);  // lane r: to head r
-    mbar_wait_cluster(bar);  // every head's need here
-    int most = threadIdx.x < Hkv ? max(n_mand, needs[threadIdx.x]) : n_mand;
-    for (int o = 16; o > 0; o >>= 1) most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
-    const Pick p = head_pick(a, most, nb, n_mand, scr, score_bins);
-    if (threadIdx.x == 0) {
-      pick[0] = p.keep;
-      pick[1] = p.bin;
-      pick[2] = p.in_bin;
-      pick[3] = p.sparse;
-      if (p.sparse) add_stats(a, nb, p.keep, t, mlogm);
-    }
-  } else {
-    cluster_wait();
+  const unsigned long long head_total = all.mass + all.covered;  // every block's mass
+  {
+    const unsigned long long want =
+        static_cast<unsigned long long>(ceil(static_cast<double>(a.mass_target) * static_cast<double>(head_total)));
+    const unsigned long long m_above = incl.mass - mine.mass;  // the others' mass in bins above b0
+    const int c_above = incl.est - mine.est;
+    // Within the crossing quantum, as many blocks as its mean mass says (head_need's rule).
+    auto need_at = [&](unsigned long long above, unsigned long long val, int count_above, int count) {
+      const double mean = static_cast<double>(val) / max(count, 1);
+      const double rest = static_cast<double>(want - all.covered - above);
+      const int k = min(count, max(1, static_cast<int>(ceil(rest / mean - 1e-9))));
+      return n_mand + count_above + k;
+    };
+    if (all.covered >= want) {
+      if (threadIdx.x == 0) choose_need = n_mand;
+    } else if (all.covered + m_above < want && all.covered + m_above + m0 >= want) {
+      choose_need = need_at(m_above, m0, c_above, e0);
+    } else if (all.covered + m_above + m0 < want && all.covered + m_above + m0 + m1 >= want) {
+      choose_need = need_at(m_above + m0, m1, c_above + e0, e1);
+    }  // no crossing anywhere (rounding): choose_need stays nb
   }
   __syncthreads();
+  cluster_wait();  // every CTA's barrier initialised
+  if (threadIdx.x < Hkv) push_cluster_int(&needs[h], bar, threadIdx.x, choose_need);  // thread r: to head r
+  mbar_wait_cluster(bar);  // every head's need here
+  int most = n_mand;
+  for (int i = 0; i < Hkv; ++i) most = max(most, needs[i]);
+  // head_pick's clamp (uniform), then the threshold quantum from the score counts' crossing.
   Pick p;
-  p.keep = pick[0];
-  p.bin = pick[1];
-  p.in_bin = pick[2];
-  p.sparse = pick[3];
+  const int keep_min = static_cast<int>(ceil(nb * (1.0 - a.max_ratio) - 1e-9));
+  const int keep_max = static_cast<int>(floor(nb * (1.0 - a.min_ratio) + 1e-9));
+  p.keep = max(n_mand, min(max(most, keep_min), keep_max));
+  if (p.keep >= nb) {
+    p.keep = nb;
+  } else {
+    p.sparse = 1;
+    const int take = p.keep - n_mand;
+    if (take > 0) {  // else no other block: bin stays past the top
+      const int r_above = incl.scr - mine.scr;
+      if (r_above < take && r_above + r0 >= take) {
+        pick[0] = b0;
+        pick[1] = take - r_above;
+      } else if (r_above + r0 < take && r_above + r0 + r1 >= take) {
+        pick[0] = b1;
+        pick[1] = take - r_above - r0;
+      }  // always found: take <= the others' count
+      __syncthreads();
+      p.bin = pick[0];
+      p.in_bin = pick[1];
+    }
+    if (threadIdx.x == 0) add_stats(a, nb, p.keep, head_total, all.mlogm);
+  }
   write_head_table<kChooseThreads>(a, s, h, nb, p, [&](int j) { return static_cast<int>(qbin[j]); });
 #endif
 }
