@@ -101,6 +101,8 @@ def case(lengths, caps, results, width=0):
         params = dict(min_context=2048, sink_blocks=1, recent_blocks=16, min_ratio=0.1, max_ratio=cap,
                       mass_target=0.95)
         _, kept_lens = call.select(q, summ, stats, **params)
+        # Copied now: kept_lens is the call's own buffer, which every later select rewrites.
+        kl = kept_lens.cpu().to(torch.int32)
         r = 1.0 - stats[0, 1].item() / stats[0, 0].item()
         sparse_out = call.run_sparse(q)
         assert torch.isfinite(sparse_out).all()
@@ -129,7 +131,6 @@ def case(lengths, caps, results, width=0):
         # The dense kernel over as many keys as were kept (each row's first kept-length keys
         # through its own shuffled table, one table for all heads): what the attention over
         # the kept blocks would cost without per-head tables.
-        kl = kept_lens.cpu().to(torch.int32)
         short = cu.AttentionCall(kv, layout, 0, qs, kl, tables[:, :-(-int(kl.max()) // PAGE)].contiguous(), HQ, scale,
                                  0, 264, splits)
         same_keys_ms = time_ms(graphed(lambda: short.run(q)))
