@@ -58,6 +58,9 @@ def main():
     ap.add_argument("--mass-targets", default="0.95", help="sparsity_mass_target values to run (comma list)")
     ap.add_argument("--compensation", default="off", choices=["off", "on", "both"],
                     help="sparsity_compensation for the sparse runs (both: each cap twice)")
+    ap.add_argument("--score-channels", type=int, default=None,
+                    help="sparsity_score_channels for the sparse runs (0: the Quest bound ranks, CUDA's rule; "
+                         "default: the engine's, 8 on the CPU)")
     ap.add_argument("--json")
     args = ap.parse_args()
     base = dict(device="cpu", num_threads=args.threads, max_seq_len=8192, prefill_chunk_size=1024,
@@ -76,12 +79,14 @@ def main():
         targets = [float(t) for t in args.mass_targets.split(",")]
         for cap, comp, mt in [(float(c), comp, mt) for c in args.caps.split(",") for comp in comps for mt in targets]:
             sparse, sparse_s, ratio, layers = run(dict(base, enable_dynamic_sparsity=True, max_sparsity_ratio=cap,
-                                                       sparsity_compensation=comp, sparsity_mass_target=mt),
+                                                       sparsity_compensation=comp, sparsity_mass_target=mt,
+                                                       sparsity_score_channels=args.score_channels),
                                                   docs, args.decoded)
             s_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(sparse, docs)])
             agree = float(np.mean(np.concatenate(
                 [o[-args.decoded - 1:-1].argmax(1) == r[-args.decoded - 1:-1].argmax(1) for o, r in zip(sparse, dense)])))
-            row = {"context": ctx, "cap": cap, "compensation": comp, "mass_target": mt, "tokens": int(d_nll.size), "sparsity": ratio,
+            row = {"context": ctx, "cap": cap, "compensation": comp, "mass_target": mt,
+                   "score_channels": args.score_channels, "tokens": int(d_nll.size), "sparsity": ratio,
                    "ppl_dense": float(np.exp(d_nll.mean())), "ppl_sparse": float(np.exp(s_nll.mean())),
                    "ppl_ratio": float(np.exp(s_nll.mean() - d_nll.mean())), "top1_agreement": agree,
                    "decode_s_dense": dense_s, "decode_s_sparse": sparse_s,
