@@ -15,6 +15,8 @@ runs the same per-step path, so agreement and perplexity compare like with like.
   oracle      exact block masses (reads every key)
   estimateR   the CPU default: each query head's R largest |q| channels exact, the block's
               centre on the rest (docs/sparsity.md)
+  gestimateR  the same with one channel set per KV head (the R largest of the GQA group's summed
+              |q|): what a channel-major key copy would let one warp read per KV head
   quest       Quest bound ranks, the centre estimate sizes (the CUDA rule)
   questq8     the same from min/max rounded outward to int8 codes, one scale per block and head
   staticR     R channels per (layer, KV head), fixed from the prefix's statistics (|q_d| times
@@ -22,7 +24,8 @@ runs the same per-step path, so agreement and perplexity compare like with like.
   pcaR        keys projected on the prefix's top R principal directions per (layer, KV head)
               (Loki-style); scores q.mean + (U^T q).z
   *qB         a suffix: the stored values rounded to B-bit codes, one scale per block and head
-              (questqB: min/max rounded outward)
+              (questqB: min/max rounded outward; estimateRqB: the keys the chosen channels are
+              read from, as a low-bit copy would hold them)
 """
 import argparse
 import copy
@@ -60,7 +63,7 @@ def quest_bound(q, mn, mx, scale):
 class Rule:
     def __init__(self, name):
         self.name = name
-        m = re.fullmatch(r"(dense|oracle|quest|estimate|static|pca)(\d*)(?:q(\d+))?", name)
+        m = re.fullmatch(r"(dense|oracle|quest|estimate|gestimate|static|pca)(\d*)(?:q(\d+))?", name)
         if not m:
             raise SystemExit(f"unknown rule {name}")
         self.kind, self.r, self.quant = m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)
@@ -87,7 +90,7 @@ class Rule:
         vmask = valid[None, None]
         cnt = valid.sum(-1).float().log()[None, None]  # log token count per block, [1, 1, nb]
         mn, mx = block_min_max(kb, valid)
-        if self.kind in ("oracle", "estimate", "static", "pca"):
+        if self.kind in ("oracle", "estimate", "gestimate", "static", "pca"):
             if self.kind == "oracle":
                 s = torch.einsum("hgd,hjtd->hgjt", q, kb) * scale
             elif self.kind == "pca":
@@ -99,8 +102,15 @@ class Rule:
                      + torch.einsum("hgd,hdr,hjtr->hgjt", q, U, z)) * scale
             else:
                 cen = (mn + mx) / 2
-                if self.kind == "estimate":
-                    chosen = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.abs().topk(self.r, -1).indices, True)
+                if self.kind in ("estimate", "gestimate"):
+                    if self.kind == "estimate":
+                        chosen = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.abs().topk(self.r, -1).indices, True)
+                    else:  # one channel set per KV head: the R largest of the group's summed |q|
+                        idx = q.abs().sum(1).topk(self.r, -1).indices  # [Hkv, R]
+                        chosen = torch.zeros(q.shape[0], q.shape[-1], dtype=torch.bool).scatter_(-1, idx, True)
+                        chosen = chosen[:, None].expand_as(q)
+                    if self.quant:  # the keys as a B-bit copy (one scale per block and KV head), e.g. channel-major
+                        kb = qn(kb, (2, 3), self.quant)
                 else:
                     idx = self.calib[layer]
                     chosen = torch.zeros(q.shape[0], q.shape[-1], dtype=torch.bool).scatter_(-1, idx, True)[:, None]
