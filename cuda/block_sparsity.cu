@@ -772,22 +772,29 @@ __device__ __forceinline__ Crossing find_crossing(const unsigned long long* val,
   return r;
 }
 
+// The mass (fixed point) a head's kept blocks must reach: mass_target of its total.
+__device__ __forceinline__ unsigned long long mass_want(const SparseSelect& a, unsigned long long total) {
+  return static_cast<unsigned long long>(ceil(static_cast<double>(a.mass_target) * static_cast<double>(total)));
+}
+
+// Within the crossing quantum (val: its mass, count: its blocks), as many blocks as its mean
+// mass says are needed for the `rest` of the wanted mass.
+__device__ __forceinline__ int quantum_need(unsigned long long rest, unsigned long long val, int count) {
+  const double mean = static_cast<double>(val) / max(count, 1);
+  return min(count, max(1, static_cast<int>(ceil(static_cast<double>(rest) / mean - 1e-9))));
+}
+
 // A KV head's need (one warp): the mandatory blocks plus the fewest others, best estimate
 // first, whose mass reaches mass_target of the total. lv, lc: the lane sums of its mass and
 // estimate-count histograms (lane_mass_sum, lane_count_sum).
 __device__ __forceinline__ int head_need(const SparseSelect& a, const unsigned long long* mass, const int* est,
                                          unsigned long long lv, int lc, unsigned long long total,
                                          unsigned long long covered, int nb, int n_mand) {
-  const unsigned long long want =
-      static_cast<unsigned long long>(ceil(static_cast<double>(a.mass_target) * static_cast<double>(total)));
+  const unsigned long long want = mass_want(a, total);
   if (covered >= want) return n_mand;
   const Crossing c = find_crossing(mass, est, lv, lc, covered, want);
   if (c.bin < 0) return nb;  // rounding: everything
-  // Within the crossing quantum, as many blocks as its mean mass says.
-  const double mean = static_cast<double>(c.val) / max(c.count, 1);
-  const double rest = static_cast<double>(want - covered - c.above);
-  const int k = min(c.count, max(1, static_cast<int>(ceil(rest / mean - 1e-9))));
-  return n_mand + c.count_above + k;
+  return n_mand + c.count_above + quantum_need(want - covered - c.above, c.val, c.count);
 }
 
 // What a head keeps (select's four values): keep blocks; sparse: the threshold quantum `bin`
@@ -796,19 +803,27 @@ struct Pick {
   int keep = 0, bin = kBins, in_bin = 0, sparse = 0;
 };
 
-// From the largest need of the sequence's heads, clamped so the skipped fraction lies in
-// [min_ratio, max_ratio], one head's pick (one warp; scr its score-count histogram).
-__device__ __forceinline__ Pick head_pick(const SparseSelect& a, int need, int nb, int n_mand, const int* scr,
-                                          const CountBins& score_bins) {
+// The pick's keep and sparse flag alone (the threshold left past the top): the need clamped to
+// the ratios, at least the mandatory blocks; sparse unless that is every block.
+__device__ __forceinline__ Pick clamped_keep(const SparseSelect& a, int need, int nb, int n_mand) {
   const int keep_min = static_cast<int>(ceil(nb * (1.0 - a.max_ratio) - 1e-9));
   const int keep_max = static_cast<int>(floor(nb * (1.0 - a.min_ratio) + 1e-9));
   Pick p;
   p.keep = max(n_mand, min(max(need, keep_min), keep_max));
   if (p.keep >= nb) {
     p.keep = nb;
-    return p;
+  } else {
+    p.sparse = 1;
   }
-  p.sparse = 1;
+  return p;
+}
+
+// From the largest need of the sequence's heads, clamped so the skipped fraction lies in
+// [min_ratio, max_ratio], one head's pick (one warp; scr its score-count histogram).
+__device__ __forceinline__ Pick head_pick(const SparseSelect& a, int need, int nb, int n_mand, const int* scr,
+                                          const CountBins& score_bins) {
+  Pick p = clamped_keep(a, need, nb, n_mand);
+  if (!p.sparse) return p;
   const int take = p.keep - n_mand;
   if (take > 0) {  // else no other block: bin stays past the top
     const Crossing c = count_crossing(scr, score_bins, take);
@@ -1222,16 +1237,12 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
   const int n_mand = nb - (oe - ob);
   const unsigned long long head_total = all.mass + all.covered;  // every block's mass
   {
-    const unsigned long long want =
-        static_cast<unsigned long long>(ceil(static_cast<double>(a.mass_target) * static_cast<double>(head_total)));
+    const unsigned long long want = mass_want(a, head_total);
     const unsigned long long m_above = incl.mass - mine.mass;  // the others' mass in bins above b0
     const int c_above = incl.est - mine.est;
-    // Within the crossing quantum, as many blocks as its mean mass says (head_need's rule).
+    // Within the crossing quantum, head_need's rule.
     auto need_at = [&](unsigned long long above, unsigned long long val, int count_above, int count) {
-      const double mean = static_cast<double>(val) / max(count, 1);
-      const double rest = static_cast<double>(want - all.covered - above);
-      const int k = min(count, max(1, static_cast<int>(ceil(rest / mean - 1e-9))));
-      return n_mand + count_above + k;
+      return n_mand + count_above + quantum_need(want - all.covered - above, val, count);
     };
     if (all.covered >= want) {
       if (threadIdx.x == 0) choose_need = n_mand;
@@ -1248,14 +1259,8 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
   int most = n_mand;
   for (int i = 0; i < Hkv; ++i) most = max(most, needs[i]);
   // head_pick's clamp (uniform), then the threshold quantum from the score counts' crossing.
-  Pick p;
-  const int keep_min = static_cast<int>(ceil(nb * (1.0 - a.max_ratio) - 1e-9));
-  const int keep_max = static_cast<int>(floor(nb * (1.0 - a.min_ratio) + 1e-9));
-  p.keep = max(n_mand, min(max(most, keep_min), keep_max));
-  if (p.keep >= nb) {
-    p.keep = nb;
-  } else {
-    p.sparse = 1;
+  Pick p = clamped_keep(a, most, nb, n_mand);
+  if (p.sparse) {
     const int take = p.keep - n_mand;
     if (take > 0) {  // else no other block: bin stays past the top
       const int r_above = incl.scr - mine.scr;
