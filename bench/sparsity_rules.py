@@ -4,7 +4,7 @@ benchmark: it runs transformers (float32) with its attention replaced, not the e
 
     python bench/sparsity_rules.py [--context 4096] [--docs 3] [--decoded 128] [--cap 0.6]
                                    [--rules dense,oracle,estimate8,quest,...] [--fixed]
-                                   [--calib self|other|code] [--reselect N] [--prune-stats]
+                                   [--calib self|other|code] [--reselect N] [--prune-stats] [--layers a:b]
 
 Each window of the pydoc text is run teacher-forced: the first context - decoded positions in
 one dense pass, then the last `decoded` one token per step with the rule's selection in every
@@ -19,13 +19,24 @@ runs the same per-step path, so agreement and perplexity compare like with like.
               |q|): what a channel-major key copy would let one warp read per KV head
   quest       Quest bound ranks, the centre estimate sizes (the CUDA rule)
   questq8     the same from min/max rounded outward to int8 codes, one scale per block and head
+  centre      the centre estimate q.(min + max)/2 + log n ranks and sizes (summary reads only)
+  gaussP      the centre plus P/100 (no P: 100) of the variance term: each channel taken as
+              uniform on [min, max] and independent, log E[sum_t exp(q.k_t)] = centre + log n
+              + var/2 with var = sum_d q_d^2 (max_d - min_d)^2 / 12 (summary reads only)
+  momentsP    gaussP's estimate from the block's true per-channel mean and variance (a summary
+              of min / max's size could hold them instead): q.mean + log n + P/100 var/2
+  mixP        ranks by the centre plus P/100 of the bound's spread term (mix100 = quest), the
+              centre sizes
+  questx      the Quest bound ranks, exact block masses size (which half of the rule errs)
+  oraclex     exact block masses rank, the centre estimate sizes
   staticR     R channels per (layer, KV head), fixed from the prefix's statistics (|q_d| times
               the keys' spread), exact; the centre on the rest
   pcaR        keys projected on the prefix's top R principal directions per (layer, KV head)
               (Loki-style); scores q.mean + (U^T q).z
   *qB         a suffix: the stored values rounded to B-bit codes, one scale per block and head
-              (questqB: min/max rounded outward; estimateRqB: the keys the chosen channels are
-              read from, as a low-bit copy would hold them)
+              (questqB, gaussPqB, mixPqB: min/max rounded outward; estimateRqB: the keys the
+              chosen channels are read from, as a low-bit copy would hold them; momentsPqB: the
+              mean as signed codes, the variance as unsigned ones)
 """
 import argparse
 import copy
@@ -63,7 +74,7 @@ def quest_bound(q, mn, mx, scale):
 class Rule:
     def __init__(self, name):
         self.name = name
-        m = re.fullmatch(r"(dense|oracle|quest|estimate|gestimate|static|pca)(\d*)(?:q(\d+))?", name)
+        m = re.fullmatch(r"(dense|oracle|questx|oraclex|quest|centre|gauss|moments|mix|estimate|gestimate|static|pca)(\d*)(?:q(\d+))?", name)
         if not m:
             raise SystemExit(f"unknown rule {name}")
         self.kind, self.r, self.quant = m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)
@@ -125,12 +136,38 @@ class Rule:
             s = torch.where(vmask, s, neg)
             e = torch.logsumexp(s, -1)
             return e, e
+        if self.kind in ("questx", "oraclex"):  # one side of the rule exact: questx sizes, oraclex ranks
+            ex = torch.logsumexp(torch.where(vmask, torch.einsum("hgd,hjtd->hgjt", q, kb) * scale, neg), -1)
+            mn, mx = block_min_max(kb, valid)
+            if self.kind == "questx":
+                return quest_bound(q, mn, mx, scale), ex
+            return ex, torch.einsum("hgd,hjd->hgj", q, (mn + mx) / 2) * scale + cnt
+        if self.kind == "moments":  # per-channel mean and variance of the block's keys instead of min / max
+            kv = torch.where(valid[None, :, :, None], kb, 0.0)
+            n = valid.sum(-1).clamp_min(1)[None, :, None].float()
+            mu = kv.sum(2) / n
+            var = (torch.where(valid[None, :, :, None], kb - mu[:, :, None], 0.0) ** 2).sum(2) / n
+            if self.quant:  # mean as signed codes, variance as unsigned ones, one scale each per block and head
+                mu = qn(mu, (2,), self.quant)
+                vs = var.amax(-1, keepdim=True).clamp_min(1e-12) / (2 ** self.quant - 1)
+                var = torch.round(var / vs) * vs
+            e = (torch.einsum("hgd,hjd->hgj", q, mu) * scale + cnt
+                 + (self.r or 100) / 100 * torch.einsum("hgd,hjd->hgj", q * q, var) * scale * scale / 2)
+            return e, e
         # Quest bound
         if self.quant:
             sc = torch.maximum(mn.abs(), mx.abs()).amax(-1, keepdim=True).clamp_min(1e-12) / (2 ** (self.quant - 1) - 1)
             mn, mx = torch.floor(mn / sc) * sc, torch.ceil(mx / sc) * sc
         ub = quest_bound(q, mn, mx, scale)
         cen = torch.einsum("hgd,hjd->hgj", q, (mn + mx) / 2) * scale
+        if self.kind == "centre":
+            return cen + cnt, cen + cnt
+        if self.kind == "gauss":  # log E[sum exp(q.k)] with each channel uniform on [min, max], independent
+            var = torch.einsum("hgd,hjd->hgj", q * q, (mx - mn) ** 2 / 12) * scale * scale
+            e = cen + cnt + (self.r or 100) / 100 * var / 2
+            return e, e
+        if self.kind == "mix":  # the centre plus a fraction of the bound's spread term
+            return cen + self.r / 100 * (ub - cen), cen + cnt
         return ub, cen + cnt
 
     def prune_stats(self, q, kb, valid, scale, e, rank, others, best):
@@ -205,7 +242,7 @@ class Rule:
         return mask.repeat_interleave(BS, 1)[:, :L]
 
 
-STATE = {"rule": None, "cap": 0.6, "calibrating": [], "fixed": False, "reselect": 1, "prune": False}
+STATE = {"rule": None, "cap": 0.6, "calibrating": [], "fixed": False, "reselect": 1, "prune": False, "layers": (0, 1 << 30)}
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -219,7 +256,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     Hkv, L, _ = k.shape
     G = q.shape[0] // Hkv
     s = torch.einsum("hgd,hld->hgl", q.view(Hkv, G, -1), k) * scaling
-    if rule.kind != "dense" and L > MIN_CTX:
+    if rule.kind != "dense" and L > MIN_CTX and STATE["layers"][0] <= layer < STATE["layers"][1]:
         keep = rule.select(layer, q, k, scaling, STATE["cap"])
         s = s.masked_fill(~keep[:, None], float("-inf"))
     p = torch.softmax(s.float(), -1)
@@ -237,6 +274,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prune-stats", action="store_true", help="channel estimate: how many blocks the bound rules out")
     ap.add_argument("--reselect", type=int, default=1, help="a selection serves this many steps")
+    ap.add_argument("--layers", default="0:", help="a:b, the layers that select (the others attend densely; Quest leaves its first two dense: 2:)")
     ap.add_argument("--fixed", action="store_true", help="keep the cap's count (ranking alone compared)")
     ap.add_argument("--calib", default="self", choices=["self", "other", "code"],
                     help="static/pca statistics from each window's prefix, or once from other text: "
@@ -261,6 +299,8 @@ def main():
     rules = [Rule(r) for r in args.rules.split(",")]
     STATE["cap"], STATE["fixed"], STATE["reselect"] = args.cap, args.fixed, args.reselect
     STATE["prune"] = args.prune_stats
+    a, b = args.layers.split(":")
+    STATE["layers"] = (int(a or 0), int(b) if b else 1 << 30)
     calibrated = [r for r in rules if r.kind in ("static", "pca")]
     if args.calib != "self":
         assert 2 * stride + ctx <= len(ids) - 2048
