@@ -136,12 +136,6 @@ class Rule:
             s = torch.where(vmask, s, neg)
             e = torch.logsumexp(s, -1)
             return e, e
-        if self.kind in ("questx", "oraclex"):  # one side of the rule exact: questx sizes, oraclex ranks
-            ex = torch.logsumexp(torch.where(vmask, torch.einsum("hgd,hjtd->hgjt", q, kb) * scale, neg), -1)
-            mn, mx = block_min_max(kb, valid)
-            if self.kind == "questx":
-                return quest_bound(q, mn, mx, scale), ex
-            return ex, torch.einsum("hgd,hjd->hgj", q, (mn + mx) / 2) * scale + cnt
         if self.kind == "moments":  # per-channel mean and variance of the block's keys instead of min / max
             kv = torch.where(valid[None, :, :, None], kb, 0.0)
             n = valid.sum(-1).clamp_min(1)[None, :, None].float()
@@ -160,6 +154,9 @@ class Rule:
             mn, mx = torch.floor(mn / sc) * sc, torch.ceil(mx / sc) * sc
         ub = quest_bound(q, mn, mx, scale)
         cen = torch.einsum("hgd,hjd->hgj", q, (mn + mx) / 2) * scale
+        if self.kind in ("questx", "oraclex"):  # one side of the rule exact: questx sizes, oraclex ranks
+            ex = torch.logsumexp(torch.where(vmask, torch.einsum("hgd,hjtd->hgjt", q, kb) * scale, neg), -1)
+            return (ub, ex) if self.kind == "questx" else (ex, cen + cnt)
         if self.kind == "centre":
             return cen + cnt, cen + cnt
         if self.kind == "gauss":  # log E[sum exp(q.k)] with each channel uniform on [min, max], independent
