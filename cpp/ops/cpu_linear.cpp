@@ -10,13 +10,44 @@
 // column fall in the tiles, so a row's result does not depend on the batch it is in.
 #include <algorithm>
 #include <cstdint>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 #include "ops/cpu_kernels.h"
 #include "ops/vecn.h"
 
+// Contraction is off in this file: GCC fused `acc + x * w` into one FMA in some of tile's
+// instantiations and not in others (seen on Zen 3 with -march=native), so an output's bits
+// depended on how many rows its tile had. The accumulation's FMA is explicit (fma_n) instead.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 namespace k25::cpu {
 
 namespace {
+
+// c + a * b with one rounding where the target has a fused multiply-add, two otherwise; the
+// same instruction in every instantiation either way.
+inline vn fma_n(vn a, vn b, vn c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vn>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                              reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__) && defined(__AVX__)
+  return reinterpret_cast<vn>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(c)));
+#elif defined(__ARM_NEON)
+  return reinterpret_cast<vn>(vfmaq_f32(reinterpret_cast<float32x4_t>(c), reinterpret_cast<float32x4_t>(a),
+                                        reinterpret_cast<float32x4_t>(b)));
+#else
+  return a * b + c;
+#endif
+}
 
 constexpr int kRows = 4;  // rows of x in a register tile
 constexpr int kCols = 2;  // weight rows in a register tile (8 accumulators, 6 loads a step)
@@ -56,7 +87,7 @@ inline void tile(const float* x, int64_t x_stride, const float* w, const float* 
     for (int r = 0; r < R; ++r) {
       vn xv = loadn(x + r * x_stride + k);
       in_register(xv);
-      for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
+      for (int c = 0; c < C; ++c) acc[r][c] = fma_n(xv, wv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r) {
