@@ -166,9 +166,9 @@ __global__ void merge_kernel(T* out, AttnBatch batch, int num_heads, int group, 
     const int hkv = num_heads / group;
     seq = mi / hkv;
     kv_head = mi % hkv;
-    first = mi * batch.decode_splits;
-    const int ctx = batch.context_lens[seq];
-    count = derived_splits(window > 0 ? min(ctx, window) : ctx, batch);
+    const DerivedItem d = derived_item(batch, window, hkv, 0, seq, kv_head);  // whole warps: r is the warp
+    first = d.first;
+    count = d.count;
     if (count == 1) return;  // the single range wrote the output itself
   } else {
     const int* mg = batch.merge + 4 * mi;

@@ -47,14 +47,6 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Split count actually used for a derived decode of `span` keys: enough ranges of at least
-// batch.min_split_keys keys, at most decode_splits (short contexts use few CTAs, long ones
-// many).
-__device__ __forceinline__ int derived_splits(int span, const AttnBatch& batch) {
-  const int k = batch.min_split_keys;
-  return max(1, min(batch.decode_splits, (span + k - 1) / k));
-}
-
 // The block table of (sequence, KV head): its own with dynamic sparsity (head_tables),
 // else the sequence's.
 __device__ __forceinline__ const int* table_of(const AttnBatch& batch, int seq, int kv_head, int num_kv_heads) {
@@ -63,55 +55,165 @@ __device__ __forceinline__ const int* table_of(const AttnBatch& batch, int seq, 
              : batch.block_tables + static_cast<int64_t>(seq) * batch.max_blocks;
 }
 
-// Work item `item` of a batch: from the list, or for a decode-only batch with device-derived
-// splits, (sequence, KV head, split) from the index and the key range from context_lens.
-// partial == kNoWork: an unused split of a short context (the CTA has nothing to do).
-constexpr int kNoWork = -2;
-__device__ __forceinline__ AttnWork attn_work(const AttnBatch& batch, int num_kv_heads, int window, int item) {
-  if (batch.decode_splits <= 0) return batch.work[item];
-  AttnWork w;
-  const int S_max = batch.decode_splits;
-  const int per_seq = num_kv_heads * S_max;
-  w.seq = item / per_seq;
-  w.kv_head = (item % per_seq) / S_max;
-  const int split = item % S_max;
-  const int ctx = batch.context_lens[w.seq];
-  const int first = window > 0 ? max(0, ctx - window) : 0;
-  const int64_t span = ctx - first;
-  const int S = derived_splits(static_cast<int>(span), batch);
-  w.q_begin = 0;
-  w.q_end = 1;
-  w.key_begin = first + static_cast<int>(span * min(split, S) / S);
-  w.key_end = first + static_cast<int>(span * min(split + 1, S) / S);
-  w.partial = split >= S ? kNoWork : (S > 1 ? item : -1);
-  w.merge = -1;  // split_merge() derives the merge of this form
-  return w;
+// Device-derived decode splits (AttnBatch::decode_splits = S_max > 0, one query token per
+// sequence): the launch has num_seqs * S_max CTAs per KV head, num_seqs * num_kv_heads *
+// S_max in all, shared out over the batch's sequences in proportion to their keys.
+// Sequence s, whose span (its keys, or its window's) is n_s of a batch total N, gets
+//   S_s = 1 + floor(num_seqs * (S_max - 1) * n_s / N)
+// key ranges per KV head, at most one per min_split_keys keys (at least 1) and at most
+// kMaxFusedSplits: equal spans get S_max each, and a long row beside short ones gets the
+// CTAs the short rows do not need, so its ranges are about N / (num_seqs * S_max) keys long
+// rather than n_s / S_max. The counts sum to at most num_seqs * S_max.
+// Items: with one sequence, equal spans (up to 32 sequences, a warp's vote) or S_max = 1,
+// (sequence, KV head, range) in that order, S_max items per (sequence, KV head) of which the
+// first S_s work; otherwise KV head h owns items h B S_max + [0, B S_max) (B = num_seqs),
+// sequence s of them [first_s, first_s + S_s), first_s the counts of the sequences before it
+// (head-major: on an H100 the long row's CTAs then share SMs with the short rows', 1x128K +
+// 7x4K 6% faster than in sequence order). A (sequence, KV head)'s partial slots are its
+// items, contiguous; items past every sequence's have no work.
+__device__ __forceinline__ int derived_span(const AttnBatch& batch, int seq, int window) {
+  const int ctx = batch.context_lens[seq];
+  return window > 0 ? min(ctx, window) : ctx;
+}
+__device__ __forceinline__ int derived_cap(int span, const AttnBatch& batch) {
+  const int k = batch.min_split_keys;
+  return min(max(1, (span + k - 1) / k), kMaxFusedSplits);
+}
+// S_s of a span, given budget = num_seqs * (S_max - 1) and inv_total = 1.0 / N: the floor of
+// budget * span / N from a double estimate (within one of it: the product is below 2^53),
+// corrected exactly in integers.
+__device__ __forceinline__ int derived_count(int span, long long total, double inv_total, int budget,
+                                             const AttnBatch& batch) {
+  int share = 1;
+  if (total > 0) {
+    const long long p = static_cast<long long>(budget) * span;
+    long long q = static_cast<long long>(static_cast<double>(p) * inv_total);
+    const long long r = p - q * total;
+    q += r < 0 ? -1 : (r >= total ? 1 : 0);
+    share += static_cast<int>(q);
+  }
+  return min(share, derived_cap(span, batch));
+}
+// One derived item: seq < 0 when it has no work; first: the partial slot of its range 0.
+struct DerivedItem {
+  int seq = -1, kv_head = 0, split = 0, count = 0, first = 0;
+};
+// want_seq < 0: item `item` (of H KV heads); else (want_seq, want_head)'s count and first
+// slot (split 0). Called by whole warps (it shuffles over the sequences, 32 at a time);
+// every lane gets the same answer.
+__device__ __forceinline__ DerivedItem derived_item(const AttnBatch& batch, int window, int H, int item, int want_seq,
+                                                    int want_head) {
+  const int B = batch.num_seqs, S = batch.decode_splits;
+  DerivedItem d;
+  // (sequence, KV head, range) order, S ranges per (sequence, KV head), count each.
+  auto in_order = [&](int count) {
+    if (want_seq >= 0) {
+      d.seq = want_seq;
+      d.kv_head = want_head;
+    } else {
+      d.seq = item / (H * S);
+      d.kv_head = item / S - d.seq * H;
+      d.split = item % S;
+      if (d.split >= count) d.seq = -1;
+    }
+    d.count = count;
+    d.first = (d.seq * H + d.kv_head) * S;
+    return d;
+  };
+  if (S == 1) return in_order(1);
+  if (B == 1) return in_order(min(S, derived_cap(derived_span(batch, 0, window), batch)));
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x % 32;
+  int span = lane < B ? derived_span(batch, lane, window) : 0;  // the first 32 rows' stay in registers
+  if (B <= 32) {
+    const int span0 = __shfl_sync(kAll, span, 0);
+    if (__all_sync(kAll, lane >= B || span == span0)) return in_order(min(S, derived_cap(span0, batch)));
+  }
+  // Shares by keys, head-major.
+  const int per_head = B * S, budget = B * (S - 1);
+  const int head = want_seq >= 0 ? want_head : item / per_head, j = item - head * per_head;
+  long long total = span;
+  for (int s = lane + 32; s < B; s += 32) total += derived_span(batch, s, window);
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kAll, total, o);
+  const double inv_total = total > 0 ? 1.0 / static_cast<double>(total) : 0.0;
+  int base = 0;
+  for (int s0 = 0; s0 < B; s0 += 32) {
+    const int s = s0 + lane;
+    if (s0 > 0) span = s < B ? derived_span(batch, s, window) : 0;
+    const int n = s < B ? derived_count(span, total, inv_total, budget, batch) : 0;
+    int incl = n;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kAll, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const int excl = base + incl - n;
+    const bool mine = want_seq >= 0 ? s == want_seq : j >= excl && j < excl + n;
+    const unsigned hit = __ballot_sync(kAll, s < B && mine);
+    if (hit != 0) {
+      const int src = __ffs(hit) - 1;
+      const int first = __shfl_sync(kAll, excl, src);
+      d.seq = s0 + src;
+      d.kv_head = head;
+      d.count = __shfl_sync(kAll, n, src);
+      d.first = head * per_head + first;
+      d.split = want_seq >= 0 ? 0 : j - first;
+      return d;
+    }
+    base += __shfl_sync(kAll, incl, 31);
+  }
+  return d;
 }
 
 // The merge that a decode CTA's partial takes part in when the decode kernel does it
 // itself (AttnBatch::split_counters): its counter, first partial slot and slot count;
-// counter < 0 when merge_kernel does it (or there is no partial). Device-derived splits
-// count exactly the derived S (unused splits exit with kNoWork and do not count).
+// counter < 0 when merge_kernel does it (or there is no partial).
 struct SplitMerge {
   int counter = -1, first = 0, count = 0;
 };
-__device__ __forceinline__ SplitMerge split_merge(const AttnBatch& batch, const AttnWork& w, int num_kv_heads,
-                                                  int window) {
-  SplitMerge s;
-  if (batch.split_counters == nullptr || w.partial < 0) return s;
-  if (batch.decode_splits > 0) {
-    const int ctx = batch.context_lens[w.seq];
-    const int span = window > 0 ? min(ctx, window) : ctx;  // = attn_work's span
-    s.counter = w.seq * num_kv_heads + w.kv_head;
-    s.first = s.counter * batch.decode_splits;
-    s.count = derived_splits(span, batch);
-  } else if (w.merge >= 0) {
-    const int* mg = batch.merge + 4 * w.merge;
-    s.counter = w.merge;
-    s.first = mg[2];
-    s.count = mg[3];
+
+// Work item `item` of a batch: from the list, or for a decode-only batch with device-derived
+// splits, (sequence, KV head, key range) from the index and context_lens (derived_item).
+// partial == kNoWork: an unused item (the CTA has nothing to do). merge (may be null): the
+// split merge the item's partial takes part in (SplitMerge). Called by every thread of a CTA
+// (derived splits shuffle within each warp).
+constexpr int kNoWork = -2;
+__device__ __forceinline__ AttnWork attn_work(const AttnBatch& batch, int num_kv_heads, int window, int item,
+                                              SplitMerge* merge = nullptr) {
+  if (batch.decode_splits <= 0) {
+    const AttnWork w = batch.work[item];
+    if (merge != nullptr && batch.split_counters != nullptr && w.partial >= 0 && w.merge >= 0) {
+      const int* mg = batch.merge + 4 * w.merge;
+      merge->counter = w.merge;
+      merge->first = mg[2];
+      merge->count = mg[3];
+    }
+    return w;
   }
-  return s;
+  AttnWork w;
+  w.q_begin = 0;
+  w.q_end = 1;
+  w.merge = -1;
+  const DerivedItem d = derived_item(batch, window, num_kv_heads, item, -1, 0);
+  if (d.seq < 0) {
+    w.seq = w.kv_head = 0;
+    w.key_begin = w.key_end = 0;
+    w.partial = kNoWork;
+    return w;
+  }
+  w.seq = d.seq;
+  w.kv_head = d.kv_head;
+  const int ctx = batch.context_lens[w.seq];
+  const int first = window > 0 ? max(0, ctx - window) : 0;
+  const int64_t span = ctx - first;
+  w.key_begin = first + static_cast<int>(span * d.split / d.count);
+  w.key_end = first + static_cast<int>(span * (d.split + 1) / d.count);
+  w.partial = d.count > 1 ? item : -1;
+  if (merge != nullptr && batch.split_counters != nullptr && w.partial >= 0) {
+    merge->counter = w.seq * num_kv_heads + w.kv_head;
+    merge->first = d.first;
+    merge->count = d.count;
+  }
+  return w;
 }
 
 // The first element of block `id` (KVCache: a pool block, or a cold block's L2 slot).

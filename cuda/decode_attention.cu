@@ -136,9 +136,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
   __shared__ DecodeSmem<T, D, G> sm;
   extern __shared__ __align__(16) unsigned char ring_raw[];
 
-  const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x);
+  SplitMerge split;  // the merge this CTA's partial takes part in: read early, used at the end
+  const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x, &split);
   if (w.partial == kNoWork) return;  // uniform over the CTA: before any barrier
-  const SplitMerge split = split_merge(batch, w, kv.num_kv_heads, window);  // read early, used at the end
   const int group = num_heads / kv.num_kv_heads;
   const int token = batch.query_start[w.seq];
   const int ctx = batch.context_lens[w.seq];
@@ -460,9 +460,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   pdl_wait();  // q comes from the kernel before (launched with launch_pdl)
   pdl_trigger();
-  const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x);
+  SplitMerge split;  // the merge this CTA's partial takes part in: read early, used at the end
+  const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x, &split);
   if (w.partial == kNoWork) return;  // uniform over the CTA: before any barrier
-  const SplitMerge split = split_merge(batch, w, kv.num_kv_heads, window);  // read early, used at the end
   const int group = num_heads / kv.num_kv_heads;  // <= kDecodeMaxGroup: the caller's rule
   const int rows = min(group, kRows);
   const int token = batch.query_start[w.seq];

@@ -5,9 +5,12 @@ second by k25's paged decode (the eager plan and the CUDA-graph form), PyTorch S
 contiguous KV, and FlashInfer's paged decode (tensor cores). Prefill (causal, 16K):
 TFLOP/s of k25's paged prefill, SDPA and FlashInfer's paged prefill, each after the same
 idle pause, over a short run and settled under the power limit (burst_and_sustained). Every
-kernel's output is checked against SDPA's before it is timed.
+kernel's output is checked against SDPA's before it is timed. A mixed decode batch (rows of
+different lengths, e.g. 1x32768+7x2048) has no contiguous SDPA form: it is compared with
+FlashInfer only, its reference being SDPA row by row.
 
-    python3 bench/gpu/attention_bench.py [--json out.json] [--skip-flashinfer]
+    python3 bench/gpu/attention_bench.py [--json out.json] [--skip-flashinfer] [--decode-only]
+        [--decode-cases 8x32768,1x32768+7x2048,...]
 """
 import argparse
 import json
@@ -132,14 +135,24 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def decode_case(B, L, fi, results):
-    P = Paged([L] * B, seed=B * 7 + L)
+def decode_case(lens, fi, results):
+    """One decode batch of rows of these context lengths. Rows of one length are also run
+    through SDPA on contiguous KV; a mixed batch (e.g. 1x32768+7x2048: the graph form's split
+    ranges shared by keys) only against FlashInfer's paged decode, which plans its own."""
+    B, L = len(lens), max(lens)
+    same = len(set(lens)) == 1
+    P = Paged(lens, seed=B * 7 + L if same else sum(lens))
     q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
-    kc = torch.stack(P.k).transpose(1, 2).contiguous()  # [B, HKV, L, D]
-    vc = torch.stack(P.v).transpose(1, 2).contiguous()
-    ref = sdpa_decode(q, kc, vc)
+    if same:
+        kc = torch.stack(P.k).transpose(1, 2).contiguous()  # [B, HKV, L, D]
+        vc = torch.stack(P.v).transpose(1, 2).contiguous()
+        ref = sdpa_decode(q, kc, vc)
+    else:
+        ref = torch.cat([sdpa_decode(q[i:i + 1], P.k[i].transpose(0, 1)[None].contiguous(),
+                                     P.v[i].transpose(0, 1)[None].contiguous()) for i in range(B)])
     gb = P.kv_bytes() / 1e9
-    row = {"case": f"decode B{B} L{L}", "kv_GB": round(gb, 3)}
+    label = f"B{B} L{L}" if same else "+".join(f"{lens.count(n)}x{n}" for n in sorted(set(lens), reverse=True))
+    row = {"case": f"decode {label}", "kv_GB": round(gb, 3)}
     # q as k25 sees it: rows of the fused qkv buffer.
     qkv = torch.zeros(B, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)
     qkv[:, :HQ * D] = q.reshape(B, -1)
@@ -158,9 +171,10 @@ def decode_case(B, L, fi, results):
         row[f"k25_splits{more}_err"] = rel(call.run(qkv).view(B, HQ, D), ref)
         row[f"k25_splits{more}_TBps"] = gb / 1e3 / (time_ms(lambda: call.run(qkv)) / 1e3)
     row["graph_form_splits"] = splits
-    row["sdpa_TBps"] = gb / 1e3 / (time_ms(lambda: sdpa_decode(q, kc, vc)) / 1e3)
-    sdpa_gqa = lambda: F.scaled_dot_product_attention(q.view(B, HQ, 1, D), kc, vc, enable_gqa=True)  # noqa: E731
-    row["sdpa_enable_gqa_TBps"] = gb / 1e3 / (time_ms(sdpa_gqa) / 1e3)
+    if same:
+        row["sdpa_TBps"] = gb / 1e3 / (time_ms(lambda: sdpa_decode(q, kc, vc)) / 1e3)
+        sdpa_gqa = lambda: F.scaled_dot_product_attention(q.view(B, HQ, 1, D), kc, vc, enable_gqa=True)  # noqa: E731
+        row["sdpa_enable_gqa_TBps"] = gb / 1e3 / (time_ms(sdpa_gqa) / 1e3)
     if fi is not None:
         try:
             ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
@@ -172,8 +186,9 @@ def decode_case(B, L, fi, results):
             row["flashinfer_TBps"] = gb / 1e3 / (time_ms(lambda: w.run(q, P.fi_kv)) / 1e3)
         except Exception as e:
             row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]
-    best_peer = max(row["sdpa_TBps"], row["sdpa_enable_gqa_TBps"])
-    row["k25_vs_sdpa"] = max(row["k25_plan_TBps"], row["k25_graph_form_TBps"]) / best_peer
+    if same:
+        best_peer = max(row["sdpa_TBps"], row["sdpa_enable_gqa_TBps"])
+        row["k25_vs_sdpa"] = max(row["k25_plan_TBps"], row["k25_graph_form_TBps"]) / best_peer
     if "flashinfer_TBps" in row:
         row["k25_vs_flashinfer"] = max(row["k25_plan_TBps"], row["k25_graph_form_TBps"]) / row["flashinfer_TBps"]
     results.append(row)
@@ -240,6 +255,9 @@ def main():
     ap.add_argument("--skip-flashinfer", action="store_true")
     ap.add_argument("--prefill-len", type=int, default=16384)
     ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--decode-cases", default="8x32768,32x8192,1x32768,1x1024,8x1024,1x32768+7x2048",
+                    help="BxL, or a mixed batch B1xL1+B2xL2 (compared with FlashInfer only)")
     args = ap.parse_args()
     fi = None
     if not args.skip_flashinfer:
@@ -250,14 +268,19 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "flashinfer",
           getattr(fi, "__version__", None) if fi else None, flush=True)
     results = []
-    for B, L in [] if args.prefill_only else [(8, 32768), (32, 8192), (1, 32768), (1, 1024), (8, 1024)]:
+    for c in [] if args.prefill_only else args.decode_cases.split(","):
+        lens = []
+        for part in c.split("+"):  # BxL, or a mixed batch B1xL1+B2xL2
+            B, L = (int(x) for x in part.split("x"))
+            lens += [L] * B
         try:
-            decode_case(B, L, fi, results)
+            decode_case(lens, fi, results)
         except Exception as e:
-            print(f"decode B{B} L{L} failed: {type(e).__name__}: {e}", flush=True)
-            results.append({"case": f"decode B{B} L{L}", "error": str(e)})
+            print(f"decode {c} failed: {type(e).__name__}: {e}", flush=True)
+            results.append({"case": f"decode {c}", "error": str(e)})
     try:
-        prefill_case(args.prefill_len, fi, results)
+        if not args.decode_only:
+            prefill_case(args.prefill_len, fi, results)
     except Exception as e:
         print(f"prefill failed: {type(e).__name__}: {e}", flush=True)
         results.append({"case": "prefill", "error": str(e)})

@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
   b.decode_splits = splits;
   b.num_seqs = B;
   b.split_counters = splits > 1 ? d_counters : nullptr;
-  int used = std::max(1, std::min(splits, (L + b.min_split_keys - 1) / b.min_split_keys));  // derived_splits
+  int used = std::max(1, std::min(splits, (L + b.min_split_keys - 1) / b.min_split_keys));  // derived_count at equal spans
 #ifdef K25_PROBE_SPLIT_TARGET  // with variants/decode_split_target.patch
   b.split_target_keys = K25_PROBE_SPLIT_TARGET;
   used = std::min(used, std::max((splits + 1) / 2, (L + K25_PROBE_SPLIT_TARGET - 1) / K25_PROBE_SPLIT_TARGET));

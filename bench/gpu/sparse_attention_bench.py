@@ -137,14 +137,15 @@ def case(lengths, caps, results, width=0):
         del short
         bound = 1.0 / (1.0 - r)
         speedup = dense_ms / both_ms
-        print(f"  cap {cap}: skipped {r:.3f}, select {select_ms * 1e3:.1f} us + attend {attend_ms * 1e3:.1f} us "
+        print(f"  cap {cap}: skipped {r:.3f} (kept keys a row {int(kl.min())}-{int(kl.max())}), select {select_ms * 1e3:.1f} us + attend {attend_ms * 1e3:.1f} us "
               f"= {both_ms * 1e3:.1f} us; speed-up {speedup:.2f}x of bound {bound:.2f}x = {speedup / bound:.2f}; "
               f"dense over as many keys {same_keys_ms * 1e3:.1f} us; with the summary update {step_ms * 1e3:.1f} us: "
               f"{dense_ms / step_ms:.2f}x = {dense_ms / step_ms / bound:.2f} of bound; from RoPE on "
               f"({'summaries fused into RoPE' if fused else 'summary_kernel'}) {rope_step_ms * 1e3:.1f} us against "
               f"{dense_rope_ms * 1e3:.1f}: {dense_rope_ms / rope_step_ms:.2f}x = "
               f"{dense_rope_ms / rope_step_ms / bound:.2f} of bound")
-        results.append(dict(batch=B, context=L, lengths=lengths, width=max(width, nb), cap=cap, skipped=r, dense_us=dense_ms * 1e3,
+        results.append(dict(batch=B, context=L, lengths=lengths, width=max(width, nb), cap=cap, skipped=r,
+                            kept_min=int(kl.min()), kept_max=int(kl.max()), dense_us=dense_ms * 1e3,
                             select_us=select_ms * 1e3, attend_us=attend_ms * 1e3, sparse_us=both_ms * 1e3,
                             same_keys_us=same_keys_ms * 1e3, speedup=speedup, bound=bound, of_bound=speedup / bound,
                             step_us=step_ms * 1e3, step_speedup=dense_ms / step_ms, rope_step_us=rope_step_ms * 1e3,

@@ -2,6 +2,8 @@
 // The only binding file that includes torch headers.
 #include <torch/extension.h>
 
+#include <cstring>
+
 #include "bindings/bindings.h"
 #include "engine/sampler.h"
 #include "k25/status.h"
@@ -393,6 +395,39 @@ void bind_ops(py::module_& m) {
     }
     return out;
   });
+
+  // The attention work list that the CPU and CUDA launchers plan (ops/attention_plan.h): (work
+  // [n, 8] int32 rows seq, kv_head, q_begin, q_end, key_begin, key_end, partial, merge; merges
+  // [m, 4] rows seq, kv_head, first partial, count; num_decode).
+  ops.def("plan_attention", [](const at::Tensor& query_start, const at::Tensor& context_lens, int32_t num_kv_heads,
+                               int32_t group, int32_t max_rows, int32_t parallelism, int32_t wave,
+                               int32_t min_split_keys, int32_t sliding_window) {
+    check(query_start, at::kInt, "query_start");
+    check(context_lens, at::kInt, "context_lens");
+    at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous();
+    if (qs.dim() != 1 || cl.dim() != 1 || qs.size(0) != cl.size(0) + 1) {
+      throw Error(ErrorCode::kInvalidArgument, "need query_start [S + 1] and context_lens [S]");
+    }
+    AttentionPlanParams pp;
+    pp.num_kv_heads = num_kv_heads;
+    pp.group = group;
+    pp.max_rows = max_rows;
+    pp.parallelism = parallelism;
+    pp.wave = wave;
+    pp.min_split_keys = min_split_keys;
+    pp.sliding_window = sliding_window;
+    pp.decode_first = true;
+    const AttentionPlan plan =
+        plan_attention(qs.data_ptr<int32_t>(), cl.data_ptr<int32_t>(), static_cast<int32_t>(cl.size(0)), pp);
+    static_assert(sizeof(AttnWorkItem) == 8 * sizeof(int32_t), "work rows of 8 ints");
+    const auto n = static_cast<int64_t>(plan.work.size());
+    at::Tensor work = at::empty({n, 8}, at::kInt);
+    at::Tensor merges = at::empty({static_cast<int64_t>(plan.merges.size()) / 4, 4}, at::kInt);
+    std::memcpy(work.data_ptr<int32_t>(), plan.work.data(), n * sizeof(AttnWorkItem));
+    std::memcpy(merges.data_ptr<int32_t>(), plan.merges.data(), plan.merges.size() * sizeof(int32_t));
+    return py::make_tuple(work, merges, plan.num_decode);
+  }, py::arg("query_start"), py::arg("context_lens"), py::arg("num_kv_heads"), py::arg("group"), py::arg("max_rows"),
+     py::arg("parallelism"), py::arg("wave"), py::arg("min_split_keys"), py::arg("sliding_window"));
 
   // Dynamic sparsity (ops/block_sparsity.h). summaries: float32 [blocks, layers, kv heads, 1 or 3,
   // head_dim] (the packed bfloat16 min and max words; then the key and value sums used by

@@ -23,23 +23,38 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
       }
     }
   }
+  auto single = [&](const AttnWorkItem& w) { return query_start[w.seq + 1] - query_start[w.seq] == 1; };
   // Split-KV (flash-decoding): with too few items to keep every worker busy, long
-  // single-token rows are cut into key ranges and merged afterwards.
+  // single-token rows are cut into key ranges and merged afterwards. Equal rows get `want`
+  // ranges each; the single-token items share want x their number of ranges in proportion
+  // to their keys (item i with span n_i of their total N: 1 + floor((want - 1) x singles x
+  // n_i / N)), so a long row beside short ones takes the ranges the short rows do not need
+  // (its longest range is then about N / (want x singles) keys instead of n_i / want). The
+  // device-derived form (cuda/common.cuh, derived_item) shares its CTAs by the same rule.
   const int64_t base = static_cast<int64_t>(plan.work.size());
   const int64_t target = p.wave > 0 ? p.wave : 2LL * p.parallelism;
   if (base > 0 && base < target) {
     // A wave is a hard bound (a CTA past it waits for a whole second round); worker
     // counts are soft (round up so every worker gets something).
     const int32_t want = static_cast<int32_t>(p.wave > 0 ? target / base : (target + base - 1) / base);
+    auto key_lo = [&](const AttnWorkItem& w) {
+      const int32_t ctx = context_lens[w.seq];
+      return p.sliding_window > 0 ? std::max(0, ctx - p.sliding_window) : 0;
+    };
+    int64_t singles = 0, total = 0;
+    for (const AttnWorkItem& w : plan.work) {
+      if (!single(w)) continue;
+      ++singles;
+      total += context_lens[w.seq] - key_lo(w);
+    }
     std::vector<AttnWorkItem> kept;
     std::vector<AttnWorkItem> pieces;
     for (const AttnWorkItem& w : plan.work) {
-      const int32_t q_len = query_start[w.seq + 1] - query_start[w.seq];
-      const int32_t ctx = context_lens[w.seq];
-      const int32_t key_lo = p.sliding_window > 0 ? std::max(0, ctx - p.sliding_window) : 0;
-      const int32_t span = ctx - key_lo;
-      const int32_t parts = std::min(want, span / std::max(1, p.min_split_keys));
-      if (q_len != 1 || parts < 2) {
+      const int32_t lo = key_lo(w);
+      const int32_t span = context_lens[w.seq] - lo;
+      const int64_t share = total > 0 ? 1 + (want - 1) * singles * span / total : 1;
+      const int32_t parts = static_cast<int32_t>(std::min<int64_t>(share, span / std::max(1, p.min_split_keys)));
+      if (!single(w) || parts < 2) {
         kept.push_back(w);
         continue;
       }
@@ -48,8 +63,8 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
       for (int32_t i = 0; i < parts; ++i) {
         AttnWorkItem piece = w;
         piece.merge = merge;
-        piece.key_begin = key_lo + static_cast<int32_t>(static_cast<int64_t>(span) * i / parts);
-        piece.key_end = key_lo + static_cast<int32_t>(static_cast<int64_t>(span) * (i + 1) / parts);
+        piece.key_begin = lo + static_cast<int32_t>(static_cast<int64_t>(span) * i / parts);
+        piece.key_end = lo + static_cast<int32_t>(static_cast<int64_t>(span) * (i + 1) / parts);
         piece.partial = plan.num_partials++;
         pieces.push_back(piece);
       }
@@ -65,7 +80,6 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
   std::stable_sort(plan.work.begin(), plan.work.end(),
                    [&](const AttnWorkItem& a, const AttnWorkItem& b) { return cost(a) > cost(b); });
   if (p.decode_first) {
-    auto single = [&](const AttnWorkItem& w) { return query_start[w.seq + 1] - query_start[w.seq] == 1; };
     const auto mid = std::stable_partition(plan.work.begin(), plan.work.end(), single);
     plan.num_decode = static_cast<int32_t>(mid - plan.work.begin());
   }

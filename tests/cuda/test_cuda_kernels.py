@@ -409,6 +409,36 @@ def test_split_merge_mixed_batch(monkeypatch, dtype, group):
     assert torch.equal(poisoned_run(call, buf, Hq * 128), outs[0])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [4, 16])
+@pytest.mark.parametrize("splits", [2, 7])
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("rows", ["40 mixed", "8 mixed", "8 equal"])
+def test_device_derived_splits_shared_by_keys(monkeypatch, dtype, group, splits, window, rows):
+    # The CUDA-graph form shares each KV head's rows x splits CTAs out over the rows in
+    # proportion to their keys (cuda/common.cuh, derived_item): 40 rows (the shares are summed
+    # 32 rows a warp step) or 8, one long row among short ones (it takes up to rows x (splits -
+    # 1) + 1 ranges) and rows of 1-3 keys; 8 rows of one length take the equal-span vote.
+    # Against float64; group 16 takes the tiled kernel and merge_kernel; with group 4 the decode
+    # kernel's own merges equal merge_kernel's bit for bit.
+    monkeypatch.delenv("K25_SPLIT_MERGE", raising=False)
+    n, kind = rows.split()
+    g = torch.Generator().manual_seed(splits * 10 + group + window + int(n))
+    if kind == "equal":
+        lens = [2500] * int(n)
+    else:
+        lens = [9000] + torch.randint(1, 700, (int(n) - 4,), generator=g).tolist() + [1, 2, 3]
+    seqs = [(k, 1) for k in lens]
+    Hq, Hkv = 2 * group, 2
+    call, buf, ref = build_case(group + splits + window, dtype, Hq, Hkv, 128, 16, window, seqs, decode_splits=splits)
+    out = poisoned_run(call, buf, Hq * 128)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[dtype] / 2
+    assert torch.equal(poisoned_run(call, buf, Hq * 128), out)  # the counters went back to 0
+    monkeypatch.setenv("K25_SPLIT_MERGE", "kernel")
+    assert torch.equal(poisoned_run(call, buf, Hq * 128), out)
+
+
 def test_paged_attention_random_shapes():
     g = torch.Generator().manual_seed(77)
     for trial in range(8):

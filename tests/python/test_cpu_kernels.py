@@ -241,14 +241,76 @@ def test_paged_attention_split_kv_decode(Hq, Hkv, D, window):
     # Few long decode rows: the kernel splits their keys across threads and merges.
     run_attention_case(seed=D + window, Hq=Hq, Hkv=Hkv, D=D, bs=16, window=window, seqs=[(2100, 1)])
     run_attention_case(seed=D + window + 1, Hq=Hq, Hkv=Hkv, D=D, bs=16, window=window, seqs=[(1500, 1), (613, 1)])
+    # Rows of unequal length: the long one takes the ranges the short ones do not need.
+    run_attention_case(seed=D + window + 2, Hq=Hq, Hkv=Hkv, D=D, bs=16, window=window,
+                       seqs=[(3000, 1), (300, 1), (40, 1)])
 
 
-def test_paged_attention_does_not_depend_on_thread_count():
-    before = _C.get_num_threads()
-    try:
-        for n in (1, 2, 3):
-            _C.set_num_threads(n)
-            assert _C.get_num_threads() == n
-            run_attention_case(seed=99, Hq=6, Hkv=2, D=64, bs=16, window=0, seqs=[(1800, 1), (40, 7)])
-    finally:
-        _C.set_num_threads(before)
+def plan_of(lens, heads=8, group=4, wave=264, parallelism=1, window=0, q_lens=None):
+    """ops.plan_attention of decode rows of these lengths (q_lens: other query lengths), with
+    every item's key range resolved to [begin, end) of its row."""
+    q_lens = q_lens or [1] * len(lens)
+    qs = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    work, merges, num_decode = ops.plan_attention(qs, torch.tensor(lens, dtype=torch.int32), heads, group, 128,
+                                                  parallelism, wave, 256, window)
+    ctx = torch.tensor(lens, dtype=torch.int64)[work[:, 0].long()]
+    lo = (ctx - window).clamp(min=0) if window else torch.zeros_like(ctx)
+    begin = torch.maximum(work[:, 4].long(), lo)
+    end = torch.minimum(work[:, 5].long(), ctx)
+    return work, merges, num_decode, begin, end
+
+
+def check_plan_covers(rows, heads, window, work, merges, begin, end):
+    """Every decode row (rows: {row: context length}) and KV head is covered once: its items'
+    ranges tile [lo, ctx) in order, and a split row's pieces are exactly its merge's slots."""
+    for s, ctx in rows.items():
+        lo = max(0, ctx - window) if window else 0
+        for h in range(heads):
+            mine = ((work[:, 0] == s) & (work[:, 1] == h)).nonzero().flatten().tolist()
+            ranges = sorted((int(begin[i]), int(end[i])) for i in mine)
+            assert ranges[0][0] == lo and ranges[-1][1] == ctx
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            if len(mine) > 1:
+                m = {int(work[i, 7]) for i in mine}
+                assert len(m) == 1
+                seq, head, first, count = merges[m.pop()].tolist()
+                assert (seq, head, count) == (s, h, len(mine))
+                assert sorted(int(work[i, 6]) for i in mine) == list(range(first, first + count))
+            else:
+                assert work[mine[0], 6] == -1
+
+
+@pytest.mark.parametrize("window", [0, 700])
+def test_attention_plan_shares_split_ranges_by_keys(window):
+    # A long decode row beside short ones on a GPU wave of 264 CTAs, 8 KV heads: each of the 64
+    # (row, head) items would get 264 // 64 = 4 ranges under an equal share, i.e. 8,192 keys a
+    # range for the long row. Shared by keys, the longest range is within twice the batch's
+    # keys over the ranges made, and the items still fit one wave.
+    lens = [32768] + [2048] * 7
+    work, merges, num_decode, begin, end = plan_of(lens, window=window)
+    check_plan_covers(dict(enumerate(lens)), 8, window, work, merges, begin, end)
+    assert len(work) <= 264 and num_decode == len(work)
+    keys = end - begin
+    assert keys.max() <= 2 * keys.sum() / len(work), (keys.max(), keys.sum(), len(work))
+    # Equal rows keep the equal share: 264 // 64 ranges each (at most one per 256 keys), all
+    # the same size.
+    work, merges, _, begin, end = plan_of([8192] * 8, window=window)
+    check_plan_covers(dict(enumerate([8192] * 8)), 8, window, work, merges, begin, end)
+    span = min(8192, window or 8192)
+    assert len(work) == 64 * min(264 // 64, span // 256) and len(set((end - begin).tolist())) == 1
+
+
+def test_attention_plan_mixed_step_and_thread_share():
+    # A prompt chunk of 200 tokens between two decodes: the chunk's items (32 query rows of a
+    # group of 4 each) are never split and come after the decodes, which are covered.
+    work, merges, num_decode, begin, end = plan_of([4000, 300, 5000], q_lens=[1, 200, 1])
+    chunk = work[:, 0] == 1
+    assert chunk.sum() == 8 * -(-200 // 32) and (work[chunk, 6] == -1).all()
+    assert num_decode == (~chunk).sum() and not chunk[:num_decode].any()
+    check_plan_covers({0: 4000, 2: 5000}, 8, 0, work, merges, begin, end)
+    # The CPU's soft rule (twice the threads, rounded up): one decode row of 3,000 keys beside
+    # two short ones on 2 threads, 4 targets over 3 items, gets more ranges than its equal share
+    # of 2, and the plan stays near the target.
+    work, merges, _, begin, end = plan_of([3000, 300, 40], heads=1, group=8, wave=0, parallelism=2)
+    check_plan_covers({0: 3000, 1: 300, 2: 40}, 1, 0, work, merges, begin, end)
+    assert (work[:, 0] == 0).sum() > 2 and len(work) <= 2 * 2 + 1
