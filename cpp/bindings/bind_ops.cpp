@@ -408,6 +408,9 @@ void bind_ops(py::module_& m) {
     if (qs.dim() != 1 || cl.dim() != 1 || qs.size(0) != cl.size(0) + 1) {
       throw Error(ErrorCode::kInvalidArgument, "need query_start [S + 1] and context_lens [S]");
     }
+    if (num_kv_heads < 1 || group < 1 || max_rows < 1) {
+      throw Error(ErrorCode::kInvalidArgument, "plan_attention: num_kv_heads, group and max_rows must be >= 1");
+    }
     AttentionPlanParams pp;
     pp.num_kv_heads = num_kv_heads;
     pp.group = group;

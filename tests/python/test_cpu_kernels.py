@@ -246,6 +246,17 @@ def test_paged_attention_split_kv_decode(Hq, Hkv, D, window):
                        seqs=[(3000, 1), (300, 1), (40, 1)])
 
 
+def test_paged_attention_does_not_depend_on_thread_count():
+    before = _C.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            _C.set_num_threads(n)
+            assert _C.get_num_threads() == n
+            run_attention_case(seed=99, Hq=6, Hkv=2, D=64, bs=16, window=0, seqs=[(1800, 1), (40, 7)])
+    finally:
+        _C.set_num_threads(before)
+
+
 def plan_of(lens, heads=8, group=4, wave=264, parallelism=1, window=0, q_lens=None):
     """ops.plan_attention of decode rows of these lengths (q_lens: other query lengths), with
     every item's key range resolved to [begin, end) of its row."""
@@ -314,3 +325,15 @@ def test_attention_plan_mixed_step_and_thread_share():
     work, merges, _, begin, end = plan_of([3000, 300, 40], heads=1, group=8, wave=0, parallelism=2)
     check_plan_covers({0: 3000, 1: 300, 2: 40}, 1, 0, work, merges, begin, end)
     assert (work[:, 0] == 0).sum() > 2 and len(work) <= 2 * 3
+
+
+def test_plan_attention_rejects_bad_shapes():
+    qs, cl = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([10], dtype=torch.int32)
+    for kw in (dict(group=0), dict(max_rows=0), dict(num_kv_heads=0), dict(group=-1)):
+        args = dict(num_kv_heads=1, group=4, max_rows=128, parallelism=1, wave=0, min_split_keys=256,
+                    sliding_window=0)
+        args.update(kw)
+        with pytest.raises(Exception, match="plan_attention"):
+            ops.plan_attention(qs, cl, **args)
+    with pytest.raises(Exception, match="query_start"):
+        ops.plan_attention(torch.tensor([0, 1, 2], dtype=torch.int32), cl, 1, 4, 128, 1, 0, 256, 0)
