@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cfloat>
+#include <climits>
 #include <utility>
 
 #include <cuda_bf16.h>
@@ -57,13 +58,15 @@ __device__ __forceinline__ const int* table_of(const AttnBatch& batch, int seq, 
 
 // Device-derived decode splits (AttnBatch::decode_splits = S_max > 0, one query token per
 // sequence): the launch has num_seqs * S_max CTAs per KV head, num_seqs * num_kv_heads *
-// S_max in all, shared out over the batch's sequences in proportion to their keys.
-// Sequence s, whose span (its keys, or its window's) is n_s of a batch total N, gets
-//   S_s = 1 + floor(num_seqs * (S_max - 1) * n_s / N)
-// key ranges per KV head, at most one per min_split_keys keys (at least 1) and at most
-// kMaxFusedSplits: equal spans get S_max each, and a long row beside short ones gets the
-// CTAs the short rows do not need, so its ranges are about N / (num_seqs * S_max) keys long
-// rather than n_s / S_max. The counts sum to at most num_seqs * S_max.
+// S_max in all, shared out over the batch's sequences by their keys. With T = num_seqs * S_max
+// CTAs a KV head and N the batch's keys (a sequence's span: its keys, or its window's), every
+// sequence's ranges are at most c keys long, S_s = ceil(n_s / c) of them (at least 1, at most
+// one per min_split_keys keys and kMaxFusedSplits), for a c near the smallest whose counts fit
+// T: first ceil(N / T), then twice c scaled by how far the counts overshoot, and at last
+// ceil(N / (T - num_seqs)), which always fits (the counts exceed n_s / c by under 1 each).
+// Equal spans get S_max each (ceil(N / T) = ceil(n / S_max)), and a long row beside short ones
+// gets the CTAs the short rows do not need: its ranges are about N / T keys long rather than
+// n_s / S_max.
 // Items: with one sequence, equal spans (up to 32 sequences, a warp's vote) or S_max = 1,
 // (sequence, KV head, range) in that order, S_max items per (sequence, KV head) of which the
 // first S_s work; otherwise KV head h owns items h B S_max + [0, B S_max) (B = num_seqs),
@@ -79,20 +82,9 @@ __device__ __forceinline__ int derived_cap(int span, const AttnBatch& batch) {
   const int k = batch.min_split_keys;
   return min(max(1, (span + k - 1) / k), kMaxFusedSplits);
 }
-// S_s of a span, given budget = num_seqs * (S_max - 1) and inv_total = 1.0 / N: the floor of
-// budget * span / N from a double estimate (within one of it: the product is below 2^53),
-// corrected exactly in integers.
-__device__ __forceinline__ int derived_count(int span, long long total, double inv_total, int budget,
-                                             const AttnBatch& batch) {
-  int share = 1;
-  if (total > 0) {
-    const long long p = static_cast<long long>(budget) * span;
-    long long q = static_cast<long long>(static_cast<double>(p) * inv_total);
-    const long long r = p - q * total;
-    q += r < 0 ? -1 : (r >= total ? 1 : 0);
-    share += static_cast<int>(q);
-  }
-  return min(share, derived_cap(span, batch));
+// S_s of a span with ranges of at most c keys.
+__device__ __forceinline__ int derived_count(int span, int c, const AttnBatch& batch) {
+  return min(max(1, (span + c - 1) / c), derived_cap(span, batch));
 }
 // One derived item: seq < 0 when it has no work; first: the partial slot of its range 0.
 struct DerivedItem {
@@ -130,17 +122,34 @@ __device__ __forceinline__ DerivedItem derived_item(const AttnBatch& batch, int 
     if (__all_sync(kAll, lane >= B || span == span0)) return in_order(min(S, derived_cap(span0, batch)));
   }
   // Shares by keys, head-major.
-  const int per_head = B * S, budget = B * (S - 1);
+  const int per_head = B * S;
   const int head = want_seq >= 0 ? want_head : item / per_head, j = item - head * per_head;
   long long total = span;
   for (int s = lane + 32; s < B; s += 32) total += derived_span(batch, s, window);
   for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kAll, total, o);
-  const double inv_total = total > 0 ? 1.0 / static_cast<double>(total) : 0.0;
+  auto counts_at = [&](int c) {
+    int t = lane < B ? derived_count(span, c, batch) : 0;
+    for (int s = lane + 32; s < B; s += 32) t += derived_count(derived_span(batch, s, window), c, batch);
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kAll, t, o);
+    return t;
+  };
+  auto range_keys = [](long long keys, long long ranges) {
+    return static_cast<int>(min((keys + ranges - 1) / ranges, static_cast<long long>(INT_MAX)));
+  };
+  int c = max(1, range_keys(total, per_head));
+  for (int tries = 0;; ++tries) {
+    const int t = counts_at(c);
+    if (t <= per_head) break;
+    // Two tries scaled by the overshoot, then the length that always fits.
+    c = tries < 2 ? range_keys(static_cast<long long>(c) * t, per_head)
+                  : max(c, range_keys(total, per_head - B));
+    if (tries >= 2) break;
+  }
   int base = 0;
   for (int s0 = 0; s0 < B; s0 += 32) {
     const int s = s0 + lane;
     if (s0 > 0) span = s < B ? derived_span(batch, s, window) : 0;
-    const int n = s < B ? derived_count(span, total, inv_total, budget, batch) : 0;
+    const int n = s < B ? derived_count(span, c, batch) : 0;
     int incl = n;
     for (int o = 1; o < 32; o <<= 1) {
       const int v = __shfl_up_sync(kAll, incl, o);
@@ -202,9 +211,8 @@ __device__ __forceinline__ AttnWork attn_work(const AttnBatch& batch, int num_kv
   }
   w.seq = d.seq;
   w.kv_head = d.kv_head;
-  const int ctx = batch.context_lens[w.seq];
-  const int first = window > 0 ? max(0, ctx - window) : 0;
-  const int64_t span = ctx - first;
+  const int64_t span = derived_span(batch, w.seq, window);
+  const int first = batch.context_lens[w.seq] - static_cast<int>(span);
   w.key_begin = first + static_cast<int>(span * d.split / d.count);
   w.key_end = first + static_cast<int>(span * (d.split + 1) / d.count);
   w.partial = d.count > 1 ? item : -1;

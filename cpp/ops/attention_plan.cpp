@@ -30,7 +30,10 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
   // to their keys (item i with span n_i of their total N: 1 + floor((want - 1) x singles x
   // n_i / N)), so a long row beside short ones takes the ranges the short rows do not need
   // (its longest range is then about N / (want x singles) keys instead of n_i / want). The
-  // device-derived form (cuda/common.cuh, derived_item) shares its CTAs by the same rule.
+  // device-derived form (cuda/common.cuh, derived_item, CUDA-graph decode steps) caps the
+  // range length instead, which fills the floor's idle CTAs: 2-4% faster there on mixed
+  // batches, but 3% slower on 2x64K + 6x4K through this plan on an H100 (two runs each,
+  // bench/RESULTS.md, 2026-12-06), so this plan keeps the floor.
   const int64_t base = static_cast<int64_t>(plan.work.size());
   const int64_t target = p.wave > 0 ? p.wave : 2LL * p.parallelism;
   if (base > 0 && base < target) {

@@ -415,11 +415,11 @@ def test_split_merge_mixed_batch(monkeypatch, dtype, group):
 @pytest.mark.parametrize("window", [0, 300])
 @pytest.mark.parametrize("rows", ["40 mixed", "8 mixed", "8 equal", "40 equal"])
 def test_device_derived_splits_shared_by_keys(monkeypatch, dtype, group, splits, window, rows):
-    # The CUDA-graph form shares each KV head's rows x splits CTAs out over the rows in
-    # proportion to their keys (cuda/common.cuh, derived_item): 40 rows (the shares are summed
-    # 32 rows a warp step) or 8, one long row among short ones (it takes up to rows x (splits -
-    # 1) + 1 ranges) and rows of 1-3 keys; 8 rows of one length take the equal-span vote, 40
-    # (more than a warp's vote) the shares, which come to S_max each.
+    # The CUDA-graph form shares each KV head's rows x splits CTAs out over the rows by their
+    # keys, in ranges of at most c keys (cuda/common.cuh, derived_item): 40 rows (the counts are
+    # summed 32 rows a warp step) or 8, one long row among short ones (it takes most of the
+    # CTAs) and rows of 1-3 keys; 8 rows of one length take the equal-span vote, 40 (more than
+    # a warp's vote) the search for c, whose counts come to S_max each.
     # Against float64; group 16 takes the tiled kernel and merge_kernel; with group 4 the decode
     # kernel's own merges equal merge_kernel's bit for bit.
     monkeypatch.delenv("K25_SPLIT_MERGE", raising=False)
