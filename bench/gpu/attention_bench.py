@@ -112,11 +112,11 @@ class Paged:
     def kv_bytes(self):
         return sum(self.lens) * HKV * D * 2 * 2
 
-    def k25(self, q_lens, decode_splits=0):
+    def k25(self, q_lens, decode_splits=0, wave=0):
         qs = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
         cl = torch.tensor(self.lens, dtype=torch.int32)
         return _C.cuda_ops.AttentionCall(self.k25_kv, (1, HKV, D, PAGE), 0, qs, cl, self.block_tables, HQ,
-                                     1.0 / math.sqrt(D), 0, 264, decode_splits)
+                                     1.0 / math.sqrt(D), 0, 264, decode_splits, wave)
 
     def flashinfer_args(self):
         indptr = torch.tensor(self.indptr, dtype=torch.int32, device="cuda")
@@ -157,7 +157,11 @@ def decode_case(lens, fi, results):
     qkv = torch.zeros(B, (HQ + 2 * HKV) * D, device="cuda", dtype=DT)
     qkv[:, :HQ * D] = q.reshape(B, -1)
     splits = _C.cuda_ops.decode_splits_for(q, D, HQ // HKV, B, HKV)
-    runs = {"k25_plan": P.k25([1] * B), "k25_graph_form": P.k25([1] * B, decode_splits=splits)}
+    # The eager plan as LlamaModel makes it on the GPU: split to fit one wave of the decode kernel.
+    # (Until 2026-12-06 this column planned for 264 workers' soft rule, ~2 x 264 items: up to
+    # two waves of CTAs, which the engine never runs.)
+    wave = _C.cuda_ops.decode_wave(q, D, HQ // HKV)
+    runs = {"k25_plan": P.k25([1] * B, wave=wave), "k25_graph_form": P.k25([1] * B, decode_splits=splits)}
     for name, call in runs.items():
         out = call.run(qkv).view(B, HQ, D)
         row[name + "_err"] = rel(out, ref)

@@ -90,7 +90,9 @@ void bind_cuda_ops(py::module_& m) {
   });
   // query_start, context_lens, block_tables: int32 CPU tensors (the plan is made on the host).
   // One attention call prepared once (plan and device metadata) and run many times, so
-  // tests and benchmarks time the kernels alone.
+  // tests and benchmarks time the kernels alone. The eager plan (decode_splits 0) splits for
+  // `parallelism` workers (the CPU's soft rule: about 2 x parallelism items), or with wave > 0
+  // to fit that many CTAs, as LlamaModel's eager steps do with decode_wave(...).
   struct AttentionCall {
     at::Tensor kv;
     KVLayout layout;
@@ -110,7 +112,7 @@ void bind_cuda_ops(py::module_& m) {
   py::class_<AttentionCall>(cu, "AttentionCall")
       .def(py::init([](const at::Tensor& kv, py::tuple layout, int32_t layer, const at::Tensor& query_start,
                        const at::Tensor& context_lens, const at::Tensor& block_tables, int32_t num_heads,
-                       double scale, int32_t window, int32_t parallelism, int32_t decode_splits) {
+                       double scale, int32_t window, int32_t parallelism, int32_t decode_splits, int32_t wave) {
              AttentionCall c;
              c.kv = kv;
              c.layout = layout_of(layout);
@@ -149,6 +151,7 @@ void bind_cuda_ops(py::module_& m) {
                pp.group = group;
                pp.max_rows = cuda_glue::attention_max_rows(kv.scalar_type());
                pp.parallelism = parallelism;
+               pp.wave = wave;
                pp.sliding_window = window;
                pp.decode_first = true;
                const AttentionPlan plan = plan_attention(qs.data_ptr<int32_t>(), cl.data_ptr<int32_t>(), num_seqs, pp);
@@ -159,7 +162,7 @@ void bind_cuda_ops(py::module_& m) {
            }),
            py::arg("kv"), py::arg("layout"), py::arg("layer"), py::arg("query_start"), py::arg("context_lens"),
            py::arg("block_tables"), py::arg("num_heads"), py::arg("scale"), py::arg("window"),
-           py::arg("parallelism"), py::arg("decode_splits") = 0)
+           py::arg("parallelism"), py::arg("decode_splits") = 0, py::arg("wave") = 0)
       .def("run", &AttentionCall::run, py::arg("q"))
       .def_readonly("merges", &AttentionCall::merges)
       // Recomputes the summaries of every block the batch's query tokens wrote.
@@ -202,6 +205,11 @@ void bind_cuda_ops(py::module_& m) {
       .def("run_sparse", [](const AttentionCall& c, const at::Tensor& q) { return c.run_batch(q, c.sparse); });
   cu.def("make_block_summaries", [](int64_t num_blocks, py::tuple layout, const at::Tensor& like) {
     return cuda_glue::make_block_summaries(num_blocks, layout_of(layout), like.scalar_type(), like.device());
+  });
+  // CTAs of the decode kernel resident at once for this dtype, head_dim and GQA group: the
+  // wave LlamaModel's eager plan splits to fit (AttentionPlanParams::wave).
+  cu.def("decode_wave", [](const at::Tensor& like, int32_t head_dim, int32_t group) {
+    return cuda_glue::decode_wave(like.scalar_type(), head_dim, group);
   });
   cu.def("decode_splits_for", [](const at::Tensor& like, int32_t head_dim, int32_t group, int32_t num_seqs,
                                  int32_t num_kv_heads) {

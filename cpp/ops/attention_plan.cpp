@@ -25,15 +25,13 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
   }
   auto single = [&](const AttnWorkItem& w) { return query_start[w.seq + 1] - query_start[w.seq] == 1; };
   // Split-KV (flash-decoding): with too few items to keep every worker busy, long
-  // single-token rows are cut into key ranges and merged afterwards. Equal rows get `want`
-  // ranges each; the single-token items share want x their number of ranges in proportion
-  // to their keys (item i with span n_i of their total N: 1 + floor((want - 1) x singles x
-  // n_i / N)), so a long row beside short ones takes the ranges the short rows do not need
-  // (its longest range is then about N / (want x singles) keys instead of n_i / want). The
-  // device-derived form (cuda/common.cuh, derived_item, CUDA-graph decode steps) caps the
-  // range length instead, which fills the floor's idle CTAs: 2-4% faster there on mixed
-  // batches, but 3% slower on 2x64K + 6x4K through this plan on an H100 (two runs each,
-  // bench/RESULTS.md, 2026-12-06), so this plan keeps the floor.
+  // single-token rows are cut into key ranges and merged afterwards. The single-token items
+  // share want x their number of ranges by their keys: every range at most c keys long, an
+  // item of span n taking ceil(n / c) of them (at least 1, at most n / min_split_keys), for the
+  // c the device-derived form (cuda/common.cuh, derived_item) finds the same way: ceil(N / T)
+  // first (T = want x singles, N their keys), twice scaled by how far the counts overshoot T,
+  // at last ceil(N / (T - singles)), which always fits. Equal rows get `want` ranges each; a
+  // long row beside short ones takes the ranges the short rows do not need.
   const int64_t base = static_cast<int64_t>(plan.work.size());
   const int64_t target = p.wave > 0 ? p.wave : 2LL * p.parallelism;
   if (base > 0 && base < target) {
@@ -44,19 +42,33 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
       const int32_t ctx = context_lens[w.seq];
       return p.sliding_window > 0 ? std::max(0, ctx - p.sliding_window) : 0;
     };
+    const int32_t min_keys = std::max(1, p.min_split_keys);
     int64_t singles = 0, total = 0;
     for (const AttnWorkItem& w : plan.work) {
       if (!single(w)) continue;
       ++singles;
       total += context_lens[w.seq] - key_lo(w);
     }
+    auto parts_at = [&](int32_t span, int64_t c) {
+      return static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(1, (span + c - 1) / c), span / min_keys));
+    };
+    const int64_t T = want * singles;
+    int64_t c = T > 0 ? std::max<int64_t>(1, (total + T - 1) / T) : 1;
+    for (int tries = 0; want > 1 && singles > 0; ++tries) {
+      int64_t t = 0;
+      for (const AttnWorkItem& w : plan.work) {
+        if (single(w)) t += std::max(1, parts_at(context_lens[w.seq] - key_lo(w), c));
+      }
+      if (t <= T) break;
+      c = tries < 2 ? (c * t + T - 1) / T : std::max(c, (total + T - singles - 1) / (T - singles));
+      if (tries >= 2) break;
+    }
     std::vector<AttnWorkItem> kept;
     std::vector<AttnWorkItem> pieces;
     for (const AttnWorkItem& w : plan.work) {
       const int32_t lo = key_lo(w);
       const int32_t span = context_lens[w.seq] - lo;
-      const int64_t share = total > 0 ? 1 + (want - 1) * singles * span / total : 1;
-      const int32_t parts = static_cast<int32_t>(std::min<int64_t>(share, span / std::max(1, p.min_split_keys)));
+      const int32_t parts = want > 1 ? parts_at(span, c) : 1;
       if (!single(w) || parts < 2) {
         kept.push_back(w);
         continue;

@@ -193,7 +193,7 @@ def ref_attention(q, k, v, positions, window):
     return torch.einsum("hnc,chd->nhd", torch.softmax(s, -1), vv)
 
 
-def build_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decode_splits=0):
+def build_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decode_splits=0, wave=0):
     """(call, q buffer, float64 reference) of one random paged-attention case."""
     g = torch.Generator().manual_seed(seed)
     L, layer = 2, 1
@@ -211,7 +211,7 @@ def build_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decod
         cl.append(ctx)
     buf = query_buffer(qrows, Hkv, D, dtype)
     call = cu.AttentionCall(kv, layout, layer, torch.tensor(qs, dtype=torch.int32), torch.tensor(cl, dtype=torch.int32),
-                            tables, Hq, 1.0 / math.sqrt(D), window, parallelism, decode_splits)
+                            tables, Hq, 1.0 / math.sqrt(D), window, parallelism, decode_splits, wave)
     return call, buf, torch.cat(refs).reshape(buf.shape[0], Hq * D)
 
 
@@ -438,6 +438,25 @@ def test_device_derived_splits_shared_by_keys(monkeypatch, dtype, group, splits,
     assert torch.equal(poisoned_run(call, buf, Hq * 128), out)  # the counters went back to 0
     monkeypatch.setenv("K25_SPLIT_MERGE", "kernel")
     assert torch.equal(poisoned_run(call, buf, Hq * 128), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 3000])
+def test_eager_plan_split_to_the_engines_wave(dtype, window):
+    # LlamaModel's eager steps plan with the decode kernel's wave (AttentionCall's wave, as
+    # attention_bench's k25_plan column now does): a long row among short ones and rows of 1-3
+    # keys, split by the shares by keys, merged, against float64.
+    group, Hkv = 4, 2
+    g = torch.Generator().manual_seed(11 + window)
+    lens = [9000] + torch.randint(1, 700, (4,), generator=g).tolist() + [1, 2, 3]
+    wave = cu.decode_wave(torch.empty(1, dtype=dtype, device="cuda"), 128, group)
+    assert wave >= 64  # one or more CTAs on each of an sm_80+ GPU's SMs
+    call, buf, ref = build_case(window + 5, dtype, group * Hkv, Hkv, 128, 16, window, [(k, 1) for k in lens],
+                                parallelism=1, wave=wave)
+    assert call.merges >= Hkv  # the long row was split (parallelism 1 alone would split nothing)
+    out = poisoned_run(call, buf, group * Hkv * 128)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[dtype] / 2
 
 
 def test_paged_attention_random_shapes():
