@@ -28,7 +28,8 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
   // single-token rows are cut into key ranges and merged afterwards. The single-token items
   // share want x their number of ranges by their keys: every range at most c keys long, an
   // item of span n taking ceil(n / c) of them (at least 1, at most n / min_split_keys), for the
-  // c the device-derived form (cuda/common.cuh, derived_item) finds the same way: ceil(N / T)
+  // c the device-derived form (cuda/common.cuh, derived_item) searches for the same way (its
+  // per-row cap differs: ceil(n / min_split_keys) and kMaxFusedSplits): ceil(N / T)
   // first (T = want x singles, N their keys), twice scaled by how far the counts overshoot T,
   // at last ceil(N / (T - singles)), which always fits. Equal rows get `want` ranges each; a
   // long row beside short ones takes the ranges the short rows do not need.
