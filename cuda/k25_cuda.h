@@ -54,8 +54,9 @@ struct AttnBatch {
   int32_t num_merges;
   // > 0: a decode-only batch of num_seqs sequences (one token each) whose work is derived
   // on the device: num_seqs x num_kv_heads x decode_splits CTAs, their key ranges shared out
-  // over the sequences in proportion to context_lens (common.cuh, derived_item; equal lengths
-  // get decode_splits each), so the launch shape does not depend on the lengths (CUDA graphs).
+  // over the sequences by context_lens, each at most c keys long (common.cuh, derived_item;
+  // equal lengths get decode_splits each), so the launch shape does not depend on the lengths
+  // (CUDA graphs).
   int32_t decode_splits = 0;
   int32_t num_seqs = 0;
   int32_t min_split_keys = 256;  // derived splits cover at least this many keys each

@@ -43,12 +43,13 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
       const int32_t ctx = context_lens[w.seq];
       return p.sliding_window > 0 ? std::max(0, ctx - p.sliding_window) : 0;
     };
+    auto span_of = [&](const AttnWorkItem& w) { return context_lens[w.seq] - key_lo(w); };
     const int32_t min_keys = std::max(1, p.min_split_keys);
     int64_t singles = 0, total = 0;
     for (const AttnWorkItem& w : plan.work) {
       if (!single(w)) continue;
       ++singles;
-      total += context_lens[w.seq] - key_lo(w);
+      total += span_of(w);
     }
     auto parts_at = [&](int32_t span, int64_t c) {
       return static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(1, (span + c - 1) / c), span / min_keys));
@@ -58,7 +59,7 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
     for (int tries = 0; want > 1 && singles > 0; ++tries) {
       int64_t t = 0;
       for (const AttnWorkItem& w : plan.work) {
-        if (single(w)) t += std::max(1, parts_at(context_lens[w.seq] - key_lo(w), c));
+        if (single(w)) t += std::max(1, parts_at(span_of(w), c));
       }
       if (t <= T) break;
       c = tries < 2 ? (c * t + T - 1) / T : std::max(c, (total + T - singles - 1) / (T - singles));
@@ -68,7 +69,7 @@ AttentionPlan plan_attention(const int32_t* query_start, const int32_t* context_
     std::vector<AttnWorkItem> pieces;
     for (const AttnWorkItem& w : plan.work) {
       const int32_t lo = key_lo(w);
-      const int32_t span = context_lens[w.seq] - lo;
+      const int32_t span = span_of(w);
       const int32_t parts = want > 1 ? parts_at(span, c) : 1;
       if (!single(w) || parts < 2) {
         kept.push_back(w);
