@@ -5,7 +5,7 @@
 // nvcc and carried, like prefill_probe.cu:
 //
 //   bash bench/gpu/build_probe.sh [name:"-DFLAGS"] ...   # here: probe/decode_probe_<name>
-//   probe/decode_probe_<name> B L [rounds]               # there (bench/gpu/probe_run.sh)
+//   probe/decode_probe_<name> B L [rounds [tables]]      # there (bench/gpu/probe_run.sh)
 //
 // Prints one line: variant, batch, length, splits, median and best us a call (rounds of 20
 // back-to-back calls), KV bytes read per second (median), relative error. Exits 2 when the
@@ -40,6 +40,12 @@ int main(int argc, char** argv) {
   }
   const int B = std::atoi(argv[1]), L = std::atoi(argv[2]);
   const int rounds = argc > 3 ? std::atoi(argv[3]) : 7;
+  // Tables: 0 the sequence's block table for every KV head (dense); 1 per-head tables
+  // (AttnBatch::head_tables, as a sparse step reads) all equal to it; 2 per-head tables, each
+  // head its sequence's blocks in its own shuffled order, so the heads of a sequence no longer
+  // read the same block at the same time (a sparse step's access pattern at every key; the
+  // output is the same up to rounding: attention does not depend on the keys' order).
+  const int table_mode = argc > 4 ? std::atoi(argv[4]) : 0;
   const int group = kHq / kHkv, qkv_cols = (kHq + 2 * kHkv) * kD;
   Pool pool(std::vector<int>(B, L), 7 * B + L);
 
@@ -68,6 +74,23 @@ int main(int argc, char** argv) {
   b.decode_splits = splits;
   b.num_seqs = B;
   b.split_counters = splits > 1 ? d_counters : nullptr;
+  int* d_head_tables = nullptr;
+  if (table_mode > 0) {
+    std::vector<int> ht(static_cast<size_t>(B) * kHkv * pool.max_blocks, -1);
+    std::mt19937 rng(11u * B + L);
+    for (int s = 0; s < B; ++s) {
+      const int nb = (L + kPage - 1) / kPage;
+      for (int h = 0; h < kHkv; ++h) {
+        int* row = ht.data() + (static_cast<size_t>(s) * kHkv + h) * pool.max_blocks;
+        std::copy(pool.table.begin() + static_cast<size_t>(s) * pool.max_blocks,
+                  pool.table.begin() + static_cast<size_t>(s) * pool.max_blocks + nb, row);
+        if (table_mode == 2) std::shuffle(row, row + nb, rng);  // L % kPage == 0 in the cases run
+      }
+    }
+    CHECK(cudaMalloc(&d_head_tables, ht.size() * sizeof(int)));
+    CHECK(cudaMemcpy(d_head_tables, ht.data(), ht.size() * sizeof(int), cudaMemcpyHostToDevice));
+    b.head_tables = d_head_tables;
+  }
   int used = std::max(1, std::min(splits, (L + b.min_split_keys - 1) / b.min_split_keys));  // derived_count at equal spans
 #ifdef K25_PROBE_SPLIT_TARGET  // with variants/decode_split_target.patch
   b.split_target_keys = K25_PROBE_SPLIT_TARGET;
@@ -75,8 +98,13 @@ int main(int argc, char** argv) {
 #endif
   const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
   const int items = B * kHkv * splits;
+  // K25_PROBE_STREAM=1: the calls on a stream of their own (non-blocking) instead of the legacy
+  // default stream, as the engine's steps run.
+  cudaStream_t stream = nullptr;
+  const char* own = std::getenv("K25_PROBE_STREAM");
+  if (own != nullptr && std::atoi(own) == 1) CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto run = [&] {
-    cuda::decode_attention(cuda::DType::kBF16, d_q, qkv_cols, d_out, kv, 0, b, kHq, scale, 0, items, nullptr);
+    cuda::decode_attention(cuda::DType::kBF16, d_q, qkv_cols, d_out, kv, 0, b, kHq, scale, 0, items, stream);
   };
 
   CHECK(cudaMemset(d_out, 0xFF, out_elems * 2));  // NaN: every element must be written
@@ -89,9 +117,10 @@ int main(int argc, char** argv) {
   const double rel = rel_err(d_out, d_ref, out_elems);
 
   double med = 0, best = 0;
-  time_calls(run, rounds, 20, &med, &best);
+  time_calls(run, rounds, 20, &med, &best, stream);
   const double bytes = static_cast<double>(B) * L * kHkv * kD * 2 * 2;  // K and V, bf16
-  std::printf("%-24s B=%d L=%d splits=%d/%d  %.1f us (min %.1f)  %.2f TB/s  rel_err %.2e\n", K25_PROBE_VARIANT, B, L,
-              used, splits, med * 1e3, best * 1e3, bytes / (med * 1e-3) / 1e12, rel);
+  std::printf("%-24s B=%d L=%d splits=%d/%d tables=%d  %.1f us (min %.1f)  %.2f TB/s  rel_err %.2e\n",
+              K25_PROBE_VARIANT, B, L, used, splits, table_mode, med * 1e3, best * 1e3,
+              bytes / (med * 1e-3) / 1e12, rel);
   return rel < 1e-2 ? 0 : 2;
 }

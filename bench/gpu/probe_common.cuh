@@ -110,7 +110,11 @@ struct Pool {
 __device__ __forceinline__ const __nv_bfloat16* pool_row(const __nv_bfloat16* pool, const int* table, int key,
                                                          int kv, int h) {
   const int64_t blk = table[key / kPage];
+#ifdef K25_PROBE_KV_ADJ  // with variants/decode_kv_adjacent.patch: a head's K and V pages side by side
+  return pool + (((blk * kHkv + h) * 2 + kv) * kPage + key % kPage) * kD;
+#else
   return pool + (((blk * 2 + kv) * kHkv + h) * kPage + key % kPage) * kD;
+#endif
 }
 
 // One warp per (query row, head): softmax(q K^T * scale) V over keys [0, n) in float32, two
@@ -157,18 +161,19 @@ inline double rel_err(const __nv_bfloat16* d_out, const float* d_ref, size_t n) 
 }
 
 // Median and best of `rounds` timings of fn (each `per_round` back-to-back calls between
-// two events, so launch gaps overlap as in a graph or a stream of layers), in ms per call.
+// two events on `stream`, so launch gaps overlap as in a graph or a stream of layers), in ms
+// per call.
 template <typename F>
-void time_calls(F fn, int rounds, int per_round, double* median, double* best) {
+void time_calls(F fn, int rounds, int per_round, double* median, double* best, cudaStream_t stream = nullptr) {
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   for (int i = 0; i < 2; ++i) fn();
   std::vector<float> ms;
   for (int r = 0; r < rounds; ++r) {
-    CHECK(cudaEventRecord(e0));
+    CHECK(cudaEventRecord(e0, stream));
     for (int i = 0; i < per_round; ++i) fn();
-    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventRecord(e1, stream));
     CHECK(cudaEventSynchronize(e1));
     float t = 0.0f;
     CHECK(cudaEventElapsedTime(&t, e0, e1));

@@ -19,18 +19,19 @@ def summary(path):
     best = {}
     for line in open(path):
         m = re.match(r"(\S+)\s+L=(\d+) .*?([\d.]+) TFLOP/s", line)
-        d = re.match(r"(\S+)\s+B=(\d+) L=(\d+) .*?([\d.]+) TB/s", line)
+        d = re.match(r"(\S+)\s+B=(\d+) L=(\d+) (?:.*?tables=(\d+))?.*?([\d.]+) TB/s", line)
         if m:
             key, value = (m.group(1), f"prefill L={m.group(2)}"), float(m.group(3))
         elif d:
-            key, value = (d.group(1), f"decode B={d.group(2)} L={d.group(3)}"), float(d.group(4))
+            tables = f" tables={d.group(4)}" if d.group(4) and d.group(4) != "0" else ""
+            key, value = (d.group(1), f"decode B={d.group(2)} L={d.group(3)}{tables}"), float(d.group(5))
         else:
             continue
         best[key] = max(best.get(key, 0.0), value)
     for (name, case), v in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if name.startswith("sdpa"):
             continue
-        ref = best.get(("sdpa-default" if case.startswith("prefill") else "sdpa-decode", case))
+        ref = best.get(("sdpa-default" if case.startswith("prefill") else "sdpa-decode", case.split(" tables=")[0]))
         unit = "TFLOP/s" if case.startswith("prefill") else "TB/s"
         ratio = f"{v / ref:.3f}x SDPA" if ref else "no SDPA figure"
         print(f"{name:24s} {case:22s} {v:8.2f} {unit}  {ratio}")
