@@ -458,8 +458,22 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int DT = D / 8;   // 8-wide column tiles of O
   extern __shared__ __align__(128) unsigned char smem[];
 
-  pdl_wait();  // q comes from the kernel before (launched with launch_pdl)
-  pdl_trigger();
+  // Launched with launch_pdl. In a dense batch (no per-head tables) the work item, the lengths
+  // and the first tiles' table entries are read before pdl_wait, so these dependent loads
+  // overlap the kernel before (RoPE and the cache write) instead of following it. Sound
+  // because: the host wrote the lengths, tables and work list before the step (a graph's
+  // inputs, the eager plan's upload); every kernel before the one right before has completed
+  // (each of ours triggers its dependents only after its own pdl_wait, and a launch without the
+  // attribute is waited for in full); and the one right before writes q and the step's K/V
+  // slots, which this kernel reads only after the wait. With per-head
+  // tables (dynamic sparsity) the selection right before wrote the tables and the kept
+  // lengths: wait first. (Issuing the first tiles' copies before the wait too, where they end
+  // before the step's own key, measured no better in a RoPE-then-attention chain: RESULTS.)
+  const bool early = batch.head_tables == nullptr;
+  if (!early) {
+    pdl_wait();
+    pdl_trigger();
+  }
   SplitMerge split;  // the merge this CTA's partial takes part in: read early, used at the end
   const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x, &split);
   if (w.partial == kNoWork) return;  // uniform over the CTA: before any barrier
@@ -475,21 +489,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int my_tiles = num_tiles > warp ? (num_tiles - 1 - warp) / kWarps + 1 : 0;
   // First key of this warp's j-th tile; every tile's first key is in range.
   auto tile_base = [&](int j) { return lo + (warp + j * kWarps) * NK; };
-
-  // Q's A fragments: row g at dims 16kd + 2t.. (a0) and 16kd + 8 + 2t.. (a2); rows past the
-  // group and rows g + 8 (a1, a3) are zero.
-  uint32_t qf[D / 16][4];
-  {
-    const bool real = g < rows;
-    const int head = w.kv_head * group + (real ? g : 0);
-    const T* qr = q + static_cast<int64_t>(token) * q_stride + static_cast<int64_t>(head) * D + 2 * t;
-#pragma unroll
-    for (int kd = 0; kd < D / 16; ++kd) {
-      qf[kd][0] = real ? *reinterpret_cast<const uint32_t*>(qr + 16 * kd) : 0u;
-      qf[kd][2] = real ? *reinterpret_cast<const uint32_t*>(qr + 16 * kd + 8) : 0u;
-      qf[kd][1] = qf[kd][3] = 0u;
-    }
-  }
 
   // Cache addresses in rows of D elements from the pool's start: 31 bits hold any pool
   // (2^31 rows of at least 128 bytes are 256 GB; the glue checks), and one wide multiply-add
@@ -542,8 +541,27 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) first_rows[j] = lookup(j);
   uint32_t next = lookup(kStages - 1);
+  if (early) {
+    pdl_wait();  // q and the step's K/V slots are written now
+    pdl_trigger();
+  }
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) copy(j, first_rows[j]);
+
+  // Q's A fragments: row g at dims 16kd + 2t.. (a0) and 16kd + 8 + 2t.. (a2); rows past the
+  // group and rows g + 8 (a1, a3) are zero.
+  uint32_t qf[D / 16][4];
+  {
+    const bool real = g < rows;
+    const int head = w.kv_head * group + (real ? g : 0);
+    const T* qr = q + static_cast<int64_t>(token) * q_stride + static_cast<int64_t>(head) * D + 2 * t;
+#pragma unroll
+    for (int kd = 0; kd < D / 16; ++kd) {
+      qf[kd][0] = real ? *reinterpret_cast<const uint32_t*>(qr + 16 * kd) : 0u;
+      qf[kd][2] = real ? *reinterpret_cast<const uint32_t*>(qr + 16 * kd + 8) : 0u;
+      qf[kd][1] = qf[kd][3] = 0u;
+    }
+  }
 
   const float sl2 = scale * kLog2e;  // scores in log2 units: exp2
   float o[DT][4];

@@ -42,6 +42,18 @@ def time_ms(fn, iters=20, warmup=3):
     return best
 
 
+def graph_per_call(fn, n=20):
+    """ms per call of fn, n calls captured in one CUDA graph (after one eager call), so the
+    kernels chain as in a decode step's graph and no host launch is timed."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    return time_ms(graph.replay, iters=5) / n
+
+
 def sustained(fn, seconds, per_call_ms):
     """Back-to-back calls for about `seconds`, each between two events: per-call ms."""
     n = max(20, int(seconds * 1e3 / per_call_ms))
@@ -175,6 +187,26 @@ def decode_case(lens, fi, results):
         row[f"k25_splits{more}_err"] = rel(call.run(qkv).view(B, HQ, D), ref)
         row[f"k25_splits{more}_TBps"] = gb / 1e3 / (time_ms(lambda: call.run(qkv)) / 1e3)
     row["graph_form_splits"] = splits
+    # As a decode step runs it: RoPE and the cache write of each row's token (the engine's
+    # kernel, identity tables) right before each attention call, 20 such pairs captured in one
+    # CUDA graph (as a step's layers are), less 20 RoPE calls captured the same way. The
+    # back-to-back calls above let each launch overlap the one before it (programmatic dependent
+    # launch: the decode kernel's work before its pdl_wait, and the previous call's tail), which
+    # a decode step gives the attention only over RoPE's span. (Graphs of one pair each would
+    # add a replay's start to every pair; stream launches would time Python's launch rate for
+    # RoPE alone. RoPE writes zeros into key ctx - 1: after it the k25 outputs are no longer
+    # the reference's, so it runs after their checks.)
+    pos = torch.tensor([n - 1 for n in lens], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([int(P.block_tables[b, (n - 1) // PAGE]) * PAGE + (n - 1) % PAGE for b, n in enumerate(lens)],
+                         dtype=torch.int64, device="cuda")
+    cos = torch.ones(L, D // 2, dtype=torch.float32, device="cuda")
+    sin = torch.zeros(L, D // 2, dtype=torch.float32, device="cuda")
+    rope = lambda: _C.cuda_ops.rope_write_kv(qkv, pos, slots, HQ, cos, sin, P.k25_kv, (1, HKV, D, PAGE), 0)  # noqa: E731
+    graph_call = runs["k25_graph_form"]
+    rope_ms = graph_per_call(rope)
+    pair_ms = graph_per_call(lambda: (rope(), graph_call.run(qkv)))
+    row["rope_us"] = rope_ms * 1e3
+    row["k25_graph_after_rope_TBps"] = gb / 1e3 / ((pair_ms - rope_ms) / 1e3)
     if same:
         row["sdpa_TBps"] = gb / 1e3 / (time_ms(lambda: sdpa_decode(q, kc, vc)) / 1e3)
         sdpa_gqa = lambda: F.scaled_dot_product_attention(q.view(B, HQ, 1, D), kc, vc, enable_gqa=True)  # noqa: E731
@@ -193,6 +225,7 @@ def decode_case(lens, fi, results):
     if same:
         best_peer = max(row["sdpa_TBps"], row["sdpa_enable_gqa_TBps"])
         row["k25_vs_sdpa"] = max(row["k25_plan_TBps"], row["k25_graph_form_TBps"]) / best_peer
+        row["k25_after_rope_vs_sdpa"] = row["k25_graph_after_rope_TBps"] / best_peer
     if "flashinfer_TBps" in row:
         row["k25_vs_flashinfer"] = max(row["k25_plan_TBps"], row["k25_graph_form_TBps"]) / row["flashinfer_TBps"]
     results.append(row)

@@ -15,7 +15,7 @@ variants=("$@")
 [ ${#variants[@]} -eq 0 ] && variants=("base:")
 declare -A sources=(
   [prefill]="cuda/prefill_attention.cu cuda/prefill_attention_sm90.cu cpp/ops/attention_plan.cpp"
-  [decode]="cuda/decode_attention.cu cuda/launch.cu"
+  [decode]="cuda/decode_attention.cu cuda/launch.cu cuda/rope_kv.cu"
 )
 root=$(pwd)
 tmp=$(mktemp -d)

@@ -103,8 +103,39 @@ int main(int argc, char** argv) {
   cudaStream_t stream = nullptr;
   const char* own = std::getenv("K25_PROBE_STREAM");
   if (own != nullptr && std::atoi(own) == 1) CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // K25_PROBE_CHAIN=1: each call is RoPE and the cache write of each row's token (the engine's
+  // kernel, identity tables, key L - 1) and then the attention, as a decode step runs them: the
+  // attention's work before its pdl_wait overlaps RoPE only, not the previous attention's tail
+  // as back-to-back calls let it. K25_PROBE_CHAIN=2: RoPE alone (its time, to subtract).
+  const char* chain_env = std::getenv("K25_PROBE_CHAIN");
+  const int chain = chain_env != nullptr ? std::atoi(chain_env) : 0;
+  int32_t* d_pos = nullptr;
+  int64_t* d_slots = nullptr;
+  float *d_cos = nullptr, *d_sin = nullptr;
+  if (chain > 0) {
+    std::vector<int32_t> pos(B, L - 1);
+    std::vector<int64_t> slots(B);
+    for (int s = 0; s < B; ++s) {
+      slots[s] = static_cast<int64_t>(pool.table[static_cast<size_t>(s) * pool.max_blocks + (L - 1) / kPage]) * kPage +
+                 (L - 1) % kPage;
+    }
+    std::vector<float> ones(static_cast<size_t>(L) * kD / 2, 1.0f), zeros(static_cast<size_t>(L) * kD / 2, 0.0f);
+    CHECK(cudaMalloc(&d_pos, B * sizeof(int32_t)));
+    CHECK(cudaMalloc(&d_slots, B * sizeof(int64_t)));
+    CHECK(cudaMalloc(&d_cos, ones.size() * sizeof(float)));
+    CHECK(cudaMalloc(&d_sin, zeros.size() * sizeof(float)));
+    CHECK(cudaMemcpy(d_pos, pos.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_slots, slots.data(), B * sizeof(int64_t), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_cos, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_sin, zeros.data(), zeros.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
   auto run = [&] {
-    cuda::decode_attention(cuda::DType::kBF16, d_q, qkv_cols, d_out, kv, 0, b, kHq, scale, 0, items, stream);
+    if (chain > 0) {
+      cuda::rope_write_kv(cuda::DType::kBF16, d_q, qkv_cols, d_pos, d_slots, B, kHq, d_cos, d_sin, kv, 0, stream);
+    }
+    if (chain != 2) {
+      cuda::decode_attention(cuda::DType::kBF16, d_q, qkv_cols, d_out, kv, 0, b, kHq, scale, 0, items, stream);
+    }
   };
 
   CHECK(cudaMemset(d_out, 0xFF, out_elems * 2));  // NaN: every element must be written
@@ -119,8 +150,8 @@ int main(int argc, char** argv) {
   double med = 0, best = 0;
   time_calls(run, rounds, 20, &med, &best, stream);
   const double bytes = static_cast<double>(B) * L * kHkv * kD * 2 * 2;  // K and V, bf16
-  std::printf("%-24s B=%d L=%d splits=%d/%d tables=%d  %.1f us (min %.1f)  %.2f TB/s  rel_err %.2e\n",
-              K25_PROBE_VARIANT, B, L, used, splits, table_mode, med * 1e3, best * 1e3,
+  std::printf("%-24s B=%d L=%d splits=%d/%d tables=%d chain=%d  %.1f us (min %.1f)  %.2f TB/s  rel_err %.2e\n",
+              K25_PROBE_VARIANT, B, L, used, splits, table_mode, chain, med * 1e3, best * 1e3,
               bytes / (med * 1e-3) / 1e12, rel);
   return rel < 1e-2 ? 0 : 2;
 }
