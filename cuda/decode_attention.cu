@@ -460,12 +460,14 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // Launched with launch_pdl. In a dense batch (no per-head tables) the work item, the lengths
   // and the first tiles' table entries are read before pdl_wait, so these dependent loads
-  // overlap the kernel before (RoPE and the cache write) instead of following it. Sound
-  // because: the host wrote the lengths, tables and work list before the step (a graph's
-  // inputs, the eager plan's upload); every kernel before the one right before has completed
-  // (each of ours triggers its dependents only after its own pdl_wait, and a launch without the
-  // attribute is waited for in full); and the one right before writes q and the step's K/V
-  // slots, which this kernel reads only after the wait. With per-head
+  // overlap the kernel before (RoPE and the cache write) instead of following it. The
+  // precondition: the launch right before writes none of them. Sound in the engine because:
+  // the host wrote the lengths, tables and work list before the step (a graph's inputs, the
+  // eager plan's upload, both copies on the stream); every launch before the one right before
+  // has completed (each of our PDL kernels triggers its dependents only after its own pdl_wait,
+  // and a launch without the attribute starts after everything before it); and the one right
+  // before (RoPE, or the summary update in a sparse model's window layer) writes q, the step's
+  // K/V slots or summaries, which this kernel reads only after the wait. With per-head
   // tables (dynamic sparsity) the selection right before wrote the tables and the kept
   // lengths: wait first. (Issuing the first tiles' copies before the wait too, where they end
   // before the step's own key, measured no better in a RoPE-then-attention chain: RESULTS.)
@@ -476,7 +478,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   SplitMerge split;  // the merge this CTA's partial takes part in: read early, used at the end
   const AttnWork w = attn_work(batch, kv.num_kv_heads, window, blockIdx.x, &split);
-  if (w.partial == kNoWork) return;  // uniform over the CTA: before any barrier
+  if (w.partial == kNoWork) {  // uniform over the CTA: before any barrier
+    // Still wait: the grid then completes after the launch before it, as the next kernel's
+    // pdl_wait assumes of every launch before it.
+    if (early) pdl_wait();
+    return;
+  }
   const int group = num_heads / kv.num_kv_heads;  // <= kDecodeMaxGroup: the caller's rule
   const int rows = min(group, kRows);
   const int token = batch.query_start[w.seq];

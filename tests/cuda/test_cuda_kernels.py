@@ -459,6 +459,48 @@ def test_eager_plan_split_to_the_engines_wave(dtype, window):
     assert rel_err(out, ref) < TOL[dtype] / 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("form", ["graph", "eager"])
+def test_decode_after_rope_reads_the_key_rope_wrote(dtype, form):
+    # A decode step's order: RoPE and the cache write of each row's token (key ctx - 1), then
+    # the decode kernel, which in a dense batch starts its prologue before its pdl_wait,
+    # overlapping RoPE (cuda/decode_attention.cu). Key ctx - 1 is NaN before each RoPE: a
+    # kernel that read it before RoPE wrote it would return NaN. Several rounds, each against
+    # float64 over the pool as RoPE left it (identity tables: q and k pass through unchanged).
+    group, Hkv, D, bs, layer = 4, 2, 128, 16, 1
+    Hq, layout = group * Hkv, (2, Hkv, D, bs)
+    lens = [3001, 2048, 777, 4096]
+    g = torch.Generator().manual_seed(31)
+    kv, pv, tables, lists = paged_pool(g, [(n, 1) for n in lens], layout, dtype)
+    for n, table in zip(lens, lists):
+        write_kv(pv, layer, bs, table, torch.randn(n, Hkv, D, generator=g).to(dtype).cuda(),
+                 torch.randn(n, Hkv, D, generator=g).to(dtype).cuda())
+    buf = query_buffer([torch.randn(1, Hq * D, generator=g).to(dtype).cuda() for _ in lens], Hkv, D, dtype)
+    newest = torch.tensor([lists[i][(n - 1) // bs] for i, n in enumerate(lens)], device="cuda")
+    off = torch.tensor([(n - 1) % bs for n in lens], device="cuda")
+    pos = torch.tensor([n - 1 for n in lens], dtype=torch.int32, device="cuda")
+    slots = (newest * bs + off).to(torch.int64)
+    cos = torch.ones(max(lens), D // 2, device="cuda")
+    sin = torch.zeros(max(lens), D // 2, device="cuda")
+    wave = cu.decode_wave(torch.empty(1, dtype=dtype, device="cuda"), D, group) if form == "eager" else 0
+    call = cu.AttentionCall(kv, layout, layer, torch.arange(len(lens) + 1, dtype=torch.int32),
+                            torch.tensor(lens, dtype=torch.int32), tables, Hq, 1.0 / math.sqrt(D), 0,
+                            264 if form == "graph" else 1, 4 if form == "graph" else 0, wave)
+    for _ in range(6):
+        pv[newest, layer, :, :, off] = float("nan")
+        cu.rope_write_kv(buf, pos, slots, Hq, cos, sin, kv, layout, layer)
+        out = call.run(buf)
+        assert torch.isfinite(out).all()
+        refs = []
+        for i, (n, table) in enumerate(zip(lens, lists)):
+            p = torch.arange(n, device="cuda")
+            blocks = torch.tensor(table, device="cuda")[p // bs]
+            k, v = pv[blocks, layer, 0, :, p % bs], pv[blocks, layer, 1, :, p % bs]
+            q = buf[i, :Hq * D].view(1, Hq, D)
+            refs.append(ref_attention(q, k, v, torch.tensor([n - 1], device="cuda"), 0).reshape(1, Hq * D))
+        assert rel_err(out, torch.cat(refs)) < TOL[dtype] / 2
+
+
 def test_paged_attention_random_shapes():
     g = torch.Generator().manual_seed(77)
     for trial in range(8):
