@@ -139,8 +139,10 @@ int main(int argc, char** argv) {
   };
 
   CHECK(cudaMemset(d_out, 0xFF, out_elems * 2));  // NaN: every element must be written
+  CHECK(cudaDeviceSynchronize());                  // (run() may be on a non-blocking stream)
   run();
   CHECK(cudaGetLastError());
+  CHECK(cudaStreamSynchronize(stream));  // the reference reads what RoPE wrote in chain mode
   reference<<<(B * kHq * 32 + 255) / 256, 256>>>(d_q, qkv_cols, pool.data, pool.d_table, pool.max_blocks, B, L,
                                                  scale, d_ref);
   CHECK(cudaGetLastError());
