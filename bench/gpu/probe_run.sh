@@ -16,6 +16,10 @@ lens=("$@")
 [ ${#lens[@]} -eq 0 ] && lens=(16384)
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv,noheader
 read -r -a cases <<< "${K25_DECODE_CASES:-8x32768 32x8192 1x32768}"
+# decode_probe's table modes (its 4th argument: 0 the sequence's table for every KV head, 1
+# per-head tables equal to it, 2 per-head tables each in its own shuffled order, a sparse
+# step's access pattern), e.g. K25_TABLE_MODES="0 2".
+read -r -a modes <<< "${K25_TABLE_MODES:-0}"
 for round in 1 2; do
   for b in probe/prefill_probe_*; do
     [ -x "$b" ] || continue
@@ -23,7 +27,9 @@ for round in 1 2; do
   done
   for b in probe/decode_probe_*; do
     [ -x "$b" ] || continue
-    for c in "${cases[@]}"; do "$b" "${c%x*}" "${c#*x}" 2>&1 | tee -a "$OUT/probe.log"; done
+    for c in "${cases[@]}"; do
+      for m in "${modes[@]}"; do "$b" "${c%x*}" "${c#*x}" 7 "$m" 2>&1 | tee -a "$OUT/probe.log"; done
+    done
   done
 done
 if ls probe/prefill_probe_* >/dev/null 2>&1; then
