@@ -1,7 +1,8 @@
 """End-to-end decode speed with dynamic sparsity on vs off, default model, CPU, batch 1.
 
-Three models in one process (dense; sparse with the default channel estimate; sparse with
-the Quest bound, sparsity_score_channels=0) decode the same real-text prompt. They take
+Four models in one process (dense; sparse with the default channel estimate; sparse with
+the key-code estimate, sparsity_score_rule="codes"; sparse with the Quest bound,
+sparsity_score_channels=0) decode the same real-text prompt. They take
 turns, --rounds times, each round re-submitting the prompt (prefix caching keeps its
 blocks, so a round is decode steps only) and timing --new streamed tokens; each keeps its
 best round's median step, since the machine may be shared. Reports ms per token, the
@@ -37,6 +38,7 @@ def main():
     args = ap.parse_args()
     from k25 import K25Config, K25Model
     variants = [("dense", {}), ("sparse, channel estimate", dict(enable_dynamic_sparsity=True)),
+                ("sparse, key codes", dict(enable_dynamic_sparsity=True, sparsity_score_rule="codes")),
                 ("sparse, Quest bound", dict(enable_dynamic_sparsity=True, sparsity_score_channels=0))]
     results = []
     for ctx in (int(c) for c in args.contexts.split(",")):

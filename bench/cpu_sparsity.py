@@ -79,6 +79,8 @@ def main():
     ap.add_argument("--score-channels", type=int, default=None,
                     help="sparsity_score_channels for the sparse runs (0: the Quest bound ranks, CUDA's rule; "
                          "default: the engine's, 8 on the CPU)")
+    ap.add_argument("--score-rule", default=None, choices=["channels", "codes", "bound"],
+                    help="sparsity_score_rule for the sparse runs (default: the engine's, from --score-channels)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: the same windows through the CUDA kernels (the bound rule, 4-bit summaries)")
     ap.add_argument("--dtype", default=None, help="the model's compute dtype (default: the device's: "
@@ -109,13 +111,14 @@ def main():
         for cap, comp, mt in [(float(c), comp, mt) for c in args.caps.split(",") for comp in comps for mt in targets]:
             sparse, sparse_s, ratio, layers = run(dict(base, enable_dynamic_sparsity=True, max_sparsity_ratio=cap,
                                                        sparsity_compensation=comp, sparsity_mass_target=mt,
-                                                       sparsity_score_channels=args.score_channels),
+                                                       sparsity_score_channels=args.score_channels,
+                                                       sparsity_score_rule=args.score_rule),
                                                   docs, args.decoded)
             s_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(sparse, docs)])
             agree = float(np.mean(np.concatenate(
                 [o[-args.decoded - 1:-1].argmax(1) == r[-args.decoded - 1:-1].argmax(1) for o, r in zip(sparse, dense)])))
             row = {"context": ctx, "cap": cap, "compensation": comp, "mass_target": mt,
-                   "score_channels": args.score_channels, "tokens": int(d_nll.size), "sparsity": ratio,
+                   "score_channels": args.score_channels, "score_rule": args.score_rule, "tokens": int(d_nll.size), "sparsity": ratio,
                    "ppl_dense": float(np.exp(d_nll.mean())), "ppl_sparse": float(np.exp(s_nll.mean())),
                    "ppl_ratio": float(np.exp(s_nll.mean() - d_nll.mean())), "top1_agreement": agree,
                    "decode_s_dense": dense_s, "decode_s_sparse": sparse_s,

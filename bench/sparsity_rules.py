@@ -33,6 +33,11 @@ runs the same per-step path, so agreement and perplexity compare like with like.
               the keys' spread), exact; the centre on the rest
   pcaR        keys projected on the prefix's top R principal directions per (layer, KV head)
               (Loki-style); scores q.mean + (U^T q).z
+  keysqB      exact block masses from a B-bit copy of every key channel, each code relative to
+              its block's per-channel [min, max] (the summary's own range, KIVI-style
+              per-channel codes): what a channel-complete low-bit key copy would rank with
+  skeysqB     the same relative to the 4-bit-coded summary's range (min / max rounded outward
+              to codes of one scale per block and head, as CUDA stores them)
   *qB         a suffix: the stored values rounded to B-bit codes, one scale per block and head
               (questqB, gaussPqB, mixPqB: min/max rounded outward; estimateRqB: the keys the
               chosen channels are read from, as a low-bit copy would hold them; momentsPqB: the
@@ -74,7 +79,7 @@ def quest_bound(q, mn, mx, scale):
 class Rule:
     def __init__(self, name):
         self.name = name
-        m = re.fullmatch(r"(dense|oracle|questx|oraclex|quest|centre|gauss|moments|mix|estimate|gestimate|static|pca)(\d*)(?:q(\d+))?", name)
+        m = re.fullmatch(r"(dense|oracle|questx|oraclex|quest|centre|gauss|moments|mix|estimate|gestimate|static|pca|keys|skeys)(\d*)(?:q(\d+))?", name)
         if not m:
             raise SystemExit(f"unknown rule {name}")
         self.kind, self.r, self.quant = m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)
@@ -101,9 +106,17 @@ class Rule:
         vmask = valid[None, None]
         cnt = valid.sum(-1).float().log()[None, None]  # log token count per block, [1, 1, nb]
         mn, mx = block_min_max(kb, valid)
-        if self.kind in ("oracle", "estimate", "gestimate", "static", "pca"):
+        if self.kind in ("oracle", "keys", "skeys", "estimate", "gestimate", "static", "pca"):
             if self.kind == "oracle":
                 s = torch.einsum("hgd,hjtd->hgjt", q, kb) * scale
+            elif self.kind in ("keys", "skeys"):
+                levels = 2 ** self.quant - 1
+                if self.kind == "skeys":  # the summary's 4-bit range, rounded outward
+                    sc = torch.maximum(mn.abs(), mx.abs()).amax(-1, keepdim=True).clamp_min(1e-12) / 7
+                    mn, mx = torch.floor(mn / sc) * sc, torch.ceil(mx / sc) * sc
+                lo, step = mn[:, :, None], ((mx - mn) / levels).clamp_min(1e-12)[:, :, None]
+                kq = lo + torch.round((kb - lo) / step).clamp(0, levels) * step
+                s = torch.einsum("hgd,hjtd->hgjt", q, torch.where(valid[None, :, :, None], kq, 0.0)) * scale
             elif self.kind == "pca":
                 mu, U = self.calib[layer]
                 z = torch.einsum("hjtd,hdr->hjtr", kb - mu[:, None, None], U)

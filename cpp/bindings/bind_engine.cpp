@@ -169,6 +169,7 @@ void bind_engine(py::module_& m) {
       .def_readwrite("sparsity_sink_blocks", &EngineConfig::sparsity_sink_blocks)
       .def_readwrite("sparsity_mass_target", &EngineConfig::sparsity_mass_target)
       .def_readwrite("sparsity_score_channels", &EngineConfig::sparsity_score_channels)
+      .def_readwrite("sparsity_key_codes", &EngineConfig::sparsity_key_codes)
       .def_readwrite("sparsity_compensation", &EngineConfig::sparsity_compensation)
       .def_readwrite("swap_preempted", &EngineConfig::swap_preempted)
       .def_readwrite("l2_bytes", &EngineConfig::l2_bytes)
@@ -245,6 +246,7 @@ void bind_engine(py::module_& m) {
              sp.max_ratio = cfg.max_sparsity_ratio;
              sp.mass_target = cfg.sparsity_mass_target;
              sp.score_channels = cfg.sparsity_score_channels;
+             sp.key_codes = cfg.sparsity_key_codes;
              sp.compensation = cfg.sparsity_compensation;
              auto exec = make_executor(model, cfg.block_size, cfg.num_kv_blocks, fused, cfg.num_threads,
                                        cfg.enable_dynamic_sparsity ? &sp : nullptr);

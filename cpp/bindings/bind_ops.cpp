@@ -440,40 +440,44 @@ void bind_ops(py::module_& m) {
   }, py::arg("query_start"), py::arg("context_lens"), py::arg("num_kv_heads"), py::arg("group"), py::arg("max_rows"),
      py::arg("parallelism"), py::arg("wave"), py::arg("min_split_keys"), py::arg("sliding_window"));
 
-  // Dynamic sparsity (ops/block_sparsity.h). summaries: float32 [blocks, layers, kv heads, 1 or 3,
-  // head_dim] (the packed bfloat16 min and max words; then the key and value sums used by
-  // compensation).
-  auto summary_layout = [](const at::Tensor& summaries, const KVLayout& L) {
+  // Dynamic sparsity (ops/block_sparsity.h). summaries: float32 [blocks, layers, kv heads, fields,
+  // head_dim]: the packed bfloat16 min and max words; with key_codes the codes' ceil(block_size / 16)
+  // fields; then, optionally, the key and value sums used by compensation.
+  auto summary_layout = [](const at::Tensor& summaries, const KVLayout& L, bool key_codes) {
     check(summaries, at::kFloat, "summaries");
+    const int32_t cw = key_codes ? key_code_words(L.block_size) : 0;
     if (!summaries.is_contiguous() || summaries.dim() != 5 || summaries.size(1) != L.num_layers ||
-        summaries.size(2) != L.num_kv_heads || (summaries.size(3) != 1 && summaries.size(3) != 3) ||
+        summaries.size(2) != L.num_kv_heads || (summaries.size(3) != 1 + cw && summaries.size(3) != 3 + cw) ||
         summaries.size(4) != L.head_dim) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "summaries must be contiguous [blocks, layers, kv_heads, 1 or 3, head_dim]");
+                  "summaries must be contiguous [blocks, layers, kv_heads, fields, head_dim] with fields " +
+                      std::to_string(1 + cw) + " or " + std::to_string(3 + cw) + " (with sums)");
     }
-    return SummaryLayout{L.num_layers, L.num_kv_heads, L.head_dim, static_cast<int32_t>(summaries.size(3))};
+    return SummaryLayout{L.num_layers, L.num_kv_heads, L.head_dim, static_cast<int32_t>(summaries.size(3)), cw};
   };
   ops.def("update_key_summaries", [=](const at::Tensor& kv, py::tuple layout, at::Tensor summaries, int32_t layer,
                                       const at::Tensor& query_start, const at::Tensor& context_lens,
-                                      const at::Tensor& block_tables) {
+                                      const at::Tensor& block_tables, bool key_codes) {
     check(kv, at::kFloat, "kv");
     const KVLayout L = layout_of(layout);
-    const SummaryLayout S = summary_layout(summaries, L);
+    const SummaryLayout S = summary_layout(summaries, L, key_codes);
     at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous();
     const cpu::AttentionBatch b = cpu_batch(qs, cl, bt);
     py::gil_scoped_release release;
     update_key_summaries(kv.data_ptr<float>(), L, summaries.data_ptr<float>(), S, layer, b);
-  });
+  }, py::arg("kv"), py::arg("layout"), py::arg("summaries"), py::arg("layer"), py::arg("query_start"),
+     py::arg("context_lens"), py::arg("block_tables"), py::arg("key_codes") = false);
   ops.def(
       "sparse_attention",
       [=](const at::Tensor& q, const at::Tensor& kv, py::tuple layout, int32_t layer, const at::Tensor& query_start,
           const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& summaries,
           int32_t num_heads, double scale, int32_t min_context, int32_t recent_blocks, int32_t sink_blocks,
-          double max_ratio, double mass_target, bool compensation, int32_t score_channels, bool info) -> py::object {
+          double max_ratio, double mass_target, bool compensation, int32_t score_channels, bool key_codes,
+          bool info) -> py::object {
         check_rows(q, "q");
         check(kv, at::kFloat, "kv");
         const KVLayout L = layout_of(layout);
-        const SummaryLayout S = summary_layout(summaries, L);
+        const SummaryLayout S = summary_layout(summaries, L, key_codes);
         at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous();
         const cpu::AttentionBatch b = cpu_batch(qs, cl, bt);
         SparsityParams p;
@@ -485,8 +489,10 @@ void bind_ops(py::module_& m) {
         p.compensation = compensation;
         if (score_channels < 0) throw Error(ErrorCode::kInvalidArgument, "score_channels must be >= 0");
         p.score_channels = score_channels;
-        if (compensation && S.fields != 3) {
-          throw Error(ErrorCode::kInvalidArgument, "compensation needs summaries with 3 fields (min and max, sums)");
+        p.key_codes = key_codes;
+        if (compensation && !S.has_sums()) {
+          throw Error(ErrorCode::kInvalidArgument, "compensation needs summaries with sums (fields " +
+                                                       std::to_string(S.code_words + 3) + ")");
         }
         // info=False (timing): the selection's buffers persist across calls, as the engine's
         // per-layer selections do, and no Python lists are built.
@@ -519,7 +525,7 @@ void bind_ops(py::module_& m) {
       py::arg("context_lens"), py::arg("block_tables"), py::arg("summaries"), py::arg("num_heads"), py::arg("scale"),
       py::arg("min_context") = 2048, py::arg("recent_blocks") = 2, py::arg("sink_blocks") = 1,
       py::arg("max_ratio") = 0.6, py::arg("mass_target") = 0.95, py::arg("compensation") = false,
-      py::arg("score_channels") = 8, py::arg("info") = true);
+      py::arg("score_channels") = 8, py::arg("key_codes") = false, py::arg("info") = true);
 }
 
 }  // namespace k25::bindings

@@ -181,7 +181,9 @@ class TorchExecutor : public ModelExecutor {
       }
       sparse_ = std::make_unique<SparseStep>();
       sparse_->params = *sparsity;
-      sparse_->layout = SummaryLayout{c.num_layers, c.num_kv_heads, c.head_dim, sparsity->compensation ? 3 : 1};
+      const int32_t code_words = sparsity->key_codes ? key_code_words(block_size) : 0;
+      sparse_->layout = SummaryLayout{c.num_layers, c.num_kv_heads, c.head_dim,
+                                      1 + code_words + (sparsity->compensation ? 2 : 0), code_words};
       sparse_->layers.resize(c.num_layers);
       stats_.resize(c.num_layers);
       if (device.is_cpu()) {
@@ -190,9 +192,9 @@ class TorchExecutor : public ModelExecutor {
         sparse_->summaries = summaries_.data_ptr<float>();
       } else {
 #ifdef K25_WITH_CUDA
-        if (sparsity->score_channels != 0 || sparsity->compensation) {
+        if (sparsity->score_channels != 0 || sparsity->key_codes || sparsity->compensation) {
           fail(ErrorCode::kUnsupported, "on CUDA, dynamic sparsity ranks blocks by the Quest bound only: set "
-                                        "sparsity_score_channels=0 and sparsity_compensation=False");
+                                        "sparsity_score_channels=0, no key codes and sparsity_compensation=False");
         }
         // The device selection's limits (cuda/block_sparsity.cu), checked here so that a model
         // outside them fails at construction rather than at its first decode step.
@@ -226,7 +228,8 @@ class TorchExecutor : public ModelExecutor {
     // too; 0: never (whole layers ahead). For measurement: bench/cpu_long_context.py --l3-whole.
     const char* sel = std::getenv("K25_L3_SELECTIVE");
     const std::string sel_mode = sel ? sel : "";
-    selective_cold_ = sel_mode == "1" || (sel_mode != "0" && sparse_ && sparse_->params.score_channels == 0);
+    selective_cold_ = sel_mode == "1" || (sel_mode != "0" && sparse_ && (sparse_->params.score_channels == 0 ||
+                                                                          sparse_->params.key_codes));
   }
 
 #ifdef K25_WITH_CUDA
@@ -497,7 +500,8 @@ class TorchExecutor : public ModelExecutor {
     if (!cold_selective()) return p;
     p.selective = true;
     p.halves = cold_halves();
-    p.keys_ahead = p.halves && sparse_->params.score_channels > 0;  // the channel estimate reads keys
+    // The channel estimate reads keys; the bound and the key codes only the summaries.
+    p.keys_ahead = p.halves && sparse_->params.score_channels > 0 && !sparse_->params.key_codes;
     for (int32_t w : model_->config().layer_sliding_window) p.layers.push_back(w == 0);
     // Rows that select nothing read all their cold blocks (select_blocks' eligibility).
     p.whole.assign(meta.cold_blocks.size(), 0);

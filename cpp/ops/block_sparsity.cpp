@@ -6,6 +6,7 @@
 #include <functional>
 #include <utility>
 
+#include "k25/status.h"
 #include "ops/parallel.h"
 #include "ops/vec16.h"
 #include "ops/vecn.h"
@@ -18,6 +19,23 @@ namespace {
 inline float key_at(const float* K, const KVLayout& L, int32_t off, int32_t d) {
   return L.k_transposed ? K[static_cast<int64_t>(d) * L.block_size + off]
                         : K[static_cast<int64_t>(off) * L.head_dim + d];
+}
+
+// The key codes of one block's first n keys (SummaryLayout), from the summary row's bounds;
+// codes past n are 0.
+void write_key_codes(const float* K, const KVLayout& L, float* row, const SummaryLayout& S, int32_t n) {
+  const int32_t D = L.head_dim;
+  float* codes = row + S.codes_at();
+  for (int32_t d = 0; d < D; ++d) {
+    uint32_t w;
+    std::memcpy(&w, row + d, 4);
+    const float lo = summary_min(w), hi = summary_max(w);
+    for (int32_t i = 0; i < S.code_words; ++i) {
+      uint32_t word = 0;
+      for (int32_t t = 16 * i; t < std::min(n, 16 * i + 16); ++t) word |= key_code(key_at(K, L, t, d), lo, hi) << (2 * (t % 16));
+      std::memcpy(codes + static_cast<int64_t>(i) * D + d, &word, 4);
+    }
+  }
 }
 
 }  // namespace
@@ -52,9 +70,12 @@ void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, 
             const uint32_t w = summary_word(lo, hi);
             std::memcpy(row + d, &w, 4);
           }
-          if (S.fields < 3) continue;
-          float* sk = row + D;
-          float* sv = row + 2 * D;
+          // The block's codes, once the step's last key in it is folded (a prompt chunk codes
+          // each block once): every key so far, against the bounds as they now stand.
+          if (S.code_words > 0 && (off == bs - 1 || pos == ctx - 1)) write_key_codes(K, L, row, S, off + 1);
+          if (!S.has_sums()) continue;
+          float* sk = row + S.sums_at();
+          float* sv = sk + D;
           const float* v = kv + L.v_offset(block, layer, h) + static_cast<int64_t>(off) * D;
           for (int32_t d = 0; d < D; ++d) {
             const float k = key_at(K, L, off, d);
@@ -284,6 +305,62 @@ inline void bound_and_centre(const QueryPrep& qp, int32_t D, const float* const*
   }
 }
 
+// The key-code estimate of one block for G query heads of one KV head (their prepared weights
+// a = scale * q): key t's score scale * sum_d q_d (lo_d + c_td (hi_d - lo_d) / 3), its codes
+// c_td read back in the channels' bounds, i.e. base + sum_d coef_d c_td with base = sum_d
+// a_d lo_d and coef_d = a_d (hi_d - lo_d) / 3; per head the block's log-mass over its n keys,
+// e[g] = m + log l. A channel's 16 codes are widened once and serve the G heads. coef:
+// scratch of G * D floats.
+template <int G>
+inline void codes_lse(const QueryPrep* qp, int32_t D, const float* row, int32_t n, const vni* shifts, float* coef,
+                      float* e) {
+  float base[G];
+  {
+    vn acc[G] = {};
+    const vn third = vn{} + (1.0f / 3.0f);
+    int32_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) {
+      vn lo, hi;
+      load_bounds(row, d, &lo, &hi);
+      const vn step = (hi - lo) * third;
+      for (int g = 0; g < G; ++g) {
+        const vn a = loadn(qp[g].a + d);
+        acc[g] += a * lo;
+        cpu::storen(coef + g * D + d, a * step);
+      }
+    }
+    for (int g = 0; g < G; ++g) base[g] = fold_lanes<false>(acc[g]);
+    for (; d < D; ++d) {
+      float lo, hi;
+      scalar_bounds(row, d, &lo, &hi);
+      for (int g = 0; g < G; ++g) {
+        base[g] += qp[g].a[d] * lo;
+        coef[g * D + d] = qp[g].a[d] * ((hi - lo) * (1.0f / 3.0f));
+      }
+    }
+  }
+  const float* codes = row + D;  // SummaryLayout::codes_at
+  float m[G], l[G];
+  for (int32_t i = 0; 16 * i < n; ++i) {
+    vn acc[G][kV] = {};
+    for (int32_t d = 0; d < D; ++d) {
+      int32_t w;
+      std::memcpy(&w, codes + static_cast<int64_t>(i) * D + d, 4);
+      vn c[kV];
+      for (int v = 0; v < kV; ++v) c[v] = __builtin_convertvector(((vni{} + w) >> shifts[v]) & 3, vn);
+      for (int g = 0; g < G; ++g) {
+        const float cf = coef[g * D + d];
+        for (int v = 0; v < kV; ++v) acc[g][v] += c[v] * cf;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int v = 0; v < kV; ++v) acc[g][v] += base[g];
+      lse_group(acc[g], n - 16 * i, i == 0, m + g, l + g);
+    }
+  }
+  for (int g = 0; g < G; ++g) e[g] = m[g] + std::log(l[g]);
+}
+
 // The largest of x[0, n), a vector at a time (a running scalar maximum is a chain of
 // dependent compares); the maximum does not depend on the order.
 inline float max_of(const float* x, int32_t n) {
@@ -348,7 +425,13 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
                    const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B, int32_t num_heads, float scale,
                    const SparsityParams& p, LayerSelection* out) {
   const int32_t Hkv = L.num_kv_heads, group = num_heads / Hkv, D = L.head_dim, bs = L.block_size;
-  const int32_t R = std::min(std::max(p.score_channels, 0), D);  // 0: the bound rule
+  // The rule: the key-code estimate, the channel estimate on R channels, or (R == 0) the bound.
+  const bool codes = p.key_codes;
+  if (codes && S.code_words != key_code_words(bs)) {
+    fail(ErrorCode::kInvalidArgument, "the key-code estimate needs summaries with key codes");
+  }
+  const int32_t R = codes ? 0 : std::min(std::max(p.score_channels, 0), D);
+  const bool bound = !codes && R == 0;  // the count from the centre estimate, not the ranking one
   const int32_t nseq = B.num_seqs, MB = B.max_blocks_per_seq;
   out->context_lens.assign(B.context_lens, B.context_lens + nseq);
   out->sparse.assign(nseq, 0);
@@ -401,7 +484,9 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       qp.b = b;
       qp.chan = chan;
       qp.qv = qv;
-      if (R > 0) {
+      if (codes) {
+        for (int32_t d = 0; d < D; ++d) a[d] = scale * qp.q[d];
+      } else if (R > 0) {
         top_channels(qp.q, D, R, chan);
         for (int32_t d = 0; d < D; ++d) a[d] = 0.5f * scale * qp.q[d];
         for (int32_t k = 0; k < R; ++k) {
@@ -417,9 +502,9 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
     }
   }
   X.raw.resize(flat * group);                // per query head: channel estimates (or bounds)
-  X.raw2.resize(R > 0 ? 0 : flat * group);  // per query head: centre estimates (bound rule)
+  X.raw2.resize(bound ? flat * group : 0);   // per query head: centre estimates (bound rule)
   X.score.resize(flat);                      // per KV head: the rank score
-  X.est.resize(R > 0 ? 0 : flat);            // per KV head: the estimate the count uses (bound rule)
+  X.est.resize(bound ? flat : 0);            // per KV head: the estimate the count uses (bound rule)
   X.keys.resize(flat);
   X.need.assign(static_cast<size_t>(nseq) * Hkv, 0);
   X.keep.assign(nseq, 0);
@@ -435,6 +520,13 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
     const float* K[kBlocksPerTask];
     int32_t n[kBlocksPerTask];
     float m[kBlocksPerTask], l[kBlocksPerTask];
+    // The key-code estimate's lane shifts (key t of a word at bits 2t) and weights.
+    vni shifts[kV];
+    for (int v = 0; v < kV; ++v) {
+      for (int t = 0; t < kLanes; ++t) shifts[v][t] = 2 * (v * kLanes + t);
+    }
+    thread_local std::vector<float> coef;
+    if (codes) coef.resize(static_cast<size_t>(4) * D);
     for (int64_t ti = tb; ti < te; ++ti) {
       const int32_t s = static_cast<int32_t>(X.tasks[ti] >> 32), j0 = static_cast<int32_t>(X.tasks[ti] & 0xFFFFFFFF);
       const int32_t nb = X.nbs[s], ctx = B.context_lens[s];
@@ -442,12 +534,29 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       const int32_t* table = B.block_tables + static_cast<int64_t>(s) * MB + j0;
       const QueryPrep* prep = X.prep.data() + static_cast<size_t>(s) * num_heads;
       float* raw = X.raw.data() + X.base[s] * group + j0;
-      float* raw2 = R > 0 ? nullptr : X.raw2.data() + X.base[s] * group + j0;
+      float* raw2 = bound ? X.raw2.data() + X.base[s] * group + j0 : nullptr;
       for (int32_t k = 0; k < cnt; ++k) n[k] = j0 + k == nb - 1 ? ctx - (nb - 1) * bs : bs;
       for (int32_t h = 0; h < Hkv; ++h) {
         for (int32_t k = 0; k < cnt; ++k) {
           mn[k] = summary_at(summaries, S, B, table[k], layer, h);
           K[k] = keys_at(kv, L, B, table[k], layer, h);
+        }
+        if (codes) {  // the group's heads together, up to four at a time
+          for (int32_t k = 0; k < cnt; ++k) {
+            for (int32_t g0 = 0; g0 < group; g0 += 4) {
+              const QueryPrep* qg = prep + h * group + g0;
+              float e[4];
+              const int32_t gn = std::min(4, group - g0);
+              switch (gn) {
+                case 1: codes_lse<1>(qg, D, mn[k], n[k], shifts, coef.data(), e); break;
+                case 2: codes_lse<2>(qg, D, mn[k], n[k], shifts, coef.data(), e); break;
+                case 3: codes_lse<3>(qg, D, mn[k], n[k], shifts, coef.data(), e); break;
+                default: codes_lse<4>(qg, D, mn[k], n[k], shifts, coef.data(), e); break;
+              }
+              for (int32_t gi = 0; gi < gn; ++gi) raw[static_cast<size_t>(h * group + g0 + gi) * nb + k] = e[gi];
+            }
+          }
+          continue;
         }
         for (int32_t g = 0; g < group; ++g) {
           const QueryPrep& qp = prep[h * group + g];
@@ -516,7 +625,7 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       float* sc = X.score.data() + off;
       combine(X.raw.data() + off * group, sc, nb);
       float* es = sc;
-      if (R == 0) {
+      if (bound) {
         // The count comes from the centre estimate: the bound exceeds it by the block's
         // spread, so masses estimated from bounds look peaked and the cap would always bind.
         es = X.est.data() + off;
@@ -541,11 +650,11 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       for (int32_t j = 0; j < nb; ++j) {
         const double x = static_cast<double>(es[j] - top);
         const bool last = j == nb - 1;
-        const double m = R > 0 ? T.mass[j] : (last ? last_tokens : bs) * T.mass[j];
+        const double m = bound ? (last ? last_tokens : bs) * T.mass[j] : T.mass[j];
         T.mass[j] = m;
         total += m;
         if (j < ob || j >= oe) covered += m;
-        if (m > 0) mlogm += m * (x + (R > 0 ? 0.0 : (last ? std::log(static_cast<double>(last_tokens)) : log_bs)));
+        if (m > 0) mlogm += m * (x + (bound ? (last ? std::log(static_cast<double>(last_tokens)) : log_bs) : 0.0));
       }
       X.entropy[static_cast<size_t>(s) * Hkv + h] = (std::log(total) - mlogm / total) / std::log(2.0);
       uint64_t* keys = X.keys.data() + off;
@@ -597,7 +706,7 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       const auto [ob, oe] = others_range(nb);
       uint64_t* keys = X.keys.data() + off;
       // The channel estimate ranks by the scores phase 2 keyed; the bound rule by others.
-      if (R == 0) {
+      if (bound) {
         for (int32_t j = ob; j < oe; ++j) keys[j - ob] = rank_key(sc[j], j);
       }
       const int32_t take = keep - (nb - (oe - ob));
@@ -682,7 +791,7 @@ void compensate_skipped(const float* q, int64_t q_stride, float* out, const floa
                         const LayerSelection& sel, int32_t num_heads, float scale) {
   const int32_t Hkv = L.num_kv_heads, group = num_heads / Hkv, D = L.head_dim, bs = L.block_size;
   const int32_t MB = B.max_blocks_per_seq;
-  if (S.fields < 3) return;
+  if (!S.has_sums()) return;
   parallel_for(0, static_cast<int64_t>(B.num_seqs) * Hkv, 1, [&](int64_t ib, int64_t ie) {
     std::vector<int32_t> skipped;
     std::vector<float> c, mk, mv;
@@ -714,7 +823,7 @@ void compensate_skipped(const float* q, int64_t q_stride, float* out, const floa
         c.resize(skipped.size());
         float m = base;
         for (size_t b = 0; b < skipped.size(); ++b) {
-          const float* sk = summary_at(summaries, S, B, skipped[b], layer, h) + D;
+          const float* sk = summary_at(summaries, S, B, skipped[b], layer, h) + S.sums_at();
           float dot = 0.0f;
           for (int32_t d = 0; d < D; ++d) dot += qh[d] * sk[d];
           c[b] = scale * dot * inv_n + log_n;
@@ -726,7 +835,7 @@ void compensate_skipped(const float* q, int64_t q_stride, float* out, const floa
         for (size_t b = 0; b < skipped.size(); ++b) {
           const float w = std::exp(c[b] - m);
           den += w;
-          const float* sv = summary_at(summaries, S, B, skipped[b], layer, h) + 2 * D;
+          const float* sv = summary_at(summaries, S, B, skipped[b], layer, h) + S.sums_at() + D;
           for (int32_t d = 0; d < D; ++d) mv[d] += w * inv_n * sv[d];
         }
         const float inv = 1.0f / den;

@@ -10,7 +10,10 @@
 //      the block's log-mass as the log-sum-exp of its keys' estimated scores (times the
 //      softmax scale). It ranks the blocks and sizes the count. With R = 0, the Quest
 //      bound sum_d max(q_d * min_d, q_d * max_d) ranks, and the centre estimate
-//      q·(min + max)/2 plus log(token count) sizes. Either way, per query head relative
+//      q·(min + max)/2 plus log(token count) sizes. With key_codes (the key-code estimate),
+//      each key read back from 2-bit codes of its channels in the block's [min, max] (kept
+//      in the summary), every channel; the block's log-mass the log-sum-exp of those
+//      scores, as the channel estimate's. Either way, per query head relative
 //      to that head's best block (heads differ in scale); per KV head, the largest of
 //      those over the group's query heads (a block any head needs is kept);
 //   2. a block's estimated softmax mass is exp(its estimate - best); a head needs the
@@ -30,6 +33,7 @@
 #pragma once
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -48,25 +52,46 @@ struct SparsityParams {
   bool compensation = false;    // skipped blocks as mean pseudo-keys (needs summary sums)
   int32_t score_channels = 8;   // R > 0: channel estimate on the R largest |q_d| (min(R, head_dim));
                                 // 0: Quest bound ranks, centre estimate sizes
+  bool key_codes = false;       // the key-code estimate (summaries with codes; score_channels unused)
 };
 
 // Block summaries: [num_blocks][num_layers][num_kv_heads][fields][head_dim] 32-bit words.
 // Field 0 holds, per channel, the keys' minimum and maximum as bfloat16 in one word (the
 // minimum rounded down in the low half, the maximum rounded up in the high half: the Quest
-// bound stays a bound, and the scoring reads half the bytes of two floats); with fields == 3
-// (for compensation) the float sums of the keys and of the values follow.
+// bound stays a bound, and the scoring reads half the bytes of two floats). With key codes,
+// fields 1 .. code_words follow: per channel, each key of the block as a 2-bit code of its
+// place in the channel's [min, max] (key_code), 16 keys a word (word w holds keys 16w ..
+// 16w + 15, key t at bits 2 (t % 16)), so code_words = ceil(block_size / 16). With sums (for
+// compensation) the float sums of the keys and of the values come last.
 struct SummaryLayout {
   int32_t num_layers = 0, num_kv_heads = 0, head_dim = 0;
-  int32_t fields = 1;
+  int32_t fields = 1;      // 1 + code_words, plus 2 with sums
+  int32_t code_words = 0;  // 0: no key codes
+  bool has_sums() const { return fields == 3 + code_words; }
   int64_t block_elems() const { return static_cast<int64_t>(num_layers) * num_kv_heads * fields * head_dim; }
   int64_t offset(int64_t block, int32_t layer, int32_t head) const {
     return block * block_elems() + (static_cast<int64_t>(layer) * num_kv_heads + head) * fields * head_dim;
   }
+  // Within a row: the codes' words, then the key sums (the value sums follow those).
+  int64_t codes_at() const { return head_dim; }
+  int64_t sums_at() const { return static_cast<int64_t>(1 + code_words) * head_dim; }
 };
+inline int32_t key_code_words(int32_t block_size) { return (block_size + 15) / 16; }
 
-// Folds the keys (and with fields == 3 the values) this step wrote for `layer` into their
-// blocks' summaries, token by token in position order: a block's first slot resets it.
-// Keys are read back from the cache (after RoPE), so any write path works.
+// A key's 2-bit code in its channel's [lo, hi] (a summary word's bounds): the nearest of
+// lo + c (hi - lo) / 3, c = 0..3 (halves to even); 0 where lo == hi. The key-code estimate
+// reads it back as that value.
+inline uint32_t key_code(float k, float lo, float hi) {
+  const float inv = hi > lo ? 3.0f / (hi - lo) : 0.0f;
+  const long c = std::lrint((k - lo) * inv);
+  return static_cast<uint32_t>(c < 0 ? 0 : (c > 3 ? 3 : c));
+}
+
+// Folds the keys (and with sums the values) this step wrote for `layer` into their blocks'
+// summaries, token by token in position order: a block's first slot resets it. With key
+// codes, every key of a block this step wrote to is coded again against the block's new
+// bounds (a new key can widen them). Keys are read back from the cache (after RoPE), so any
+// write path works.
 void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
                           int32_t layer, const cpu::AttentionBatch& B);
 

@@ -44,6 +44,10 @@ class K25Config:
     # channels of the block mass estimate; 0: Quest bound; None: 8 on the CPU, 0 on CUDA
     # (the device selection ranks by the bound only; docs/sparsity.md)
     sparsity_score_channels: Optional[int] = None
+    # the rule that ranks and sizes: "channels" (the channel estimate on sparsity_score_channels
+    # channels), "codes" (the key-code estimate: 2-bit codes of every key kept in the block summaries,
+    # CPU only for now), "bound" (Quest bound); None: from sparsity_score_channels (docs/sparsity.md)
+    sparsity_score_rule: Optional[str] = None
     enable_async_offload: bool = False  # with cache_mode="hierarchical": tiered KV (docs/offload.md)
     cache_mode: str = "standard"        # or "hierarchical"
     l2_bytes: Optional[int] = None      # L2 host pool; None: as large as the primary KV pool
@@ -86,6 +90,10 @@ class K25Config:
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         device = self.resolved_device()
         if self.enable_dynamic_sparsity is True and device.startswith("cuda"):
+            if self.sparsity_score_rule not in (None, "bound"):
+                raise ConfigError(f"sparsity_score_rule={self.sparsity_score_rule!r}: on CUDA the block selection "
+                                  "ranks by the Quest bound only ('bound', the CUDA default); the channel and "
+                                  "key-code estimates run on the CPU backend")
             if self.sparsity_score_channels not in (None, 0):
                 raise ConfigError(f"sparsity_score_channels={self.sparsity_score_channels!r}: on CUDA the block "
                                   "selection ranks by the Quest bound only (0, the CUDA default); the channel "
@@ -140,6 +148,15 @@ class K25Config:
              or (isinstance(self.sparsity_score_channels, int) and not isinstance(self.sparsity_score_channels, bool)
                  and 0 <= self.sparsity_score_channels <= 256),
              f"sparsity_score_channels must be None or an int in [0, 256], got {self.sparsity_score_channels!r}")
+        need(self.sparsity_score_rule in (None, "channels", "codes", "bound"),
+             f"sparsity_score_rule must be None, 'channels', 'codes' or 'bound', got {self.sparsity_score_rule!r}")
+        if self.sparsity_score_rule in ("bound", "codes"):
+            need(self.sparsity_score_channels in (None, 0),
+                 f"sparsity_score_rule={self.sparsity_score_rule!r} reads no key channels: "
+                 f"sparsity_score_channels={self.sparsity_score_channels!r} must be None or 0")
+        if self.sparsity_score_rule == "channels":
+            need(self.sparsity_score_channels != 0,
+                 "sparsity_score_rule='channels' needs sparsity_score_channels > 0 (or None: 8)")
         need(isinstance(self.enable_dynamic_sparsity, bool), "enable_dynamic_sparsity must be a bool")
         need(isinstance(self.sparsity_compensation, bool), "sparsity_compensation must be a bool")
         if self.sparsity_compensation and not self.enable_dynamic_sparsity:
@@ -202,10 +219,20 @@ class K25Config:
         return "cuda" if _C.cuda_available() else "cpu"
 
     def resolved_score_channels(self) -> int:
-        """sparsity_score_channels with None resolved for the device: 8 on the CPU, 0 on CUDA."""
+        """sparsity_score_channels with None resolved for the device and rule: 8 on the CPU, 0 on
+        CUDA; 0 with the "bound" or "codes" rule (neither reads channels of the keys)."""
+        if self.sparsity_score_rule in ("bound", "codes"):
+            return 0
         if self.sparsity_score_channels is not None:
             return self.sparsity_score_channels
         return 0 if self.resolved_device().startswith("cuda") else 8
+
+    def resolved_score_rule(self) -> str:
+        """"channels", "codes" or "bound": sparsity_score_rule, or with None what
+        sparsity_score_channels says (0: "bound"; None: "channels" on the CPU, "bound" on CUDA)."""
+        if self.sparsity_score_rule is not None:
+            return self.sparsity_score_rule
+        return "channels" if self.resolved_score_channels() > 0 else "bound"
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -225,6 +225,7 @@ class K25Model:
         ec.sparsity_mass_target = float(config.sparsity_mass_target)
         ec.sparsity_compensation = bool(config.sparsity_compensation)
         ec.sparsity_score_channels = config.resolved_score_channels()
+        ec.sparsity_key_codes = config.resolved_score_rule() == "codes"
         self.kv_block_bytes = self._handle.kv_block_bytes(config.block_size)
         ec.num_kv_blocks = self._kv_blocks(config)
         self.kv_cache_bytes = ec.num_kv_blocks * self.kv_block_bytes

@@ -119,7 +119,7 @@ def all_resident(default_model, prompt, **kw):
         roomy.close()
 
 
-@pytest.mark.parametrize("channels,selective", [(0, None), (8, "1"), (8, None)])
+@pytest.mark.parametrize("channels,selective", [(0, None), ("codes", None), (8, "1"), (8, None)])
 def test_cold_blocks_in_l3_with_dynamic_sparsity_read_only_what_the_selection_needs(default_model, prompts,
                                                                                     tmp_path, monkeypatch,
                                                                                     channels, selective):
@@ -128,10 +128,15 @@ def test_cold_blocks_in_l3_with_dynamic_sparsity_read_only_what_the_selection_ne
     # the channel estimate); after it, the halves of the blocks its attention reads. The tokens
     # are those of an all-resident run, which reads everything from memory. With the channel
     # estimate they are on only with K25_L3_SELECTIVE=1 (they make more reads than whole
-    # layers); by default its steps read whole layers ahead.
+    # layers); by default its steps read whole layers ahead. The key-code estimate, like the
+    # bound, reads only the summaries.
     if selective:
         monkeypatch.setenv("K25_L3_SELECTIVE", selective)
-    sparse = dict(SPARSE, sparsity_score_channels=channels)
+    if channels == "codes":
+        sparse = dict(SPARSE, sparsity_score_channels=0, sparsity_score_rule="codes")
+    else:
+        sparse = dict(SPARSE, sparsity_score_channels=channels)
+    reads_keys = channels not in (0, "codes")
     want = all_resident(default_model, prompts[0], **sparse)
     model = with_l3(default_model, tmp_path, **sparse)
     try:
@@ -145,18 +150,18 @@ def test_cold_blocks_in_l3_with_dynamic_sparsity_read_only_what_the_selection_ne
     assert out.token_ids == want.token_ids
     assert s["predictor"]["reads_l3"] > 0
     read, skipped, late = s["l3_halves_read"], s["l3_halves_skipped"], s["l3_halves_late"]
-    if channels and not selective:
+    if reads_keys and not selective:
         assert read == skipped == late == 0 and tiers["l3_slice_reads"] > 0  # whole layers, one slice each
         return
     assert tiers["l3_slice_reads"] == read and skipped > 0
-    if channels:
+    if reads_keys:
         assert skipped <= (read + skipped) // 2  # every K half was read: only V halves were skipped
     else:
         assert skipped > (read + skipped) // 2  # K halves too
     # What a block's last lane step read of it is read ahead in the next, so few halves wait
     # for their layer's selection: here 4% of the reads with the channel estimate and 12% with
     # the bound rule, where without that read-ahead it was 12% and 48% (measured).
-    assert 0 < late and late * (10 if channels else 4) < read
+    assert 0 < late and late * (10 if reads_keys else 4) < read
 
 
 def test_corrupted_cold_pages_in_l3_are_recomputed_and_output_stays_correct(default_model, prompts, reference,

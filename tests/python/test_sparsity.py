@@ -59,6 +59,73 @@ def bf16_outward(x, up):
     return torch.where(wrong, step.view(torch.float32), r)
 
 
+def stored_codes(summ, bs=BS):
+    """The key codes of summary rows [..., fields, D] with codes (fields 1 .. W, W = ceil(bs / 16);
+    key t of word w at bits 2 (t % 16)): [..., 16 W, D] integers."""
+    W = -(-bs // 16)
+    w = summ[..., 1:1 + W, :].contiguous().view(torch.int32)  # [..., W, D]
+    shifts = torch.arange(16, dtype=torch.int32)[:, None] * 2
+    return ((w[..., None, :, :].transpose(-3, -2) >> shifts) & 3).flatten(-3, -2)
+
+
+def reference_codes(keys, lo, hi):
+    """The documented 2-bit code of each key (float32 like the engine): the nearest of
+    lo + c (hi - lo) / 3, halves to even, 0 where lo == hi."""
+    inv = torch.where(hi > lo, 3.0 / (hi - lo), torch.zeros_like(hi))
+    return torch.round((keys - lo) * inv).clamp(0, 3).to(torch.int32)
+
+
+@pytest.mark.parametrize("bs", [16, 24, 32])
+def test_key_codes_place_each_key_in_its_channels_bounds(bs):
+    """With key codes, each key of a block is coded against the block's bounds as they stand
+    after the step: a later key that widens a channel's range re-codes the earlier ones."""
+    g = torch.Generator().manual_seed(bs)
+    W, nb, n = -(-bs // 16), 12, 130
+    pool = empty_pool(nb, bs)
+    summ = torch.full((nb, L, HKV, 1 + W, D), float("nan"))
+    table = torch.randperm(nb, generator=g)[:-(-n // bs)].tolist()
+    keys = torch.randn(n, HKV, D, generator=g)
+    keys[77] *= 4  # widens its block's ranges after earlier keys were coded
+    vals = torch.randn(n, HKV, D, generator=g)
+    write_keys(pool, 1, table, keys[:70], vals[:70], bs=bs)
+    qs, cl, bt = batch([70], [70], [table])
+    _C.ops.update_key_summaries(pool.view(-1), (L, HKV, D, bs), summ, 1, qs, cl, bt, key_codes=True)
+    for t in range(70, n):
+        write_keys(pool, 1, table, keys[t:t + 1], vals[t:t + 1], start=t, bs=bs)
+        qs, cl, bt = batch([t + 1], [1], [table])
+        _C.ops.update_key_summaries(pool.view(-1), (L, HKV, D, bs), summ, 1, qs, cl, bt, key_codes=True)
+    mn, mx = bounds(summ[:, 1])
+    codes = stored_codes(summ[:, 1], bs)  # [nb, HKV, 16 W, D]
+    widened = 0
+    for j in range(-(-n // bs)):
+        blk = keys[j * bs:(j + 1) * bs]  # [k, HKV, D]
+        k = blk.shape[0]
+        assert torch.equal(mn[table[j]], bf16_outward(blk.amin(0), up=False)), j
+        want = reference_codes(blk, mn[table[j]], mx[table[j]]).transpose(0, 1)  # [HKV, k, D]
+        got = codes[table[j]]
+        assert torch.equal(got[:, :k], want), j
+        assert (got[:, k:] == 0).all(), "codes past the block's keys are 0"
+        step = (mx[table[j]] - mn[table[j]]) / 3
+        back = mn[table[j]] + got[:, :k].transpose(0, 1) * step
+        assert ((back - blk).abs() <= step / 2 * 1.0001 + 1e-6).all(), j
+        widened += j == 77 // bs
+    assert widened == 1
+    assert torch.isnan(summ[:, 0]).all(), "another layer's summaries were touched"
+    # Sums follow the codes when both are kept.
+    both = torch.full((nb, L, HKV, 3 + W, D), float("nan"))
+    qs, cl, bt = batch([n], [n], [table])
+    _C.ops.update_key_summaries(pool.view(-1), (L, HKV, D, bs), both, 1, qs, cl, bt, key_codes=True)
+    assert torch.equal(both[:, 1, :, :1 + W][torch.tensor(table)].view(torch.int32),
+                       summ[:, 1, :, :1 + W][torch.tensor(table)].view(torch.int32))
+    for j in range(-(-n // bs)):
+        blk = slice(j * bs, min(n, (j + 1) * bs))
+        assert torch.allclose(both[table[j], 1, :, 1 + W], keys[blk].sum(0), atol=1e-4)
+        assert torch.allclose(both[table[j], 1, :, 2 + W], vals[blk].sum(0), atol=1e-4)
+    wrong = torch.zeros(nb, L, HKV, 2 + W, D)  # neither codes alone nor codes and sums
+    with pytest.raises(ValueError, match="fields"):
+        _C.ops.update_key_summaries(pool.view(-1), (L, HKV, D, bs), wrong, 1, qs, cl, bt, key_codes=True)
+
+
 def test_summaries_are_the_per_channel_min_and_max_of_each_blocks_keys():
     # Rounded outward to bfloat16 (the Quest bound stays a bound), the minimum down, the maximum up.
     g = torch.Generator().manual_seed(0)
@@ -93,11 +160,11 @@ def test_summaries_are_the_per_channel_min_and_max_of_each_blocks_keys():
     assert torch.equal(mx, bf16_outward(keys[0] + 100.0, up=True))
 
 
-def random_sequences(seed, ctxs, Hq, bs=BS):
+def random_sequences(seed, ctxs, Hq, bs=BS, codes=False):
     g = torch.Generator().manual_seed(seed)
     nb_total = sum(-(-c // bs) for c in ctxs) + 2
     pool = empty_pool(nb_total, bs)
-    summ = torch.zeros(nb_total, L, HKV, 1, D)
+    summ = torch.zeros(nb_total, L, HKV, 1 + (-(-bs // 16) if codes else 0), D)
     free = torch.randperm(nb_total, generator=g).tolist()
     tables, ks, vs = [], [], []
     for c in ctxs:
@@ -109,7 +176,7 @@ def random_sequences(seed, ctxs, Hq, bs=BS):
         v = torch.randn(c, HKV, D, generator=g)
         write_keys(pool, 0, table, k, v, bs=bs)
         qs, cl, bt = batch([c], [c], [table])
-        _C.ops.update_key_summaries(pool.view(-1), (L, HKV, D, bs), summ, 0, qs, cl, bt)
+        _C.ops.update_key_summaries(pool.view(-1), (L, HKV, D, bs), summ, 0, qs, cl, bt, key_codes=codes)
         tables.append(table)
         ks.append(k)
         vs.append(v)
@@ -207,7 +274,7 @@ def test_compensation_folds_skipped_blocks_back_as_mean_pseudo_keys():
             o = out[i].view(Hq, D)[h * group:(h + 1) * group].double()
             assert (o - ref).abs().max().item() < 3e-5, (i, h)
             assert (o - plain[i].view(Hq, D)[h * group:(h + 1) * group]).abs().max().item() > 1e-4
-    with pytest.raises(ValueError, match="3 fields"):
+    with pytest.raises(ValueError, match="sums"):
         _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ2, Hq, 1 / math.sqrt(D),
                                 compensation=True, **kw)
 
@@ -262,10 +329,36 @@ def channel_estimates(q, summ, table, keys, Hq, nb, ctx, R, bs=BS):
     return torch.stack(out)  # [HKV, nb]
 
 
+def code_estimates(q, summ, table, Hq, nb, ctx, bs=BS):
+    """The key-code estimate (float64): each key's score q·(lo + c (hi - lo) / 3) from its
+    stored codes c and the block's bounds, scaled; a block's log-mass is the log-sum-exp of
+    its keys' scores. Per head minus its best block, max over the group, per KV head."""
+    group = Hq // HKV
+    mn, mx = (x.double() for x in bounds(summ[table[:nb], 0]))  # [nb, HKV, D] each
+    codes = stored_codes(summ[table[:nb], 0], bs).double()  # [nb, HKV, 16 W, D]
+    khat = mn[:, :, None] + codes * ((mx - mn) / 3)[:, :, None]
+    n = torch.full((nb,), bs)
+    n[-1] = ctx - (nb - 1) * bs
+    valid = torch.arange(khat.shape[2])[None] < n[:, None]  # [nb, 16 W]
+    qq = q.view(Hq, D).double()
+    out = []
+    for h in range(HKV):
+        per = []
+        for gi in range(group):
+            s = torch.einsum("d,jtd->jt", qq[h * group + gi], khat[:, h]) / math.sqrt(D)
+            est = torch.logsumexp(torch.where(valid, s, -math.inf), -1)
+            per.append(est - est.max())
+        out.append(torch.stack(per).amax(0))
+    return torch.stack(out)  # [HKV, nb]
+
+
 def reference_scores(q, summ, table, keys, Hq, ctx, channels, bs=BS):
     """The documented rule (float64): per KV head the rank score and the estimate that sizes
     the count ([HKV, nb] each), and the weight a block's estimated mass carries."""
     nb = -(-ctx // bs)
+    if channels == "codes":
+        est = code_estimates(q, summ, table, Hq, nb, ctx, bs)
+        return est, est, torch.ones(nb, dtype=torch.float64)
     if channels == 0:
         # Quest bound ranks; the centre estimate (times the token count) sizes.
         tok = torch.full((nb,), float(bs), dtype=torch.float64)
@@ -294,10 +387,12 @@ def reference_need(est, weight, mand, target):
 
 # Block sizes: 16 (the default; one vector of keys per channel), 32 (several per block),
 # 8 and 24 (the path that gathers keys for any block size).
-@pytest.mark.parametrize("channels,bs", [(0, 16), (8, 16), (64, 16), (200, 16), (0, 24), (8, 8), (8, 24), (8, 32)])
+@pytest.mark.parametrize("channels,bs", [(0, 16), (8, 16), (64, 16), (200, 16), (0, 24), (8, 8), (8, 24), (8, 32),
+                                         ("codes", 16), ("codes", 8), ("codes", 24), ("codes", 32)])
 def test_selection_keeps_each_heads_best_blocks_and_follows_the_mass_rule(channels, bs):
     Hq, ctx = 4, 4007  # a partial last block at every block size
-    pool, summ, tables, ks, vs, q = random_sequences(11, [ctx], Hq, bs)
+    codes = channels == "codes"
+    pool, summ, tables, ks, vs, q = random_sequences(11, [ctx], Hq, bs, codes=codes)
     qs, cl, bt = batch([ctx], [1], [tables[0]])
     nb = -(-ctx // bs)
     sc, est, weight = reference_scores(q[0], summ, tables[0], ks[0], Hq, ctx, channels, bs)
@@ -305,7 +400,8 @@ def test_selection_keeps_each_heads_best_blocks_and_follows_the_mass_rule(channe
     for target, cap in [(0.5, 0.8), (0.95, 0.6), (0.999, 0.8), (0.2, 0.8)]:
         _, info = _C.ops.sparse_attention(q, pool.view(-1), (L, HKV, D, bs), 0, qs, cl, bt, summ, Hq,
                                           1 / math.sqrt(D), min_context=100, recent_blocks=2, sink_blocks=1,
-                                          max_ratio=cap, mass_target=target, score_channels=channels)
+                                          max_ratio=cap, mass_target=target,
+                                          score_channels=0 if codes else channels, key_codes=codes)
         want = max(reference_need(est[h], weight, mand, target) for h in range(HKV))
         keep = min(max(want, math.ceil(nb * (1 - cap) - 1e-9)), math.floor(nb * 0.9 + 1e-9))
         heads = torch.tensor(info["head_tables"]).view(1, HKV, -1)
@@ -318,18 +414,21 @@ def test_selection_keeps_each_heads_best_blocks_and_follows_the_mass_rule(channe
         assert info["blocks_kept"] == keep * HKV
 
 
-@pytest.mark.parametrize("channels", [0, 8])
+@pytest.mark.parametrize("channels", [0, 8, "codes"])
 def test_batched_selection_and_its_statistics_follow_the_reference(channels):
     """Several sequences in one call, the first too short to go sparse, and the partial last
     block among the ranked ones (recent_blocks=0): per sequence the count and every head's
     kept blocks, and the statistics (entropy of the estimated masses summed over the
     selections; the best-scoring blocks of the first selection) equal a float64 reference."""
-    Hq, ctxs, cap, target = 6, [700, 3001, 2213, 2600], 0.8, 0.99
-    pool, summ, tables, ks, vs, q = random_sequences(23, ctxs, Hq)
+    codes = channels == "codes"
+    # (The key codes estimate these keys' masses more peaked: a higher target keeps the mass rule,
+    # not the cap, deciding.)
+    Hq, ctxs, cap, target = 6, [700, 3001, 2213, 2600], 0.8, 0.99999 if codes else 0.99
+    pool, summ, tables, ks, vs, q = random_sequences(23, ctxs, Hq, codes=codes)
     qs, cl, bt = batch(ctxs, [1] * len(ctxs), tables)
     _, info = _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, 1 / math.sqrt(D),
                                       min_context=1000, recent_blocks=0, sink_blocks=2, max_ratio=cap,
-                                      mass_target=target, score_channels=channels)
+                                      mass_target=target, score_channels=0 if codes else channels, key_codes=codes)
     heads = torch.tensor(info["head_tables"]).view(len(ctxs), HKV, -1)
     assert info["sparse"] == [0, 1, 1, 1]
     entropy, kept_total, top, by_rule = 0.0, 0, None, 0
@@ -436,6 +535,22 @@ def test_engine_sparsity_switches_and_statistics(tmp_path):
     assert K25Config().sparsity_score_channels is None
     assert K25Config(device="cpu").resolved_score_channels() == 8
     assert K25Config(device="cpu", sparsity_score_channels=0).resolved_score_channels() == 0
+    # The rule: named, or from sparsity_score_channels; the key codes run on the CPU only.
+    assert K25Config(device="cpu").resolved_score_rule() == "channels"
+    assert K25Config(device="cpu", sparsity_score_channels=0).resolved_score_rule() == "bound"
+    assert K25Config(device="cpu", sparsity_score_rule="codes").resolved_score_rule() == "codes"
+    assert K25Config(device="cpu", sparsity_score_rule="codes").resolved_score_channels() == 0
+    assert K25Config(device="cpu", sparsity_score_rule="channels", sparsity_score_channels=16).resolved_score_channels() == 16
+    for bad in ("quest", "", 1, True):
+        with pytest.raises(ConfigError, match="sparsity_score_rule must be"):
+            K25Config(sparsity_score_rule=bad)
+    for rule in ("codes", "bound"):
+        with pytest.raises(ConfigError, match="reads no key channels"):
+            K25Config(sparsity_score_rule=rule, sparsity_score_channels=8)
+    with pytest.raises(ConfigError, match="needs sparsity_score_channels > 0"):
+        K25Config(sparsity_score_rule="channels", sparsity_score_channels=0)
+    with pytest.raises(ConfigError, match="Quest bound only"):
+        K25Config(device="cuda", enable_dynamic_sparsity=True, sparsity_score_rule="codes")
 
 
 def pydoc_ids(model, n, offset):
@@ -487,6 +602,18 @@ def test_sparse_decode_on_the_default_model_tracks_dense(default_model):
         ratio = m.get_current_sparsity_ratio()
     finally:
         m.close()
+    # The key-code estimate on the same text.
+    m = K25Model(K25Config(num_threads=2, kv_cache_bytes=512 << 20, enable_dynamic_sparsity=True,
+                           sparsity_min_context=min_context, sparsity_score_rule="codes"))
+    try:
+        coded = [m.score(ids, decode_from=ctx - decoded) for ids in docs]
+        coded_ratio = m.get_current_sparsity_ratio()
+    finally:
+        m.close()
+    assert 0.3 < coded_ratio <= 0.6
+    c_agree, c_ppl = agreement_and_perplexity_ratio(coded, dense, docs, decoded)
+    assert c_agree >= 0.94, f"key codes: top-1 agreement {c_agree:.3f}"
+    assert c_ppl <= 1.03, f"key codes: perplexity ratio {c_ppl:.4f}"
     for s, d in zip(sparse, dense):
         # Prompt chunks are dense: bit for bit the same rows.
         assert np.array_equal(s[:ctx - decoded], d[:ctx - decoded])
@@ -542,6 +669,19 @@ def test_engine_compensation_changes_only_the_sparse_decode_rows():
     assert np.array_equal(plain[:ctx - decoded], comp[:ctx - decoded])
     assert not np.allclose(plain[-decoded:], comp[-decoded:], atol=1e-4)
     assert np.isfinite(comp).all()
+
+
+def test_engine_score_rule_is_honoured_end_to_end():
+    """sparsity_score_rule reaches the selection: the key codes give bit-identical prompt
+    rows and sparse decode rows that differ from both other rules'."""
+    ctx, decoded = 900, 6
+    runs = sparse_score_runs(ctx, decoded, [dict(sparsity_score_rule=r) for r in ("codes", "channels", "bound")])
+    (codes, r0), others = runs[0], runs[1:]
+    assert r0 > 0 and np.isfinite(codes).all()
+    for other, r in others:
+        assert r > 0
+        assert np.array_equal(codes[:ctx - decoded], other[:ctx - decoded])
+        assert np.abs(codes[ctx - decoded:] - other[ctx - decoded:]).max() > 1e-4
 
 
 def test_engine_score_channels_is_honoured_end_to_end():
