@@ -221,8 +221,8 @@ class TorchExecutor : public ModelExecutor {
     // by step, everywhere else (the engine's side of it is then exercised on the CPU).
     const char* pipe = std::getenv("K25_ASYNC_SCHEDULING");
     emulate_async_ = pipe && std::string(pipe) == "1";
-    // Selective cold reads (cold_read_plan) by default with the bound rule only: with the
-    // channel estimate every block's K half is read anyway, and the V halves apart from it make
+    // Selective cold reads (cold_read_plan) by default with the rules that read only the
+    // summaries (the bound, the key codes): with the channel estimate every block's K half is read anyway, and the V halves apart from it make
     // more reads than whole layers do, which costs more on a disk bound by its reads per second
     // than the bytes saved (bench/RESULTS.md). K25_L3_SELECTIVE=1: with the channel estimate
     // too; 0: never (whole layers ahead). For measurement: bench/cpu_long_context.py --l3-whole.
