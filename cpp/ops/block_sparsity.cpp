@@ -29,10 +29,12 @@ void write_key_codes(const float* K, const KVLayout& L, float* row, const Summar
   for (int32_t d = 0; d < D; ++d) {
     uint32_t w;
     std::memcpy(&w, row + d, 4);
-    const float lo = summary_min(w), hi = summary_max(w);
+    const float lo = summary_min(w), inv = key_code_scale(lo, summary_max(w));
     for (int32_t i = 0; i < S.code_words; ++i) {
       uint32_t word = 0;
-      for (int32_t t = 16 * i; t < std::min(n, 16 * i + 16); ++t) word |= key_code(key_at(K, L, t, d), lo, hi) << (2 * (t % 16));
+      for (int32_t t = 16 * i; t < std::min(n, 16 * i + 16); ++t) {
+        word |= key_code(key_at(K, L, t, d), lo, inv) << (2 * (t % 16));
+      }
       std::memcpy(codes + static_cast<int64_t>(i) * D + d, &word, 4);
     }
   }
@@ -539,7 +541,7 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       for (int32_t h = 0; h < Hkv; ++h) {
         for (int32_t k = 0; k < cnt; ++k) {
           mn[k] = summary_at(summaries, S, B, table[k], layer, h);
-          K[k] = keys_at(kv, L, B, table[k], layer, h);
+          K[k] = R > 0 ? keys_at(kv, L, B, table[k], layer, h) : nullptr;  // only the channel estimate reads keys
         }
         if (codes) {  // the group's heads together, up to four at a time
           for (int32_t k = 0; k < cnt; ++k) {

@@ -63,6 +63,8 @@ struct SparsityParams {
 // place in the channel's [min, max] (key_code), 16 keys a word (word w holds keys 16w ..
 // 16w + 15, key t at bits 2 (t % 16)), so code_words = ceil(block_size / 16). With sums (for
 // compensation) the float sums of the keys and of the values come last.
+// (The rows live in float32 storage, but the code words are bit patterns, often NaN ones as
+// floats: move rows by bytes, never through float arithmetic or comparisons.)
 struct SummaryLayout {
   int32_t num_layers = 0, num_kv_heads = 0, head_dim = 0;
   int32_t fields = 1;      // 1 + code_words, plus 2 with sums
@@ -78,12 +80,13 @@ struct SummaryLayout {
 };
 inline int32_t key_code_words(int32_t block_size) { return (block_size + 15) / 16; }
 
-// A key's 2-bit code in its channel's [lo, hi] (a summary word's bounds): the nearest of
-// lo + c (hi - lo) / 3, c = 0..3 (halves to even); 0 where lo == hi. The key-code estimate
-// reads it back as that value.
-inline uint32_t key_code(float k, float lo, float hi) {
-  const float inv = hi > lo ? 3.0f / (hi - lo) : 0.0f;
-  const long c = std::lrint((k - lo) * inv);
+// A key's 2-bit code in its channel's [lo, hi] (a summary word's bounds): (k - lo) times
+// key_code_scale(lo, hi) = 3 / (hi - lo) in float32, rounded (halves to even) and clamped to
+// 0..3, i.e. the nearest of lo + c (hi - lo) / 3 up to float32 rounding; 0 where lo == hi. The
+// key-code estimate reads it back as that value.
+inline float key_code_scale(float lo, float hi) { return hi > lo ? 3.0f / (hi - lo) : 0.0f; }
+inline uint32_t key_code(float k, float lo, float scale) {
+  const long c = std::lrint((k - lo) * scale);
   return static_cast<uint32_t>(c < 0 ? 0 : (c > 3 ? 3 : c));
 }
 

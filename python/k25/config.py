@@ -89,6 +89,8 @@ class K25Config:
                                                or (self.device.startswith("cuda:") and self.device[5:].isdigit())),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         device = self.resolved_device()
+        need(self.sparsity_score_rule in (None, "channels", "codes", "bound"),
+             f"sparsity_score_rule must be None, 'channels', 'codes' or 'bound', got {self.sparsity_score_rule!r}")
         if self.enable_dynamic_sparsity is True and device.startswith("cuda"):
             if self.sparsity_score_rule not in (None, "bound"):
                 raise ConfigError(f"sparsity_score_rule={self.sparsity_score_rule!r}: on CUDA the block selection "
@@ -148,8 +150,6 @@ class K25Config:
              or (isinstance(self.sparsity_score_channels, int) and not isinstance(self.sparsity_score_channels, bool)
                  and 0 <= self.sparsity_score_channels <= 256),
              f"sparsity_score_channels must be None or an int in [0, 256], got {self.sparsity_score_channels!r}")
-        need(self.sparsity_score_rule in (None, "channels", "codes", "bound"),
-             f"sparsity_score_rule must be None, 'channels', 'codes' or 'bound', got {self.sparsity_score_rule!r}")
         if self.sparsity_score_rule in ("bound", "codes"):
             need(self.sparsity_score_channels in (None, 0),
                  f"sparsity_score_rule={self.sparsity_score_rule!r} reads no key channels: "
@@ -159,6 +159,8 @@ class K25Config:
                  "sparsity_score_rule='channels' needs sparsity_score_channels > 0 (or None: 8)")
         need(isinstance(self.enable_dynamic_sparsity, bool), "enable_dynamic_sparsity must be a bool")
         need(isinstance(self.sparsity_compensation, bool), "sparsity_compensation must be a bool")
+        if self.sparsity_score_rule is not None and self.enable_dynamic_sparsity is not True:
+            raise ConfigError(f"sparsity_score_rule={self.sparsity_score_rule!r} needs enable_dynamic_sparsity=True")
         if self.sparsity_compensation and not self.enable_dynamic_sparsity:
             raise ConfigError("sparsity_compensation=True needs enable_dynamic_sparsity=True (it approximates "
                               "the blocks that sparsity skips)")
