@@ -2,10 +2,11 @@
 the default model's attention shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16)
 on random keys, batch 1 and 8, contexts 4K / 8K / 32K. The sparse call is the whole sparse
 path (selection from the summaries, plus the channel estimate when on, then attention over
-the kept blocks; `codes` in --channels: the key-code estimate, from summaries with key codes); mass_target 0 makes the cap bind, so the skipped fraction r is the cap
-and the best possible speedup is 1 / (1 - r). Reference: dense paged attention over the
-same pool in the same run; dense and the sparse variants take turns in each of --rounds
-rounds and each keeps its best round (the machine may be shared). The timed sparse call
+the kept blocks; `codes` in --channels: the key-code estimate, from summaries with key
+codes); mass_target 0 makes the cap bind, so the skipped fraction r is the cap and the best
+possible speedup is 1 / (1 - r). Reference: dense paged attention over the same pool in
+the same run; dense and the sparse variants take turns in each of --rounds rounds and each
+keeps its best round (the machine may be shared). The timed sparse call
 passes info=False: it builds no Python lists of the selection, and its selection buffers
 persist across calls as the engine's per-layer ones do. --mass-target > 0 times the count
 of the mass rule too (on random keys the masses are flat, so the count is then near the

@@ -445,15 +445,16 @@ void bind_ops(py::module_& m) {
   // fields; then, optionally, the key and value sums used by compensation.
   auto summary_layout = [](const at::Tensor& summaries, const KVLayout& L, bool key_codes) {
     check(summaries, at::kFloat, "summaries");
-    const int32_t cw = key_codes ? key_code_words(L.block_size) : 0;
+    const SummaryLayout plain = SummaryLayout::of(L, key_codes, false), sums = SummaryLayout::of(L, key_codes, true);
+    const bool with_sums = summaries.dim() == 5 && summaries.size(3) == sums.fields;
     if (!summaries.is_contiguous() || summaries.dim() != 5 || summaries.size(1) != L.num_layers ||
-        summaries.size(2) != L.num_kv_heads || (summaries.size(3) != 1 + cw && summaries.size(3) != 3 + cw) ||
+        summaries.size(2) != L.num_kv_heads || (summaries.size(3) != plain.fields && !with_sums) ||
         summaries.size(4) != L.head_dim) {
       throw Error(ErrorCode::kInvalidArgument,
                   "summaries must be contiguous [blocks, layers, kv_heads, fields, head_dim] with fields " +
-                      std::to_string(1 + cw) + " or " + std::to_string(3 + cw) + " (with sums)");
+                      std::to_string(plain.fields) + " or " + std::to_string(sums.fields) + " (with sums)");
     }
-    return SummaryLayout{L.num_layers, L.num_kv_heads, L.head_dim, static_cast<int32_t>(summaries.size(3)), cw};
+    return with_sums ? sums : plain;
   };
   ops.def("update_key_summaries", [=](const at::Tensor& kv, py::tuple layout, at::Tensor summaries, int32_t layer,
                                       const at::Tensor& query_start, const at::Tensor& context_lens,
@@ -492,7 +493,8 @@ void bind_ops(py::module_& m) {
         p.key_codes = key_codes;
         if (compensation && !S.has_sums()) {
           throw Error(ErrorCode::kInvalidArgument, "compensation needs summaries with sums (fields " +
-                                                       std::to_string(S.code_words + 3) + ")");
+                                                       std::to_string(SummaryLayout::of(L, key_codes, true).fields) +
+                                                       ")");
         }
         // info=False (timing): the selection's buffers persist across calls, as the engine's
         // per-layer selections do, and no Python lists are built.

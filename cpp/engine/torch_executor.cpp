@@ -181,9 +181,7 @@ class TorchExecutor : public ModelExecutor {
       }
       sparse_ = std::make_unique<SparseStep>();
       sparse_->params = *sparsity;
-      const int32_t code_words = sparsity->key_codes ? key_code_words(block_size) : 0;
-      sparse_->layout = SummaryLayout{c.num_layers, c.num_kv_heads, c.head_dim,
-                                      1 + code_words + (sparsity->compensation ? 2 : 0), code_words};
+      sparse_->layout = SummaryLayout::of(layout_, sparsity->key_codes, sparsity->compensation);
       sparse_->layers.resize(c.num_layers);
       stats_.resize(c.num_layers);
       if (device.is_cpu()) {
@@ -222,10 +220,11 @@ class TorchExecutor : public ModelExecutor {
     const char* pipe = std::getenv("K25_ASYNC_SCHEDULING");
     emulate_async_ = pipe && std::string(pipe) == "1";
     // Selective cold reads (cold_read_plan) by default with the rules that read only the
-    // summaries (the bound, the key codes): with the channel estimate every block's K half is read anyway, and the V halves apart from it make
-    // more reads than whole layers do, which costs more on a disk bound by its reads per second
-    // than the bytes saved (bench/RESULTS.md). K25_L3_SELECTIVE=1: with the channel estimate
-    // too; 0: never (whole layers ahead). For measurement: bench/cpu_long_context.py --l3-whole.
+    // summaries (the bound, the key codes): with the channel estimate every block's K half is
+    // read anyway, and the V halves apart from it make more reads than whole layers do, which
+    // costs more on a disk bound by its reads per second than the bytes saved (bench/RESULTS.md).
+    // K25_L3_SELECTIVE=1: with the channel estimate too; 0: never (whole layers ahead). For
+    // measurement: bench/cpu_long_context.py --l3-whole.
     const char* sel = std::getenv("K25_L3_SELECTIVE");
     const std::string sel_mode = sel ? sel : "";
     selective_cold_ = sel_mode == "1" || (sel_mode != "0" && sparse_ && (sparse_->params.score_channels == 0 ||

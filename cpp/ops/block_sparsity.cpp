@@ -311,11 +311,11 @@ inline void bound_and_centre(const QueryPrep& qp, int32_t D, const float* const*
 // a = scale * q): key t's score scale * sum_d q_d (lo_d + c_td (hi_d - lo_d) / 3), its codes
 // c_td read back in the channels' bounds, i.e. base + sum_d coef_d c_td with base = sum_d
 // a_d lo_d and coef_d = a_d (hi_d - lo_d) / 3; per head the block's log-mass over its n keys,
-// e[g] = m + log l. A channel's 16 codes are widened once and serve the G heads. coef:
-// scratch of G * D floats.
+// e[g] = m + log l. A channel's 16 codes are widened once and serve the G heads. row: the
+// summary row (its bounds); codes: its code words. coef: scratch of G * D floats.
 template <int G>
-inline void codes_lse(const QueryPrep* qp, int32_t D, const float* row, int32_t n, const vni* shifts, float* coef,
-                      float* e) {
+inline void codes_lse(const QueryPrep* qp, int32_t D, const float* row, const float* codes, int32_t n,
+                      const vni* shifts, float* coef, float* e) {
   float base[G];
   {
     vn acc[G] = {};
@@ -341,7 +341,6 @@ inline void codes_lse(const QueryPrep* qp, int32_t D, const float* row, int32_t 
       }
     }
   }
-  const float* codes = row + D;  // SummaryLayout::codes_at
   float m[G], l[G];
   for (int32_t i = 0; 16 * i < n; ++i) {
     vn acc[G][kV] = {};
@@ -429,7 +428,7 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
   const int32_t Hkv = L.num_kv_heads, group = num_heads / Hkv, D = L.head_dim, bs = L.block_size;
   // The rule: the key-code estimate, the channel estimate on R channels, or (R == 0) the bound.
   const bool codes = p.key_codes;
-  if (codes && S.code_words != key_code_words(bs)) {
+  if (codes && S.code_words != SummaryLayout::of(L, true, false).code_words) {
     fail(ErrorCode::kInvalidArgument, "the key-code estimate needs summaries with key codes");
   }
   const int32_t R = codes ? 0 : std::min(std::max(p.score_channels, 0), D);
@@ -545,15 +544,16 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
         }
         if (codes) {  // the group's heads together, up to four at a time
           for (int32_t k = 0; k < cnt; ++k) {
+            const float* cw = mn[k] + S.codes_at();
             for (int32_t g0 = 0; g0 < group; g0 += 4) {
               const QueryPrep* qg = prep + h * group + g0;
               float e[4];
               const int32_t gn = std::min(4, group - g0);
               switch (gn) {
-                case 1: codes_lse<1>(qg, D, mn[k], n[k], shifts, coef.data(), e); break;
-                case 2: codes_lse<2>(qg, D, mn[k], n[k], shifts, coef.data(), e); break;
-                case 3: codes_lse<3>(qg, D, mn[k], n[k], shifts, coef.data(), e); break;
-                default: codes_lse<4>(qg, D, mn[k], n[k], shifts, coef.data(), e); break;
+                case 1: codes_lse<1>(qg, D, mn[k], cw, n[k], shifts, coef.data(), e); break;
+                case 2: codes_lse<2>(qg, D, mn[k], cw, n[k], shifts, coef.data(), e); break;
+                case 3: codes_lse<3>(qg, D, mn[k], cw, n[k], shifts, coef.data(), e); break;
+                default: codes_lse<4>(qg, D, mn[k], cw, n[k], shifts, coef.data(), e); break;
               }
               for (int32_t gi = 0; gi < gn; ++gi) raw[static_cast<size_t>(h * group + g0 + gi) * nb + k] = e[gi];
             }

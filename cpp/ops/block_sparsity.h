@@ -77,8 +77,12 @@ struct SummaryLayout {
   // Within a row: the codes' words, then the key sums (the value sums follow those).
   int64_t codes_at() const { return head_dim; }
   int64_t sums_at() const { return static_cast<int64_t>(1 + code_words) * head_dim; }
+  // The rows for a KV layout: with key codes (ceil(block_size / 16) words a channel), with sums.
+  static SummaryLayout of(const KVLayout& L, bool key_codes, bool sums) {
+    const int32_t cw = key_codes ? (L.block_size + 15) / 16 : 0;
+    return SummaryLayout{L.num_layers, L.num_kv_heads, L.head_dim, 1 + cw + (sums ? 2 : 0), cw};
+  }
 };
-inline int32_t key_code_words(int32_t block_size) { return (block_size + 15) / 16; }
 
 // A key's 2-bit code in its channel's [lo, hi] (a summary word's bounds): (k - lo) times
 // key_code_scale(lo, hi) = 3 / (hi - lo) in float32, rounded (halves to even) and clamped to
