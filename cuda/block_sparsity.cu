@@ -93,15 +93,45 @@ __device__ __forceinline__ const uint8_t* summary_row(const SparseSelect& a, con
       row += a.cold_summary_base;
     }
   }
-  return static_cast<const uint8_t*>(summ) + ((row * a.num_layers + a.layer) * a.num_kv_heads + h) * summary_row_bytes(dtype_of<T>(), D);
+  return static_cast<const uint8_t*>(summ) +
+         ((row * a.num_layers + a.layer) * a.num_kv_heads + h) * summary_row_bytes(dtype_of<T>(), D, a.code_tiles);
 }
 
 // ---- summaries ----------------------------------------------------------------------
 
+// Key codes of one tile of a block (keys 16u .. 16u + 15, k_at(t) this thread's channel of key
+// t of the tile, n of them filled) into `out` (the tile's head_dim words), against the
+// channel's coded range [lo, hi] x scale; every thread of the CTA (a thread per channel) calls it.
+// codes: shared scratch of 16 x head_dim bytes.
+template <typename KeyAt>
+__device__ __forceinline__ void write_key_code_tile(KeyAt k_at, int n, int lo, int hi, float scale, int D,
+                                                    uint8_t* codes, uint32_t* out) {
+  const int d = threadIdx.x;
+  const float base = static_cast<float>(lo) * scale;
+  const float inv = hi > lo && scale > 0.0f ? 3.0f / (static_cast<float>(hi - lo) * scale) : 0.0f;
+  for (int t = 0; t < 16; ++t) {
+    float c = 0.0f;
+    if (t < n) c = fminf(fmaxf(rintf((k_at(t) - base) * inv), 0.0f), 3.0f);  // NaN keys: 0
+    codes[t * D + d] = static_cast<uint8_t>(c);
+  }
+  __syncthreads();
+  // Word d of the tile (k25_cuda.h, summary_row_bytes): lane l = d / (D / 32), w = d % (D / 32).
+  const int per = D / 32, l = d / per, w = d % per, g = l / 4, t4 = l % 4;
+  const uint8_t* key = codes + (g + 8 * (w % 2)) * D + 64 * (w / 2) + 16 * t4;
+  uint32_t word = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int c = (j % 4) + 8 * (j / 4);
+    word |= (static_cast<uint32_t>(key[c]) << (2 * j)) | (static_cast<uint32_t>(key[c + 4]) << (16 + 2 * j));
+  }
+  out[d] = word;
+  __syncthreads();  // codes is rewritten by the next tile
+}
+
 // A CTA per (sequence, KV head, z), a thread per channel (blockDim.x == head_dim).
 template <typename T>
 __global__ void summary_kernel(KVCache kv, int layer, uint8_t* __restrict__ summ, const int* query_start,
-                               const int* context_lens, const int* block_tables, int max_blocks) {
+                               const int* context_lens, const int* block_tables, int max_blocks, int code_tiles) {
   pdl_wait();  // launched with launch_pdl: everything it reads may come from the kernel before
   pdl_trigger();
   const int s = blockIdx.x, h = blockIdx.y;
@@ -112,11 +142,13 @@ __global__ void summary_kernel(KVCache kv, int layer, uint8_t* __restrict__ summ
   const T* cache = static_cast<const T*>(kv.data);
   const int* table = block_tables + static_cast<int64_t>(s) * max_blocks;
   __shared__ float wmax[32];
+  __shared__ uint8_t codes[16 * 128];  // write_key_code_tile's (head_dim <= 128 with key codes)
   for (int j = max(0, ctx - q_len) / bs + blockIdx.z; j <= (ctx - 1) / bs; j += gridDim.z) {
     const int64_t block = table[j];
     const int fill = min(bs, ctx - j * bs);
     const T* K = cache + (((block * kv.num_layers + layer) * 2) * Hkv + h) * static_cast<int64_t>(bs) * D;
-    uint8_t* out = summ + ((block * kv.num_layers + layer) * Hkv + h) * summary_row_bytes(dtype_of<T>(), D);
+    uint8_t* out =
+        summ + ((block * kv.num_layers + layer) * Hkv + h) * summary_row_bytes(dtype_of<T>(), D, code_tiles);
     float mn = INFINITY, mx = -INFINITY;
     for (int t = 0; t < fill; ++t) {
       const float k = to_f(K[static_cast<int64_t>(t) * D + d]);
@@ -154,6 +186,12 @@ __global__ void summary_kernel(KVCache kv, int layer, uint8_t* __restrict__ summ
         out[D / 2 + d / 2] = static_cast<uint8_t>((hi & 15) | ((hi1 & 15) << 4));
       }
       if (d == 0) *reinterpret_cast<float*>(out + D) = scale;
+      // Every key of the block coded again: a new key may have widened the range.
+      for (int u = 0; u < code_tiles; ++u) {
+        const T* Ku = K + static_cast<int64_t>(16 * u) * D;
+        write_key_code_tile([&](int t) { return to_f(Ku[static_cast<int64_t>(t) * D + d]); }, fill - 16 * u, lo, hi,
+                            scale, D, codes, reinterpret_cast<uint32_t*>(out + D + 16 + 4 * D * u));
+      }
     }
   }
 }
@@ -204,6 +242,15 @@ __device__ __forceinline__ ScoreTask score_task(const SparseSelect& a, int run) 
   w.h = task % Hkv;
   w.j0 = (task / Hkv) * run;
   return w;
+}
+
+// A CTA past its sequence's blocks (uniform) still waits, so that the chain's "complete
+// before" holds, and returns (for score kernels whose busy CTAs wait later).
+__device__ __forceinline__ bool idle_cta(const ScoreTask& w) {
+  if (w.cta_has_work) return false;
+  pdl_wait();
+  pdl_trigger();
+  return true;
 }
 
 // The CTA's per-(query head, value) maxima (order_bits; 0 at rest) in shared memory: cleared
@@ -399,11 +446,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   constexpr int kHalf = D / 64;       // 8-byte loads (16 codes) of a lane in each half (minima, maxima) of a row
   constexpr int kLoads = 2 * kHalf;
   const ScoreTask w = score_task(a, run);
-  if (!w.cta_has_work) {  // uniform; it still waits, so that the chain's "complete before" holds
-    pdl_wait();
-    pdl_trigger();
-    return;
-  }
+  if (idle_cta(w)) return;
   const int s = w.s, nb = w.nb, h = w.h, j0 = w.j0, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks;
   __shared__ uint32_t smax[2 * kMaxSparseHeads];
@@ -556,6 +599,206 @@ __global__ void __launch_bounds__(kScoreThreads)
   flush_maxima(smax, a, s, Hq);
 }
 
+// ---- 1b. the key-code estimate (summaries with key codes, 16-bit KV) ----------------------
+
+// Two fp16 values as a half2's bits.
+__device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// A block's log-mass per query head: log sum_t exp(scale q.k_t) over its keys, each read back
+// from its codes as lo + c (hi - lo) / 3 in the row's coded range (k25_cuda.h). A warp per
+// (KV head, run of blocks) as score_mma_kernel's split, and per block and tile of 16 keys one
+// m16n8k16 product a k-step of 16 channels with the keys as rows (A: the codes, as the summary
+// kernel stored them in fragment order: one 16- or 8-byte load a lane) and up to 8 query heads
+// as columns (B: q_d (hi_d - lo_d) of the lane's channels, the block's ranges times the query),
+// plus one with A the block's lo_d in every row and B 3 q_d (every row gets the block's base
+// 3 q.lo): C is then 3 x the key's q.k in code units. A lane's 8-byte runs of minima and maxima hold its channels
+// as nibble pairs (n, n + 4) that one mask turns into half2 values (1024 + code + 8, times 16
+// for the odd pairs: exact), so r = hi - lo needs no offset; A codes c at bits 2j (and 16 + 2j)
+// become c 4^(j % 4) exactly in fp16 (1024 + c 4^(j % 4), less 1024), the power folded into B.
+// The query goes in times the power of two that puts each head's largest |q| in [2^10, 2^11)
+// (B <= 15 x 2^11, 3 x 8 x 2^11: inside fp16). Then per head a log-sum-exp over the 16 keys
+// (rows g, g + 8 of the 8 lanes of a column pair), keys past the block's fill left out, and
+// the result as both raw values (rank and size: docs/sparsity.md).
+template <typename T, int D>
+__global__ void __launch_bounds__(kScoreThreads, 2)
+    codes_score_kernel(const T* __restrict__ q, int64_t q_stride, const void* __restrict__ summ, SparseSelect a,
+                       int run) {
+  static_assert(kCodedSummaries<T> && D % 64 == 0, "4-bit-coded rows of 64-channel runs");
+  constexpr int kSteps = D / 16;  // k-steps of 16 channels
+  constexpr int kRuns = D / 64;   // a lane's 8-byte runs of 16 channels in each half of the bounds
+  constexpr int kWords = D / 32;  // code words a lane per tile
+  using CodeV = typename Bytes<4 * kWords>::type;
+  const ScoreTask w = score_task(a, run);
+  if (idle_cta(w)) return;
+  const int s = w.s, nb = w.nb, h = w.h, j0 = w.j0, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks, bs = a.block_size;
+  const int tiles = a.code_tiles;
+  __shared__ uint32_t smax[2 * kMaxSparseHeads];
+  clear_maxima(smax, Hq);
+  bool waited = false;  // warp-uniform
+  if (j0 < nb) {  // warp-uniform
+    const int j1 = min(nb, j0 + w.run);
+    const int last_n = a.context_lens[s] - (nb - 1) * bs;  // keys of the sequence's last block
+    const int* tab = a.block_tables + static_cast<int64_t>(s) * MB;
+    const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
+    for (int g0 = 0; g0 < group; g0 += 8) {
+      // B coefficients of column g (query head g0 + g; zero past the group), per k-step
+      // ks = 4m + 2x + nh: b0 the pair (c, c + 4), b1 (c + 1, c + 5), c = 64m + 16t + 8x + 2nh.
+      uint32_t qr[kSteps][2], ql[kSteps][2];
+      float inv_qs;  // of column g's head
+      {
+        const bool live = g0 + g < group;
+        float qv[kSteps][4];
+        float mabs = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < kSteps; ++ks) {
+          const int c = 64 * (ks / 4) + 16 * t + 8 * ((ks / 2) % 2) + 2 * (ks % 2);
+          const int ch[4] = {c, c + 4, c + 1, c + 5};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            qv[ks][i] = live ? to_f(qrow[(g0 + g) * D + ch[i]]) : 0.0f;
+            mabs = fmaxf(mabs, fabsf(qv[ks][i]));
+          }
+        }
+        mabs = fmaxf(mabs, __shfl_xor_sync(0xffffffffu, mabs, 1));
+        mabs = fmaxf(mabs, __shfl_xor_sync(0xffffffffu, mabs, 2));
+        int e = 0;
+        if (mabs > 0.0f && mabs < INFINITY) e = min(126, max(-126, 10 - ((__float_as_int(mabs) >> 23) - 127)));
+        const float qs = __int_as_float((127 + e) << 23);
+        inv_qs = __int_as_float((127 - e) << 23);
+#pragma unroll
+        for (int ks = 0; ks < kSteps; ++ks) {
+          // A's powers: 4^(2 nh) for b0's columns, 4^(2 nh + 1) for b1's; b1's pair also comes
+          // times 16 (odd nibbles), as does its lo.
+          const float f0 = qs / static_cast<float>(1 << (4 * (ks % 2)));
+          const float f1 = qs / static_cast<float>(16 << (4 * (ks % 2) + 2));
+          qr[ks][0] = pack2<__half>(qv[ks][0] * f0, qv[ks][1] * f0);
+          qr[ks][1] = pack2<__half>(qv[ks][2] * f1, qv[ks][3] * f1);
+          ql[ks][0] = pack2<__half>(3.0f * qs * qv[ks][0], 3.0f * qs * qv[ks][1]);
+          ql[ks][1] = pack2<__half>(3.0f * qs / 16.0f * qv[ks][2], 3.0f * qs / 16.0f * qv[ks][3]);
+        }
+      }
+      // This lane's C columns are heads g0 + 2t + i: their 1 / qs from the lanes that hold them.
+      float col_inv[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) col_inv[i] = __shfl_sync(0xffffffffu, inv_qs, 4 * (2 * t + i));
+      if (!waited) {
+        pdl_wait();
+        pdl_trigger();
+        waited = true;
+      }
+      // A block's loads: its tile-0 codes, this lane's runs of minima and maxima, the scale.
+      struct Loaded {
+        CodeV codes;
+        uint2 lo[kRuns], hi[kRuns];
+        float scale;
+        const uint8_t* row;
+      };
+      auto load = [&](int block, Loaded& L) {
+        L.row = summary_row<T>(a, summ, block, h, D);
+        L.codes = *reinterpret_cast<const CodeV*>(L.row + D + 16 + 4 * kWords * lane);
+#pragma unroll
+        for (int m = 0; m < kRuns; ++m) {
+          L.lo[m] = *reinterpret_cast<const uint2*>(L.row + 32 * m + 8 * t);
+          L.hi[m] = *reinterpret_cast<const uint2*>(L.row + D / 2 + 32 * m + 8 * t);
+        }
+        L.scale = *reinterpret_cast<const float*>(L.row + D);
+      };
+      float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + 2 * t) * 2 * MB;
+      uint32_t run_max[2] = {0, 0};
+      Loaded nxt;
+      load(tab[j0], nxt);
+      int id_after = j0 + 1 < j1 ? tab[j0 + 1] : 0;
+      for (int j = j0; j < j1; ++j) {
+        const Loaded cur = nxt;
+        if (j + 1 < j1) load(id_after, nxt);
+        id_after = j + 2 < j1 ? tab[j + 2] : 0;
+        const int n = j == nb - 1 ? last_n : bs;  // the block's keys
+        const float to_log2 = cur.scale * a.scale * 1.4426950408889634f / 3.0f;
+        float mrun[2] = {-INFINITY, -INFINITY}, lrun[2] = {0.0f, 0.0f};
+        for (int u = 0; u < tiles && 16 * u < n; ++u) {
+          uint32_t cw[kWords];
+          CodeV cv = cur.codes;
+          if (u > 0) cv = *reinterpret_cast<const CodeV*>(cur.row + D + 16 + 4 * D * u + 4 * kWords * lane);
+#pragma unroll
+          for (int i = 0; i < kWords; ++i) cw[i] = reinterpret_cast<const uint32_t*>(&cv)[i];
+          float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int ks = 0; ks < kSteps; ++ks) {
+            const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
+            // B from the block's ranges: r = hi - lo and lo of the nibble pairs 2 nh (b0) and
+            // 2 nh + 1 (b1, times 16) of word x of run m, times the coefficients.
+            const uint32_t L = ((x ? cur.lo[m].y : cur.lo[m].x) ^ 0x88888888u) >> (8 * nh);
+            const uint32_t H = ((x ? cur.hi[m].y : cur.hi[m].x) ^ 0x88888888u) >> (8 * nh);
+            const __half2 lo0 = bits_h2((L & 0x000F000Fu) | 0x64006400u), hi0 = bits_h2((H & 0x000F000Fu) | 0x64006400u);
+            const __half2 lo1 = bits_h2((L & 0x00F000F0u) | 0x64006400u), hi1 = bits_h2((H & 0x00F000F0u) | 0x64006400u);
+            const uint32_t br0 = h2_bits(__hmul2(bits_h2(qr[ks][0]), __hsub2(hi0, lo0)));
+            const uint32_t br1 = h2_bits(__hmul2(bits_h2(qr[ks][1]), __hsub2(hi1, lo1)));
+            // lo (times 16 for the odd pair: less 1024 + 8, 1024 + 128) as A, the same in every row.
+            const uint32_t l0 = h2_bits(__hsub2(lo0, __float2half2_rn(1032.0f)));
+            const uint32_t l1 = h2_bits(__hsub2(lo1, __float2half2_rn(1152.0f)));
+            const uint32_t al[4] = {l0, l0, l1, l1};
+            const uint32_t v0 = cw[2 * m] >> (8 * x), v1 = cw[2 * m + 1] >> (8 * x);  // keys g, g + 8
+            const uint32_t k0 = 0x00030003u << (4 * nh), k1 = 0x00030003u << (4 * nh + 2);  // j % 4 = 2 nh, 2 nh + 1
+            const __half2 off = __float2half2_rn(1024.0f);
+            uint32_t af[4];
+            af[0] = h2_bits(__hsub2(bits_h2((v0 & k0) | 0x64006400u), off));
+            af[1] = h2_bits(__hsub2(bits_h2((v1 & k0) | 0x64006400u), off));
+            af[2] = h2_bits(__hsub2(bits_h2((v0 & k1) | 0x64006400u), off));
+            af[3] = h2_bits(__hsub2(bits_h2((v1 & k1) | 0x64006400u), off));
+            mma16816<__half>(acc, af, br0, br1);
+            mma16816<__half>(acc2, al, ql[ks][0], ql[ks][1]);
+          }
+          // Lane (g, t): keys 16u + g (acc 0, 1) and 16u + g + 8 (acc 2, 3), heads 2t, 2t + 1.
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float m2 = to_log2 * col_inv[i];
+            const float x0 = 16 * u + g < n ? (acc[i] + acc2[i]) * m2 : -INFINITY;
+            const float x1 = 16 * u + g + 8 < n ? (acc[2 + i] + acc2[2 + i]) * m2 : -INFINITY;
+            const float mnew = fmaxf(mrun[i], fmaxf(x0, x1));
+            if (mnew > -INFINITY) {
+              lrun[i] = lrun[i] * exp2f(mrun[i] - mnew) + exp2f(x0 - mnew) + exp2f(x1 - mnew);
+              mrun[i] = mnew;
+            }
+          }
+        }
+        // Over the column's 8 lanes (g): the largest, then the sum rescaled to it.
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float mx = mrun[i];
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+          float l = mrun[i] > -INFINITY ? lrun[i] * exp2f(mrun[i] - mx) : 0.0f;
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+          const float e = (mx + log2f(l)) * 0.6931471805599453f;  // nats
+          if (g == 0 && g0 + 2 * t + i < group) {
+            raw[i * 2 * MB + j] = e;
+            raw[i * 2 * MB + MB + j] = e;
+            run_max[i] = max(run_max[i], order_bits(e));
+          }
+        }
+      }
+      if (g == 0) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int hq = h * group + g0 + 2 * t + i;
+          if (g0 + 2 * t + i < group) {
+            atomicMax(&smax[2 * hq], run_max[i]);
+            atomicMax(&smax[2 * hq + 1], run_max[i]);
+          }
+        }
+      }
+    }
+  }
+  if (!waited) {
+    pdl_wait();
+    pdl_trigger();
+  }
+  flush_maxima(smax, a, s, Hq);
+}
+
 // ---- 2. scores relative to the best, masses, histograms ---------------------------------
 
 constexpr int kBinThreads = 256;
@@ -628,7 +871,9 @@ __global__ void __launch_bounds__(kBinThreads) bin_kernel(SparseSelect a) {
       es = fmaxf(es, raw[MB + j] - from_order_bits(mx[1]));
     }
     a.score[sh * MB + j] = sc;
-    const BlockKeys k = block_keys(j, nb, a.context_lens[s], a.block_size, log(static_cast<double>(a.block_size)));
+    const BlockKeys k = a.code_tiles > 0 ? BlockKeys{1, 0.0}  // the estimate is the block's log-mass
+                                         : block_keys(j, nb, a.context_lens[s], a.block_size,
+                                                      log(static_cast<double>(a.block_size)));
     const unsigned long long fixed = block_mass(k.n, k.log_n, es, mlogm);
     total = fixed;
     int ob, oe;
@@ -1167,7 +1412,7 @@ __global__ void __launch_bounds__(kChooseThreads) choose_kernel(SparseSelect a) 
       if (j >= nb) break;
       const int bq = quantum(sc[i]);
       qbin[j] = static_cast<uint16_t>(bq);
-      const BlockKeys k = block_keys(j, nb, ctx, bs, log_bs);
+      const BlockKeys k = a.code_tiles > 0 ? BlockKeys{1, 0.0} : block_keys(j, nb, ctx, bs, log_bs);
       const unsigned long long fixed = block_mass(k.n, k.log_n, es[i], mlogm);
       if (j < ob || j >= oe) {
         covered += fixed;
@@ -1342,7 +1587,9 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
     // them); K25_SPARSE_SCORE_MMA=0 keeps the CUDA-core kernel (for comparisons).
     static const bool mma = !env_is_zero("K25_SPARSE_SCORE_MMA");
     const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && q_stride % 8 == 0;
-    if (mma && aligned) {
+    if (a.code_tiles > 0) {
+      launch_score(codes_score_kernel<T, D>, 0, 16);
+    } else if (mma && aligned) {
       launch_score(score_mma_kernel<T, D>, 0, 16);
     } else {
       launch_score(score_kernel<T, D>, kScoreRunLong, 32);
@@ -1361,13 +1608,14 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
 
 void update_block_summaries(DType t, KVCache kv, int32_t layer, void* summaries, const int32_t* query_start,
                             const int32_t* context_lens, const int32_t* block_tables, int32_t max_blocks,
-                            int32_t num_seqs, cudaStream_t stream) {
+                            int32_t num_seqs, int32_t code_tiles, cudaStream_t stream) {
   if (num_seqs == 0) return;
   // A decode touches one block per sequence; a prompt chunk many: spread those over z.
   const dim3 grid(num_seqs, kv.num_kv_heads, 8);
+  if (t == DType::kF32) code_tiles = 0;  // (rejected by the glue: no key codes for float32 KV)
   K25_DISPATCH_DTYPE(t, (launch_pdl(summary_kernel<T>, grid, kv.head_dim, 0, stream, kv, layer,
                                     static_cast<uint8_t*>(summaries), query_start, context_lens, block_tables,
-                                    max_blocks)));
+                                    max_blocks, code_tiles)));
 }
 
 void select_blocks(DType t, const void* q, int64_t q_stride, const void* summaries, int32_t head_dim,

@@ -148,15 +148,27 @@ constexpr int32_t kDecodeMaxGroup = 8;
 // 4-bit codes in [-8, 7] (minima rounded down, maxima up: the Quest bound stays a bound), two a
 // byte (code i in byte i / 2, the even one in the low nibble; minima then maxima), then the row's
 // float scale (value = code x scale) and 12 bytes of padding: head_dim + 16 bytes.
-constexpr __host__ __device__ int64_t summary_row_bytes(DType t, int32_t head_dim) {
-  return t == DType::kF32 ? 8 * static_cast<int64_t>(head_dim) : static_cast<int64_t>(head_dim) + 16;
+// With key codes (16-bit KV only; code_tiles = key_code_tiles(block_size) > 0), code_tiles tiles
+// of 4 x head_dim bytes follow: tile u holds keys 16u .. 16u + 15, each key and channel as a 2-bit
+// code c in 0..3, the key's place in the channel's coded range [lo, hi] (times the scale):
+// round(3 (k - lo x scale) / ((hi - lo) x scale)) clamped to 0..3 (0 where hi == lo, and for
+// slots past the block's fill), read back as lo + c (hi - lo) / 3 (docs/sparsity.md "The
+// key-code estimate"). A tile is head_dim 32-bit words in the order of the score kernel's
+// m16n8k16 A fragments (keys as rows), head_dim / 32 words a lane: word i belongs to lane
+// l = i / (head_dim / 32), w = i % (head_dim / 32); with g = l / 4, t = l % 4 it holds key
+// 16u + g + 8 (w % 2) at channels b + 0..15, b = 64 (w / 2) + 16 t: bits 2j (j = 0..7) the code
+// of channel b + (j % 4) + 8 (j / 4), bits 16 + 2j that of the channel 4 above it.
+constexpr __host__ __device__ int32_t key_code_tiles(int32_t block_size) { return (block_size + 15) / 16; }
+constexpr __host__ __device__ int64_t summary_row_bytes(DType t, int32_t head_dim, int32_t code_tiles = 0) {
+  return t == DType::kF32 ? 8 * static_cast<int64_t>(head_dim)
+                          : static_cast<int64_t>(head_dim) + 16 + 4 * static_cast<int64_t>(head_dim) * code_tiles;
 }
 // Recomputes, for every block that this step's tokens wrote (positions [ctx - q_len, ctx)
 // of each sequence), its summary of `layer` from the keys in the cache (slots below the
-// block's fill only).
+// block's fill only); with code_tiles > 0 (16-bit KV) the key codes of every key of the block.
 void update_block_summaries(DType t, KVCache kv, int32_t layer, void* summaries, const int32_t* query_start,
                             const int32_t* context_lens, const int32_t* block_tables, int32_t max_blocks,
-                            int32_t num_seqs, cudaStream_t stream);
+                            int32_t num_seqs, int32_t code_tiles, cudaStream_t stream);
 // Bins of the estimates' quantisation: estimates relative to the best block, in steps of
 // 1 / kSparsityBinsPerNat nat over [-kSparsityBins / kSparsityBinsPerNat, 0].
 constexpr int32_t kSparsityBins = 1024;
@@ -197,9 +209,13 @@ struct SparseSelect {
   // that read each block, which the tiered KV's predictor observes (docs/offload.md).
   int32_t* block_reads = nullptr;
   int32_t reads_stride = 0;
+  // > 0: the summaries hold key codes (summary_row_bytes) and the key-code estimate ranks and
+  // sizes instead: a block's log-mass, the log-sum-exp of the scaled q.k over its keys read back
+  // from the codes, as both raw values (16-bit KV only).
+  int32_t code_tiles = 0;
 };
 // Selects for every single-token sequence longer than min_context (the Quest bound ranks,
-// the centre estimate sizes: docs/sparsity.md), and writes head_tables / context_lens_out
+// the centre estimate sizes; with code_tiles the key-code estimate does both: docs/sparsity.md), and writes head_tables / context_lens_out
 // for every sequence (a copy of the table and the context where it stays dense).
 // q: rows of q_stride after RoPE; summaries as update_block_summaries keeps them.
 void select_blocks(DType t, const void* q, int64_t q_stride, const void* summaries, int32_t head_dim,

@@ -11,7 +11,8 @@ itself where the tree fuses it, against RoPE and the dense kernel). Random keys 
 mass, so the cap decides the count: the skipped fraction r is measured from the
 selection's statistics, the bound on the speed-up is 1 / (1 - r), and the issue's target
 is 0.85 of it at 32K and 128K. Summaries of bf16 KV are 4-bit codes and a scale: 128 + 16
-bytes per (block, KV head) = 1.76% of the block's K and V bytes, read by the selection.
+bytes per (block, KV head) = 1.76% of the block's K and V bytes, read by the selection; with
+--rules codes (the key-code estimate) 512 bytes of 2-bit key codes more (8.0% in all).
 --width N pads the block tables to N columns, as the engine's CUDA graphs size them; a case
 B1xL1+B2xL2 is one batch of rows of both lengths (e.g. 1x131072+7x2048).
 
@@ -31,7 +32,7 @@ DT = torch.bfloat16
 cu = _C.cuda_ops
 
 
-def case(lengths, caps, results, width=0):
+def case(lengths, caps, results, width=0, rules=("bound",)):
     """One batch of decode rows with these context lengths (all alike: the usual BxL cases)."""
     B, L = len(lengths), max(lengths)
     layout = (1, HKV, D, PAGE)
@@ -61,11 +62,8 @@ def case(lengths, caps, results, width=0):
     qs = torch.arange(B + 1, dtype=torch.int32)
     cl = torch.tensor(lengths, dtype=torch.int32)
     call = cu.AttentionCall(kv, layout, 0, qs, cl, tables, HQ, scale, 0, 264, splits)
-    # Summaries of every block (the prefill that wrote them).
-    summ = cu.make_block_summaries(num_blocks, layout, kv)
     full = cu.AttentionCall(kv, layout, 0, torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32),
                             cl, tables, HQ, scale, 0, 264, 0)
-    full.update_summaries(summ)
     # Timed as CUDA graphs (as the engine runs decode): the host's launch cost is not timed.
     def graphed(fn):
         fn()
@@ -96,10 +94,15 @@ def case(lengths, caps, results, width=0):
     label = f"B{B} @ {L // 1024}K" if len(set(lengths)) == 1 else \
         "+".join(f"{lengths.count(n)}x{n // 1024}K" for n in sorted(set(lengths), reverse=True))
     print(f"{label}{f' (tables {width} wide)' if width > nb else ''}: dense {dense_ms * 1e3:.1f} us ({kv_bytes / dense_ms / 1e9:.2f} TB/s), splits {splits}")
-    for cap in caps:
+    for rule, cap in [(rule, cap) for rule in rules for cap in caps]:
+        codes = rule == "codes"
+        if cap == caps[0]:
+            # Summaries of every block (the prefill that wrote them), with key codes for that rule.
+            summ = cu.make_block_summaries(num_blocks, layout, kv, key_codes=codes)
+            full.update_summaries(summ, key_codes=codes)
         stats = torch.zeros(1, 4, dtype=torch.float64, device="cuda")
         params = dict(min_context=2048, sink_blocks=1, recent_blocks=16, min_ratio=0.1, max_ratio=cap,
-                      mass_target=0.95)
+                      mass_target=0.95, key_codes=codes)
         _, kept_lens = call.select(q, summ, stats, **params)
         # Copied now: kept_lens is the call's own buffer, which every later select rewrites.
         kl = kept_lens.cpu().to(torch.int32)
@@ -111,15 +114,15 @@ def case(lengths, caps, results, width=0):
         both_ms = time_ms(graphed(lambda: (call.select(q, summ, stats, **params), call.run_sparse(q))))
         # As a decode step runs it: the step's summary update (this call's last block of each row,
         # recomputed from the same keys) before the selection, which the dense step does without.
-        step_ms = time_ms(graphed(lambda: (call.update_summaries(summ), call.select(q, summ, stats, **params),
+        step_ms = time_ms(graphed(lambda: (call.update_summaries(summ, codes), call.select(q, summ, stats, **params),
                                            call.run_sparse(q))))
         # From the QKV projection on: RoPE and the cache write, the summary update (fused into the
         # RoPE launch where the tree has it), the selection and the attention; against RoPE and
         # the dense attention.
-        if fused:
+        if fused and not codes:
             rope_step = lambda: (rope(summaries=summ), call.select(qr, summ, stats, **params), call.run_sparse(qr))
         else:
-            rope_step = lambda: (rope(), call.update_summaries(summ), call.select(qr, summ, stats, **params),
+            rope_step = lambda: (rope(), call.update_summaries(summ, codes), call.select(qr, summ, stats, **params),
                                  call.run_sparse(qr))
         rope_step_ms = time_ms(graphed(rope_step))
         # The step's own selection must skip what the bare selection did (the step's key lands in
@@ -137,20 +140,20 @@ def case(lengths, caps, results, width=0):
         del short
         bound = 1.0 / (1.0 - r)
         speedup = dense_ms / both_ms
-        print(f"  cap {cap}: skipped {r:.3f} (kept keys a row {int(kl.min())}-{int(kl.max())}), select {select_ms * 1e3:.1f} us + attend {attend_ms * 1e3:.1f} us "
+        print(f"  {rule} cap {cap}: skipped {r:.3f} (kept keys a row {int(kl.min())}-{int(kl.max())}), select {select_ms * 1e3:.1f} us + attend {attend_ms * 1e3:.1f} us "
               f"= {both_ms * 1e3:.1f} us; speed-up {speedup:.2f}x of bound {bound:.2f}x = {speedup / bound:.2f}; "
               f"dense over as many keys {same_keys_ms * 1e3:.1f} us; with the summary update {step_ms * 1e3:.1f} us: "
               f"{dense_ms / step_ms:.2f}x = {dense_ms / step_ms / bound:.2f} of bound; from RoPE on "
-              f"({'summaries fused into RoPE' if fused else 'summary_kernel'}) {rope_step_ms * 1e3:.1f} us against "
+              f"({'summaries fused into RoPE' if fused and not codes else 'summary_kernel'}) {rope_step_ms * 1e3:.1f} us against "
               f"{dense_rope_ms * 1e3:.1f}: {dense_rope_ms / rope_step_ms:.2f}x = "
               f"{dense_rope_ms / rope_step_ms / bound:.2f} of bound")
-        results.append(dict(batch=B, context=L, lengths=lengths, width=max(width, nb), cap=cap, skipped=r,
+        results.append(dict(batch=B, context=L, lengths=lengths, width=max(width, nb), rule=rule, cap=cap, skipped=r,
                             kept_min=int(kl.min()), kept_max=int(kl.max()), dense_us=dense_ms * 1e3,
                             select_us=select_ms * 1e3, attend_us=attend_ms * 1e3, sparse_us=both_ms * 1e3,
                             same_keys_us=same_keys_ms * 1e3, speedup=speedup, bound=bound, of_bound=speedup / bound,
                             step_us=step_ms * 1e3, step_speedup=dense_ms / step_ms, rope_step_us=rope_step_ms * 1e3,
                             dense_rope_us=dense_rope_ms * 1e3, rope_step_speedup=dense_rope_ms / rope_step_ms,
-                            fused_summaries=fused))
+                            fused_summaries=fused and not codes))
     del kv, summ, call, full, cos, sin
     torch.cuda.empty_cache()
 
@@ -159,6 +162,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--cases", default="1x8192,1x32768,8x32768,1x131072,8x131072")
+    ap.add_argument("--rules", default="bound,codes",
+                    help="the selection rules, each on its own summaries: bound (the Quest bound) and / or codes "
+                         "(the key-code estimate, summaries with key codes)")
     ap.add_argument("--width", type=int, default=0,
                     help="block-table columns (default: the context's blocks); the engine's CUDA graphs use "
                          "max positions / 16, e.g. 8192 for the 8B shape's 128K")
@@ -170,7 +176,7 @@ def main():
         for part in c.split("+"):
             B, L = (int(x) for x in part.split("x"))
             lengths += [L] * B
-        case(lengths, [0.6, 0.8], results, args.width)
+        case(lengths, [0.6, 0.8], results, args.width, tuple(args.rules.split(",")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -167,15 +167,16 @@ void bind_cuda_ops(py::module_& m) {
       .def_readonly("merges", &AttentionCall::merges)
       // Recomputes the summaries of every block the batch's query tokens wrote.
       .def("update_summaries",
-           [](AttentionCall& c, at::Tensor& summaries) {
-             cuda_glue::update_block_summaries(c.kv, c.layout, c.layer, summaries, c.batch);
-           })
+           [](AttentionCall& c, at::Tensor& summaries, bool key_codes) {
+             cuda_glue::update_block_summaries(c.kv, c.layout, c.layer, summaries, c.batch, key_codes);
+           },
+           py::arg("summaries"), py::arg("key_codes") = false)
       // One selection over the batch; returns (head tables [S, Hkv, max_blocks], kept
       // lengths [S]); run_sparse then attends over them.
       .def("select",
            [](AttentionCall& c, const at::Tensor& q, const at::Tensor& summaries, at::Tensor& layer_stats,
               int32_t min_context, int32_t sink_blocks, int32_t recent_blocks, double min_ratio, double max_ratio,
-              double mass_target, bool count_reads) {
+              double mass_target, bool count_reads, bool key_codes) {
              const int32_t S = static_cast<int32_t>(c.batch.context_lens.numel());
              if (!c.scratch.raw.defined() || c.scratch.reads.defined() != count_reads) {
                c.scratch = cuda_glue::make_sparse_scratch(S, c.batch.max_blocks, c.num_heads, c.layout.num_kv_heads,
@@ -190,6 +191,7 @@ void bind_cuda_ops(py::module_& m) {
              p.max_ratio = static_cast<float>(max_ratio);
              p.mass_target = static_cast<float>(mass_target);
              p.score_channels = 0;
+             p.key_codes = key_codes;
              c.sparse = cuda_glue::select_blocks(q, c.layout, c.layer, summaries, c.kv.numel() / c.layout.block_elems(),
                                                  c.batch, c.num_heads, c.scale, p, c.scratch, layer_stats);
              if (count_reads) {
@@ -201,11 +203,11 @@ void bind_cuda_ops(py::module_& m) {
            },
            py::arg("q"), py::arg("summaries"), py::arg("layer_stats"), py::arg("min_context"),
            py::arg("sink_blocks"), py::arg("recent_blocks"), py::arg("min_ratio"), py::arg("max_ratio"),
-           py::arg("mass_target"), py::arg("count_reads") = false)
+           py::arg("mass_target"), py::arg("count_reads") = false, py::arg("key_codes") = false)
       .def("run_sparse", [](const AttentionCall& c, const at::Tensor& q) { return c.run_batch(q, c.sparse); });
-  cu.def("make_block_summaries", [](int64_t num_blocks, py::tuple layout, const at::Tensor& like) {
-    return cuda_glue::make_block_summaries(num_blocks, layout_of(layout), like.scalar_type(), like.device());
-  });
+  cu.def("make_block_summaries", [](int64_t num_blocks, py::tuple layout, const at::Tensor& like, bool key_codes) {
+    return cuda_glue::make_block_summaries(num_blocks, layout_of(layout), like.scalar_type(), like.device(), key_codes);
+  }, py::arg("num_blocks"), py::arg("layout"), py::arg("like"), py::arg("key_codes") = false);
   // CTAs of the decode kernel resident at once for this dtype, head_dim and GQA group: the
   // wave LlamaModel's eager plan splits to fit (AttentionPlanParams::wave).
   cu.def("decode_wave", [](const at::Tensor& like, int32_t head_dim, int32_t group) {
@@ -273,13 +275,13 @@ void bind_ops(py::module_& m) {
   // Device bytes of dynamic sparsity for the pool's sizing (K25Model, gpu_memory_utilization):
   // one block's key summaries and the selection's scratch, from the allocations' own sizes.
   m.def("cuda_sparsity_bytes", [](py::tuple layout, const std::string& dtype, int32_t num_heads, int32_t num_seqs,
-                                  int32_t max_blocks, bool count_reads) {
+                                  int32_t max_blocks, bool count_reads, bool key_codes) {
     const at::ScalarType t = scalar_type_of(dtype);
     const KVLayout L = layout_of(layout);
-    return py::make_tuple(cuda_glue::block_summary_bytes(L, t),
+    return py::make_tuple(cuda_glue::block_summary_bytes(L, t, key_codes),
                           cuda_glue::sparse_scratch_bytes(num_seqs, max_blocks, num_heads, L.num_kv_heads, count_reads));
   }, py::arg("layout"), py::arg("dtype"), py::arg("num_heads"), py::arg("num_seqs"), py::arg("max_blocks"),
-     py::arg("count_reads"));
+     py::arg("count_reads"), py::arg("key_codes") = false);
 #endif
   py::module_ ops = m.def_submodule("ops", "CPU kernels on float32 tensors (for tests)");
   // The 16-lane exp and log of ops/vec16.h, elementwise (for their accuracy tests).

@@ -190,9 +190,9 @@ class TorchExecutor : public ModelExecutor {
         sparse_->summaries = summaries_.data_ptr<float>();
       } else {
 #ifdef K25_WITH_CUDA
-        if (sparsity->score_channels != 0 || sparsity->key_codes || sparsity->compensation) {
-          fail(ErrorCode::kUnsupported, "on CUDA, dynamic sparsity ranks blocks by the Quest bound only: set "
-                                        "sparsity_score_channels=0, no key codes and sparsity_compensation=False");
+        if (sparsity->score_channels != 0 || sparsity->compensation) {
+          fail(ErrorCode::kUnsupported, "on CUDA, dynamic sparsity ranks blocks by the Quest bound or the key "
+                                        "codes: set sparsity_score_channels=0 and sparsity_compensation=False");
         }
         // The device selection's limits (cuda/block_sparsity.cu), checked here so that a model
         // outside them fails at construction rather than at its first decode step.
@@ -204,7 +204,8 @@ class TorchExecutor : public ModelExecutor {
                                             " KV heads, " + std::to_string(c.num_heads) + " query heads");
         }
         // The scratch block of padded graph rows has a summary too.
-        sparse_->device_summaries = cuda_glue::make_block_summaries(num_blocks + 1, layout_, model_->dtype(), device);
+        sparse_->device_summaries = cuda_glue::make_block_summaries(num_blocks + 1, layout_, model_->dtype(), device,
+                                                                    sparsity->key_codes);
         const auto f64 = at::TensorOptions().dtype(at::kDouble);
         sparse_->layer_stats = at::zeros({c.num_layers, 4}, f64.device(device));
         sparse_->host_stats = at::zeros({c.num_layers, 4}, f64.pinned_memory(true));
@@ -462,7 +463,7 @@ class TorchExecutor : public ModelExecutor {
       b.block_tables = up(runs.block_tables);
       b.max_blocks = runs.max_blocks_per_seq;
       for (int32_t l = 0; l < layout_.num_layers; ++l) {
-        cuda_glue::update_block_summaries(kv_, layout_, l, sparse_->device_summaries, b);
+        cuda_glue::update_block_summaries(kv_, layout_, l, sparse_->device_summaries, b, sparse_->params.key_codes);
       }
       return;
     }
@@ -650,7 +651,7 @@ class TorchExecutor : public ModelExecutor {
     if (!sparse_ || !kv_.is_cuda() || cold_->device == nullptr) return;
     grow_cold_summaries();
     const int64_t slot = cold_slot(*cold_, cold_data);
-    const int64_t per = cuda_glue::block_summary_bytes(layout_, model_->dtype());
+    const int64_t per = cuda_glue::block_summary_bytes(layout_, model_->dtype(), sparse_->params.key_codes);
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());  // before the step that rewrites the block's rows
     at::Tensor& sm = sparse_->device_summaries;
@@ -665,7 +666,7 @@ class TorchExecutor : public ModelExecutor {
   std::vector<float> cold_l3_summaries(int32_t block) override {
 #ifdef K25_WITH_CUDA
     if (!sparse_ || !kv_.is_cuda()) return {};
-    const int64_t per = cuda_glue::block_summary_bytes(layout_, model_->dtype());
+    const int64_t per = cuda_glue::block_summary_bytes(layout_, model_->dtype(), sparse_->params.key_codes);
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());  // after the writes of the block's rows
     const at::Tensor row = sparse_->device_summaries.narrow(0, static_cast<int64_t>(block) * per, per);
@@ -930,11 +931,12 @@ class TorchExecutor : public ModelExecutor {
     if (!sparse_ || !kv_.is_cuda() || cold_->device == nullptr) return;
     const int64_t rows = static_cast<int64_t>(num_blocks_) + 1 + cold_->num_slots;
     at::Tensor& sm = sparse_->device_summaries;
-    if (sm.numel() >= rows * cuda_glue::block_summary_bytes(layout_, model_->dtype())) return;
+    if (sm.numel() >= rows * cuda_glue::block_summary_bytes(layout_, model_->dtype(), sparse_->params.key_codes)) return;
     if (!graphs_.empty()) fail(ErrorCode::kInternal, "the block summaries cannot grow under captured CUDA graphs");
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());  // ordered with every summary update
-    at::Tensor grown = cuda_glue::make_block_summaries(rows, layout_, model_->dtype(), model_->device());
+    at::Tensor grown = cuda_glue::make_block_summaries(rows, layout_, model_->dtype(), model_->device(),
+                                                          sparse_->params.key_codes);
     grown.narrow(0, 0, sm.numel()).copy_(sm);
     sm = grown;
   }

@@ -434,26 +434,40 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
   check_launch("paged_attention");
 }
 
-int64_t block_summary_bytes(const KVLayout& layout, at::ScalarType kv_dtype) {
+namespace {
+// Key-code tiles of a summary row (0 without key codes), rejecting key codes for float32 KV.
+int32_t code_tiles_of(const KVLayout& layout, at::ScalarType kv_dtype, bool key_codes) {
+  if (!key_codes) return 0;
+  if (kv_dtype == at::kFloat) {
+    fail(ErrorCode::kUnsupported, "the key-code estimate on CUDA needs 16-bit KV (dtype bfloat16 or float16); "
+                                  "float32 KV ranks by the Quest bound");
+  }
+  return cuda::key_code_tiles(layout.block_size);
+}
+}  // namespace
+
+int64_t block_summary_bytes(const KVLayout& layout, at::ScalarType kv_dtype, bool key_codes) {
   return static_cast<int64_t>(layout.num_layers) * layout.num_kv_heads *
-         cuda::summary_row_bytes(dtype_of(kv_dtype), layout.head_dim);
+         cuda::summary_row_bytes(dtype_of(kv_dtype), layout.head_dim, code_tiles_of(layout, kv_dtype, key_codes));
 }
 
 at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType kv_dtype,
-                                const at::Device& device) {
-  const int64_t n = num_blocks * block_summary_bytes(layout, kv_dtype);
+                                const at::Device& device, bool key_codes) {
+  const int64_t n = num_blocks * block_summary_bytes(layout, kv_dtype, key_codes);
   return at::zeros({n}, at::TensorOptions().dtype(at::kByte).device(device));
 }
 
 void update_block_summaries(const at::Tensor& kv, const KVLayout& layout, int32_t layer, at::Tensor& summaries,
-                            const DeviceBatch& b) {
+                            const DeviceBatch& b, bool key_codes) {
   need(summaries.scalar_type() == at::kByte && summaries.is_cuda() && summaries.is_contiguous() &&
-           summaries.numel() % block_summary_bytes(layout, kv.scalar_type()) == 0,
+           summaries.numel() % block_summary_bytes(layout, kv.scalar_type(), key_codes) == 0,
        "block summaries: a contiguous CUDA byte tensor of make_block_summaries' rows");
+  need(!key_codes || layout.head_dim <= 128, "key codes on CUDA support head_dim up to 128");
   cuda::update_block_summaries(dtype_of(kv), cache_of(kv, layout), layer, summaries.data_ptr(),
                                b.query_start.data_ptr<int32_t>(), b.context_lens.data_ptr<int32_t>(),
                                b.block_tables.data_ptr<int32_t>(), b.max_blocks,
-                               static_cast<int32_t>(b.context_lens.numel()), stream());
+                               static_cast<int32_t>(b.context_lens.numel()),
+                               code_tiles_of(layout, kv.scalar_type(), key_codes), stream());
   check_launch("update_block_summaries");
 }
 
@@ -531,7 +545,7 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
   need(layout.num_kv_heads <= cuda::kMaxSparseKvHeads && num_heads <= cuda::kMaxSparseHeads,
        "CUDA block selection supports up to 16 KV heads and 128 query heads");
   need(p.score_channels == 0 && !p.compensation,
-       "CUDA block selection ranks by the Quest bound only (score_channels 0, no compensation)");
+       "CUDA block selection ranks by the Quest bound or the key codes (score_channels 0, no compensation)");
   need(S <= x.num_seqs && b.max_blocks <= x.max_blocks && num_heads == x.num_heads &&
            layout.num_kv_heads == x.num_kv_heads,
        "sparse scratch smaller than the batch");
@@ -572,6 +586,7 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
   a.head_tables = x.head_tables.data_ptr<int32_t>();
   a.context_lens_out = x.context_lens.data_ptr<int32_t>();
   a.layer_stats = layer_stats.data_ptr<double>() + 4 * static_cast<int64_t>(layer);
+  a.code_tiles = code_tiles_of(layout, qkv.scalar_type(), p.key_codes);
   if (x.reads.defined()) {
     a.block_reads = x.reads.data_ptr<int32_t>();
     a.reads_stride = x.max_blocks;
@@ -579,11 +594,11 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
   if (cold_summaries.defined()) {
     need(cold_summaries.is_cuda() && cold_summaries.is_contiguous() &&
              cold_summaries.scalar_type() == at::kByte &&
-             cold_summaries.numel() >= b.cold.num_slots * block_summary_bytes(layout, qkv.scalar_type()),
+             cold_summaries.numel() >= b.cold.num_slots * block_summary_bytes(layout, qkv.scalar_type(), p.key_codes),
          "staged cold entries' summaries: a row per entry, bytes");
     a.cold_summaries = cold_summaries.data_ptr();
   } else if (b.cold.data != nullptr) {
-    const int64_t per_block = block_summary_bytes(layout, qkv.scalar_type());
+    const int64_t per_block = block_summary_bytes(layout, qkv.scalar_type(), p.key_codes);
     need(summaries.numel() >= (pool_blocks + b.cold.num_slots) * per_block && pool_blocks + b.cold.num_slots <= INT32_MAX,
          "block summaries without rows for the L2 slots (cold blocks)");
     a.cold_summary_base = static_cast<int32_t>(pool_blocks);

@@ -85,14 +85,15 @@ at::Tensor derived_split_counters(int32_t num_seqs, int32_t num_kv_heads, const 
 
 // Dynamic block sparsity on the device (cuda/block_sparsity.cu, docs/sparsity.md "CUDA").
 // Key summaries of every block: bytes (uint8), a row of cuda::summary_row_bytes per (block,
-// layer, KV head) (4-bit codes and a scale for 16-bit KV, floats for float32).
+// layer, KV head) (4-bit codes and a scale for 16-bit KV, floats for float32); key_codes (the
+// key-code estimate, 16-bit KV only: kUnsupported for float32) adds the keys' 2-bit codes.
 // Bytes of one block's key summaries (all its layers and KV heads).
-int64_t block_summary_bytes(const KVLayout& layout, at::ScalarType kv_dtype);
+int64_t block_summary_bytes(const KVLayout& layout, at::ScalarType kv_dtype, bool key_codes = false);
 at::Tensor make_block_summaries(int64_t num_blocks, const KVLayout& layout, at::ScalarType kv_dtype,
-                                const at::Device& device);
+                                const at::Device& device, bool key_codes = false);
 // Recomputes the summaries of `layer` of every block this step's tokens wrote.
 void update_block_summaries(const at::Tensor& kv, const KVLayout& layout, int32_t layer, at::Tensor& summaries,
-                            const DeviceBatch& batch);
+                            const DeviceBatch& batch, bool key_codes = false);
 // The selection's buffers for batches of up to num_seqs sequences of up to max_blocks blocks.
 struct SparseScratch {
   at::Tensor raw, score, select, head_tables, context_lens;
@@ -110,7 +111,8 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
 int64_t sparse_scratch_bytes(int32_t num_seqs, int32_t max_blocks, int32_t num_heads, int32_t num_kv_heads,
                              bool count_reads);
 // Selects the blocks of `layer` for the batch's single-token sequences longer than
-// p.min_context (Quest bound ranks, centre estimate sizes) and returns the batch with
+// p.min_context (Quest bound ranks, centre estimate sizes; with p.key_codes the key-code
+// estimate does both, on summaries made with key_codes) and returns the batch with
 // head_tables and the kept lengths set. layer_stats: float64 [num_layers, 4] on the device,
 // added to (blocks, kept blocks, selections, entropy bits). p.score_channels must be 0
 // and p.compensation off: the device does neither (ConfigError before this). With cold

@@ -408,7 +408,7 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
     ColdLayerSource* const cl = meta.cold_layers;
     if (!second) {
       cuda_glue::rope_write_kv(qkv, positions, slots, Hq, m.rope_cos_, m.rope_sin_, kv, layout, l);
-      if (sparse) cuda_glue::update_block_summaries(kv, layout, l, sparse->device_summaries, db);
+      if (sparse) cuda_glue::update_block_summaries(kv, layout, l, sparse->device_summaries, db, sparse->params.key_codes);
       // The device is done with layer l - 1's staging buffer before it is refilled (with
       // layer l + 1's slices, while this layer runs).
       if (cl && l > 0) fence->wait((l - 1) % 2);
@@ -541,7 +541,7 @@ void LlamaModel::Pass::State::stage_cold_summaries() {
   // Entry j's rows at block j of cold_summ: an L3 block's from the host copy it took down
   // (TorchExecutor::cold_l3_summaries), an L2 block's from its slot's rows on the device.
   const at::Tensor& sm = sparse->device_summaries;
-  const int64_t per = cuda_glue::block_summary_bytes(layout, kv.scalar_type());
+  const int64_t per = cuda_glue::block_summary_bytes(layout, kv.scalar_type(), sparse->params.key_codes);
   const int64_t n = static_cast<int64_t>(meta.cold_blocks.size());
   const int64_t pool_blocks = kv.numel() / layout.block_elems();
   if (static_cast<int64_t>(meta.cold_summaries.size()) != n) {

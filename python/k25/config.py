@@ -45,8 +45,9 @@ class K25Config:
     # (the device selection ranks by the bound only; docs/sparsity.md)
     sparsity_score_channels: Optional[int] = None
     # the rule that ranks and sizes: "channels" (the channel estimate on sparsity_score_channels
-    # channels), "codes" (the key-code estimate: 2-bit codes of every key kept in the block summaries,
-    # CPU only for now), "bound" (Quest bound); None: from sparsity_score_channels (docs/sparsity.md)
+    # channels; CPU only), "codes" (the key-code estimate: 2-bit codes of every key kept in the block
+    # summaries; on CUDA with 16-bit KV), "bound" (Quest bound); None: from sparsity_score_channels
+    # (docs/sparsity.md)
     sparsity_score_rule: Optional[str] = None
     enable_async_offload: bool = False  # with cache_mode="hierarchical": tiered KV (docs/offload.md)
     cache_mode: str = "standard"        # or "hierarchical"
@@ -92,14 +93,17 @@ class K25Config:
         need(self.sparsity_score_rule in (None, "channels", "codes", "bound"),
              f"sparsity_score_rule must be None, 'channels', 'codes' or 'bound', got {self.sparsity_score_rule!r}")
         if self.enable_dynamic_sparsity is True and device.startswith("cuda"):
-            if self.sparsity_score_rule not in (None, "bound"):
-                raise ConfigError(f"sparsity_score_rule={self.sparsity_score_rule!r}: on CUDA the block selection "
-                                  "ranks by the Quest bound only ('bound', the CUDA default); the channel and "
-                                  "key-code estimates run on the CPU backend")
+            if self.sparsity_score_rule == "channels":
+                raise ConfigError("sparsity_score_rule='channels': on CUDA the block selection ranks by the Quest "
+                                  "bound ('bound', the CUDA default) or the key codes ('codes'); the channel "
+                                  "estimate runs on the CPU backend")
+            if self.sparsity_score_rule == "codes" and self.resolved_dtype() == "float32":
+                raise ConfigError("sparsity_score_rule='codes' on CUDA needs 16-bit KV (dtype 'bfloat16' or "
+                                  "'float16'); with float32 the device selection ranks by the Quest bound")
             if self.sparsity_score_channels not in (None, 0):
                 raise ConfigError(f"sparsity_score_channels={self.sparsity_score_channels!r}: on CUDA the block "
-                                  "selection ranks by the Quest bound only (0, the CUDA default); the channel "
-                                  "estimate runs on the CPU backend")
+                                  "selection reads no key channels (0, the CUDA default: the Quest bound, or the "
+                                  "key codes); the channel estimate runs on the CPU backend")
             if self.sparsity_compensation is True:
                 raise ConfigError("sparsity_compensation=True runs on the CPU backend only (the CUDA selection "
                                   "keeps no key or value sums)")

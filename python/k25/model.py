@@ -320,7 +320,8 @@ class K25Model:
             seqs = max(config.max_batch_size, 1 << (min(config.max_batch_size, 128) - 1).bit_length())
             layout = (c["num_layers"], c["num_kv_heads"], c["head_dim"], config.block_size)
             summary, scratch = _C.cuda_sparsity_bytes(layout, self.dtype, c["num_heads"], seqs, seq_blocks,
-                                                      config.cache_mode == "hierarchical")
+                                                      config.cache_mode == "hierarchical",
+                                                      config.resolved_score_rule() == "codes")
             per_block += summary
             workspace += scratch
         budget = int(total * util) - (total - free) - workspace

@@ -2,9 +2,9 @@
 
 On the default model (bf16): sparse against dense on the same GPU over real text
 (teacher-forced decode steps through the eager path), and generation through the
-CUDA-graph path with its statistics. The device ranks by the Quest bound (docs/sparsity.md
-"CUDA"), whose accuracy on this model is below the channel estimate's (bench/RESULTS.md):
-the bounds here are the bound rule's. On a random-weight checkpoint: tiered KV with
+CUDA-graph path with its statistics, for both device rules (docs/sparsity.md "CUDA"): the
+Quest bound, whose accuracy on this model is below the channel estimate's (bench/RESULTS.md),
+and the key codes, held to the CPU test's bounds. On a random-weight checkpoint: tiered KV with
 sparsity, whose fetched blocks need their summaries recomputed on the device.
 """
 import numpy as np
@@ -32,7 +32,8 @@ def gpu_model(path, **kw):
                               kv_cache_bytes=256 << 20, **kw))
 
 
-def test_sparse_decode_on_gpu_tracks_dense(model_path):
+@pytest.mark.parametrize("rule", ["bound", "codes"])
+def test_sparse_decode_on_gpu_tracks_dense(model_path, rule):
     ctx, decoded = 3072, 96
     dense_m = gpu_model(model_path)
     try:
@@ -41,7 +42,7 @@ def test_sparse_decode_on_gpu_tracks_dense(model_path):
         cfg = dense_m.model_config
     finally:
         dense_m.close()
-    m = gpu_model(model_path, enable_dynamic_sparsity=True)
+    m = gpu_model(model_path, enable_dynamic_sparsity=True, sparsity_score_rule=rule)
     try:
         sparse = [m.score(ids, decode_from=ctx - decoded) for ids in docs]
         layers = m.stats()["sparsity_layers"]
@@ -58,13 +59,17 @@ def test_sparse_decode_on_gpu_tracks_dense(model_path):
         assert l["mean_entropy_bits"] > 0
     assert 0.1 < ratio <= 0.6
     agree, ppl_ratio = agreement_and_perplexity_ratio(sparse, dense, docs, decoded)
-    print(f"GPU sparse vs dense: top-1 agreement {agree:.3f}, perplexity ratio {ppl_ratio:.4f}, sparsity {ratio:.3f}")
-    assert agree >= 0.9, f"top-1 agreement {agree:.3f}"
-    assert ppl_ratio <= 1.10, f"perplexity ratio {ppl_ratio:.4f}"
+    print(f"GPU sparse ({rule}) vs dense: top-1 agreement {agree:.3f}, perplexity ratio {ppl_ratio:.4f}, "
+          f"sparsity {ratio:.3f}")
+    # The key codes: the CPU test's bounds (tests/python/test_sparsity.py); the bound's are looser.
+    min_agree, max_ppl = (0.94, 1.03) if rule == "codes" else (0.9, 1.10)
+    assert agree >= min_agree, f"top-1 agreement {agree:.3f}"
+    assert ppl_ratio <= max_ppl, f"perplexity ratio {ppl_ratio:.4f}"
 
 
-def test_sparse_generation_runs_in_cuda_graphs(model_path):
-    m = gpu_model(model_path, enable_dynamic_sparsity=True)
+@pytest.mark.parametrize("rule", ["bound", "codes"])
+def test_sparse_generation_runs_in_cuda_graphs(model_path, rule):
+    m = gpu_model(model_path, enable_dynamic_sparsity=True, sparsity_score_rule=rule)
     try:
         ids = pydoc_ids(m, 2600, 100)
         short = m.generate([ids[:500]], max_new_tokens=8, temperature=0.0, ignore_eos=True)[0]

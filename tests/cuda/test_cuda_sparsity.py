@@ -39,7 +39,37 @@ def ref_select(q, mn, mx, ctx, bs, group, scale, p):
     est = (c - c.amax(-1, keepdim=True)).amax(1)
     n = torch.full((nb,), float(bs), dtype=torch.float64, device=q.device)
     n[-1] = ctx - (nb - 1) * bs
-    mass = n * est.exp()
+    return ref_choose(score, est, n * est.exp(), p)
+
+
+def ref_select_codes(q, parts, ctx, bs, group, scale, p):
+    """The key-code rule for one sequence, in float64 but for the two roundings to fp16 the device
+    makes: parts = coded_parts() of the sequence. A key's score is scale x row scale x (q.lo +
+    sum_d c_d q_d (hi_d - lo_d) / 3) in code units, with q times its head's power of two qs (the
+    largest |q| in [2^10, 2^11)) rounded to fp16 and q_d (hi_d - lo_d) rounded again (the B
+    operand), and 3 q_d qs rounded to fp16 for the lo term; a block's log-mass, the log-sum-exp
+    over its keys, ranks and sizes."""
+    lo, hi, rs, codes = parts  # [Hkv, nb, D] ints, [Hkv, nb] row scales, [Hkv, nb, bs, D]
+    Hkv, nb, D = lo.shape
+    qf = q.float().view(Hkv, group, D)
+    mabs = qf.abs().amax(-1, keepdim=True)
+    qs = torch.where(mabs > 0, torch.exp2(10 - torch.floor(torch.log2(mabs))), torch.ones_like(mabs))
+    qr = (qf * qs).half().double()                                          # [Hkv, group, D]
+    br = (qr[:, :, None] * (hi - lo)[:, None]).half().double()              # [Hkv, group, nb, D]
+    bl = (3 * qf * qs).half().double()
+    s3 = torch.einsum("hgbd,hbtd->hgbt", br, codes) + torch.einsum("hgd,hbd->hgb", bl, lo)[..., None]
+    s = s3 * (rs[:, None, :, None] * scale / (3 * qs[..., None]))            # [Hkv, group, nb, bs]
+    s = s.reshape(Hkv, group, nb * bs)[..., :ctx]
+    pad = torch.full((Hkv, group, nb * bs - ctx), -math.inf, dtype=torch.float64, device=q.device)
+    e = torch.logsumexp(torch.cat([s, pad], -1).view(Hkv, group, nb, bs), -1)  # [Hkv, group, nb]
+    est = (e - e.amax(-1, keepdim=True)).amax(1)
+    return ref_choose(est, est, est.exp(), p)
+
+
+def ref_choose(score, est, mass, p):
+    """The count and the per-head kept blocks from rank scores and estimates relative to the
+    best ([Hkv, nb], maxed over the group) and the blocks' masses."""
+    Hkv, nb = score.shape
     ob = min(max(p["sink_blocks"], 0), nb)
     oe = max(ob, nb - max(p["recent_blocks"], 0))
     n_mand = nb - (oe - ob)
@@ -128,21 +158,117 @@ def build(seed, dtype, Hq, Hkv, D, bs, seqs, hot_frac=0.05, decode_splits=0, q_m
     return call, buf, info, layout, kv
 
 
-def summaries_view(summ, layout, layer, dtype):
+def row_bytes(layout, dtype, key_codes=False):
+    L, Hkv, D, bs = layout
+    if dtype == torch.float32:
+        return 8 * D
+    return D + 16 + (4 * D * ((bs + 15) // 16) if key_codes else 0)
+
+
+def summaries_view(summ, layout, layer, dtype, key_codes=False):
     """The minima and maxima that the summaries of `layer` stand for, float32 [blocks, Hkv, D]
     each, and the rows' scales ([blocks, Hkv, 1]; None for float32 rows, which hold the values).
     16-bit KV: rows of 2D 4-bit codes (code i in byte i / 2, the even one low) and a float32
-    scale in D + 16 bytes."""
+    scale in D + 16 bytes (then the key codes, with key_codes: codes_view)."""
     L, Hkv, D, bs = layout
     if dtype == torch.float32:
         v = summ.view(torch.float32).view(-1, L, Hkv, 2, D)[:, layer]
         return v[:, :, 0], v[:, :, 1], None
-    r = summ.view(-1, L, Hkv, D + 16)[:, layer]
+    r = summ.view(-1, L, Hkv, row_bytes(layout, dtype, key_codes))[:, layer]
     b = r[..., :D].long()
     codes = torch.stack([b & 15, b >> 4], -1).flatten(-2)  # [.., 2D] in code order
     codes = ((codes ^ 8) - 8).float()
     scale = r[..., D:D + 4].contiguous().view(torch.float32)
     return codes[..., :D] * scale, codes[..., D:] * scale, scale
+
+
+def codes_view(summ, layout, layer):
+    """The key codes of 16-bit rows with key codes, int64 [blocks, Hkv, 16 * tiles, D], decoded as
+    k25_cuda.h (summary_row_bytes) documents the layout: tile u's word i belongs to lane
+    l = i // (D / 32), w = i % (D / 32); with g = l // 4, t = l % 4 it holds key 16u + g + 8 (w % 2)
+    at channels b + 0..15, b = 64 (w // 2) + 16 t: bits 2j the code of channel b + j % 4 + 8 (j // 4),
+    bits 16 + 2j that of the channel 4 above."""
+    L, Hkv, D, bs = layout
+    tiles = (bs + 15) // 16
+    rb = row_bytes(layout, torch.bfloat16, True)
+    words = summ.view(-1, L, Hkv, rb)[:, layer, :, D + 16:].contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    words = words.view(words.shape[0], Hkv, tiles, D)
+    # Where each word's 16 codes go: (key, channel) of bit pair s (0..15: bits 2s) of word i.
+    per = D // 32
+    where = torch.empty(D, 16, dtype=torch.long)
+    for i in range(D):
+        l, w = divmod(i, per)
+        g, t = divmod(l, 4)
+        key, b = g + 8 * (w % 2), 64 * (w // 2) + 16 * t
+        for j in range(8):
+            c = b + j % 4 + 8 * (j // 4)
+            where[i, j] = key * D + c
+            where[i, 8 + j] = key * D + c + 4
+    assert sorted(where.flatten().tolist()) == list(range(16 * D)), "the layout names every key and channel once"
+    bits = (words[..., None] >> (2 * torch.arange(16, device=summ.device))) & 3  # [.., D, 16]
+    out = torch.empty(*words.shape[:3], 16 * D, dtype=torch.long, device=summ.device)
+    out[..., where.flatten().to(summ.device)] = bits.flatten(-2)
+    return out.view(words.shape[0], Hkv, tiles * 16, D)
+
+
+def coded_parts(summ, layout, layer, dtype, table):
+    """A sequence's coded rows: the bounds' codes lo and hi (float64 [Hkv, nb, D], integers), the
+    row scales [Hkv, nb] and the key codes [Hkv, nb, bs, D]: its keys read back as
+    (lo + c (hi - lo) / 3) x scale."""
+    L, Hkv, D, bs = layout
+    mn, mx, scale = summaries_view(summ, layout, layer, dtype, key_codes=True)
+    codes = codes_view(summ, layout, layer)[table, :, :bs].double().transpose(0, 1)
+    rs = scale[table, :, 0].double().transpose(0, 1)
+    lo = torch.round(mn[table].double().transpose(0, 1) / rs[..., None])
+    hi = torch.round(mx[table].double().transpose(0, 1) / rs[..., None])
+    return lo.nan_to_num(0.0), hi.nan_to_num(0.0), rs, codes
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D,bs", [(64, 16), (128, 16), (128, 48), (64, 5), (128, 20)])
+def test_key_codes_are_each_keys_place_in_its_coded_range(dtype, D, bs):
+    # With key codes the rows gain 2-bit codes of every key of the block: round(3 (k - lo) /
+    # (hi - lo)) in the row's coded [lo, hi], clamped to 0..3, 0 past the fill; a step re-codes
+    # all keys of each block it wrote (a new key may widen the range). Compared in float64, a
+    # code may differ by one only where the value lies within 1e-3 of a rounding boundary.
+    Hq, Hkv = 4, 2
+    seqs = [(1000, 1), (37, 37), (300, 20), (5, 5)]
+    call, buf, info, layout, kv = build(D + bs + 1, dtype, Hq, Hkv, D, bs, seqs)
+    nblocks = kv.numel() // (layout[0] * 2 * Hkv * bs * D)
+    summ = cu.make_block_summaries(nblocks, layout, kv, key_codes=True)
+    assert summ.numel() == nblocks * layout[0] * Hkv * row_bytes(layout, dtype, True)
+    summ.fill_(255)
+    call.update_summaries(summ, key_codes=True)
+    plain = cu.make_block_summaries(nblocks, layout, kv)
+    call.update_summaries(plain)
+    rb, pb = row_bytes(layout, dtype, True), row_bytes(layout, dtype)
+    rows = summ.view(-1, layout[0], Hkv, rb)
+    mn, mx, scale = summaries_view(summ, layout, 1, dtype, key_codes=True)
+    codes = codes_view(summ, layout, 1)
+    checked = 0
+    for s in info:
+        ctx, qlen, table = s["ctx"], s["qlen"], s["table"]
+        touched = range((ctx - qlen) // bs, (ctx - 1) // bs + 1)
+        for j in range(len(table)):
+            b = table[j]
+            if j not in touched:
+                assert (rows[b, 1] == 255).all(), "a block the step did not write"
+                continue
+            # The coded bounds and the scale (not the 12 bytes of padding) as without codes.
+            assert torch.equal(rows[b, 1, :, :D + 4], plain.view(-1, layout[0], Hkv, pb)[b, 1, :, :D + 4]), \
+                "bounds as without codes"
+            keys = s["k"][j * bs:min(ctx, (j + 1) * bs)].double().transpose(0, 1)  # [Hkv, n, D]
+            n = keys.shape[1]
+            lo, hi = mn[b].double()[:, None], mx[b].double()[:, None]
+            x = torch.where(hi > lo, 3 * (keys - lo) / (hi - lo), torch.zeros_like(keys))
+            want = x.round().clamp(0, 3).long()
+            got = codes[b][:, :n]
+            off = got != want
+            near = ((x - x.floor() - 0.5).abs() < 1e-3) & ((got - want).abs() == 1)
+            assert not (off & ~near).any(), (j, ctx, int((off & ~near).sum()))
+            assert (codes[b][:, n:] == 0).all(), "slots past the fill code 0"
+            checked += 1
+    assert checked > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -176,12 +302,13 @@ def test_summaries_are_the_min_and_max_of_each_written_block(dtype, D, bs):
                 assert torch.isnan(mn[b]).all() and torch.isnan(mx[b]).all(), "a block the step did not write"
 
 
-def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True, q_mult=1.0):
-    """Selects with `call` and checks the result against ref_select; returns (tables, lens, sparse heads).
-    q_mult: build's (the call's scale is 1 / (sqrt(D) q_mult))."""
+def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True, q_mult=1.0, key_codes=False):
+    """Selects with `call` and checks the result against ref_select (ref_select_codes with
+    key_codes); returns (tables, lens, sparse heads). q_mult: build's (the call's scale is
+    1 / (sqrt(D) q_mult))."""
     L, Hkv, D, bs = layout
     group = Hq // Hkv
-    summ = cu.make_block_summaries(kv.numel() // (L * 2 * Hkv * bs * D), layout, kv)
+    summ = cu.make_block_summaries(kv.numel() // (L * 2 * Hkv * bs * D), layout, kv, key_codes=key_codes)
     # Summaries of every block: an update over whole sequences (the prefill that wrote them).
     width = max(len(s["table"]) for s in info)
     full = cu.AttentionCall(kv, layout, 1, torch.tensor([0] + [sum(s["ctx"] for s in info[:i + 1])
@@ -189,11 +316,11 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
                             torch.tensor([s["ctx"] for s in info], dtype=torch.int32),
                             torch.tensor([s["table"] + [-1] * (width - len(s["table"])) for s in info],
                                          dtype=torch.int32), Hq, 1.0, 0, 264, 0)
-    full.update_summaries(summ)
+    full.update_summaries(summ, key_codes=key_codes)
     if stats is None:
         stats = torch.zeros(L, 4, dtype=torch.float64, device="cuda")
     before = stats[1].clone()
-    tables, lens, reads = call.select(buf, summ, stats, **p, count_reads=True)
+    tables, lens, reads = call.select(buf, summ, stats, **p, count_reads=True, key_codes=key_codes)
     tables, lens, reads = tables.cpu(), lens.cpu(), reads.cpu()
     # The reads the selection counted (the tiered KV's predictor reads them): per decode row
     # and block position, the KV heads whose table holds the block; nothing for a prompt chunk.
@@ -208,7 +335,7 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
                     want[pos[b]] += 1
         assert torch.equal(reads[i], want), f"sequence {i}: counted reads differ from its head tables"
     assert reads.sum().item() > 0
-    mn, mx, _ = summaries_view(summ, layout, 1, buf.dtype)
+    mn, mx, _ = summaries_view(summ, layout, 1, buf.dtype, key_codes)
     row = 0
     mismatched = kept_total = sparse_heads = nb_sum = keep_sum = 0
     for i, s in enumerate(info):
@@ -217,7 +344,10 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
         q = buf[row + qlen - 1, :Hq * D].view(Hq, D)
         row += qlen
         keep_ref, kept_ref = nb, None
-        if qlen == 1 and ctx > p["min_context"]:
+        if qlen == 1 and ctx > p["min_context"] and key_codes:
+            keep_ref, kept_ref = ref_select_codes(q, coded_parts(summ, layout, 1, buf.dtype, table), ctx, bs,
+                                                  group, 1.0 / (math.sqrt(D) * q_mult), p)
+        elif qlen == 1 and ctx > p["min_context"]:
             keep_ref, kept_ref = ref_select(q, mn[table].transpose(0, 1), mx[table].transpose(0, 1), ctx, bs, group,
                                             1.0 / (math.sqrt(D) * q_mult), p)
         if kept_ref is None:
@@ -260,6 +390,32 @@ def test_selection_matches_the_float64_rule(dtype, group, D, rule):
     call, buf, info, layout, kv = build(group * 11 + D, dtype, Hkv * group, Hkv, D, 16, seqs)
     _, _, heads = check_selection(call, buf, info, layout, kv, Hkv * group, PARAMS[rule])
     assert heads == 3 * Hkv, "three sequences were meant to select"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 12])
+@pytest.mark.parametrize("D,bs", [(64, 16), (128, 16), (128, 40)])
+@pytest.mark.parametrize("rule", ["capped", "mass"])
+def test_key_code_selection_matches_the_float64_rule(dtype, group, D, bs, rule):
+    # The key-code estimate on tensor cores (codes_score_kernel) against the float64 log-sum-exp
+    # of scale q.k over the keys read back from the codes: groups over 8 take two passes of
+    # column heads, blocks of 40 keys three code tiles (the last one partly filled).
+    Hkv = 2
+    seqs = [(3000, 1), (40, 1), (1500, 1), (701, 1), (2000, 20)]
+    call, buf, info, layout, kv = build(group * 13 + D + bs, dtype, Hkv * group, Hkv, D, bs, seqs)
+    _, _, heads = check_selection(call, buf, info, layout, kv, Hkv * group, PARAMS[rule], key_codes=True)
+    assert heads == 3 * Hkv, "three sequences were meant to select"
+
+
+@pytest.mark.parametrize("q_mult", [2.0 ** 17, 2.0 ** -20])
+def test_key_code_selection_of_far_scaled_queries_in_long_runs(q_mult):
+    # The query goes in as fp16 times a power of two per head; long runs cross the prefetch of
+    # table entries; the 8B shape (32 / 8 heads, d 128) in a CUDA graph's table width.
+    seqs = [(60000, 1), (9000, 1), (40, 1), (2000, 20), (2100, 1), (300, 1), (1500, 3), (3000, 1)]
+    call, buf, info, layout, kv = build(29, torch.bfloat16, 32, 8, 128, 16, seqs, hot_frac=0.03, q_mult=q_mult,
+                                        width=16384)
+    _, _, heads = check_selection(call, buf, info, layout, kv, 32, PARAMS["mass"], q_mult=q_mult, key_codes=True)
+    assert heads == 5 * 8, "five sequences were meant to select"
 
 
 def test_selection_of_a_long_context_and_many_heads():
@@ -341,6 +497,18 @@ def test_sparsity_bytes_for_the_pool_sizing_are_what_the_selection_allocates(cou
     kept = torch.cuda.memory_allocated() - before
     assert scratch <= kept <= scratch + 16 * 512, (scratch, kept)
     assert out[0].shape[0] == S
+
+
+def test_key_code_rows_are_sized_for_the_pool_and_need_16_bit_kv():
+    # Rows with key codes: head_dim + 16 bytes, then 4 head_dim bytes a tile of 16 keys.
+    for bs, D in ((16, 128), (5, 64), (48, 128), (17, 64)):
+        layout = (3, 2, D, bs)
+        like = torch.empty(1, dtype=torch.bfloat16, device="cuda")
+        per_block, _ = _C.cuda_sparsity_bytes(layout, "bfloat16", 4, 2, 8, False, True)
+        assert per_block == 3 * 2 * (D + 16 + 4 * D * ((bs + 15) // 16))
+        assert per_block == cu.make_block_summaries(2, layout, like, key_codes=True).numel() // 2
+    with pytest.raises(Exception, match="16-bit KV"):
+        cu.make_block_summaries(2, (3, 2, 128, 16), torch.empty(1, device="cuda"), key_codes=True)
 
 
 @pytest.mark.parametrize("Hq,Hkv,D,seqs", [

@@ -543,8 +543,8 @@ def test_engine_sparsity_switches_and_statistics(tmp_path):
         K25Config(sparsity_compensation=True)
     with pytest.raises(ConfigError, match="enable_kernel_fusion"):
         K25Config(device="cpu", enable_dynamic_sparsity=True, enable_kernel_fusion=False)
-    # CUDA's selection ranks by the Quest bound only (these fail before the device check).
-    with pytest.raises(ConfigError, match="Quest bound only"):
+    # CUDA's selection ranks by the Quest bound or the key codes (these fail before the device check).
+    with pytest.raises(ConfigError, match="channel estimate runs on the CPU"):
         K25Config(device="cuda", enable_dynamic_sparsity=True, sparsity_score_channels=8)
     with pytest.raises(ConfigError, match="CPU backend only"):
         K25Config(device="cuda", enable_dynamic_sparsity=True, sparsity_compensation=True)
@@ -556,7 +556,7 @@ def test_engine_sparsity_switches_and_statistics(tmp_path):
     assert K25Config().sparsity_score_channels is None
     assert K25Config(device="cpu").resolved_score_channels() == 8
     assert K25Config(device="cpu", sparsity_score_channels=0).resolved_score_channels() == 0
-    # The rule: named, or from sparsity_score_channels; the key codes run on the CPU only.
+    # The rule: named, or from sparsity_score_channels.
     assert K25Config(device="cpu").resolved_score_rule() == "channels"
     assert K25Config(device="cpu", sparsity_score_channels=0).resolved_score_rule() == "bound"
     on = dict(device="cpu", enable_dynamic_sparsity=True)
@@ -573,8 +573,13 @@ def test_engine_sparsity_switches_and_statistics(tmp_path):
         K25Config(**on, sparsity_score_rule="channels", sparsity_score_channels=0)
     with pytest.raises(ConfigError, match="needs enable_dynamic_sparsity"):
         K25Config(device="cpu", sparsity_score_rule="codes")  # a rule for a feature that is off
-    with pytest.raises(ConfigError, match="Quest bound only"):
-        K25Config(device="cuda", enable_dynamic_sparsity=True, sparsity_score_rule="codes")
+    with pytest.raises(ConfigError, match="channel estimate runs on the CPU"):
+        K25Config(device="cuda", enable_dynamic_sparsity=True, sparsity_score_rule="channels")
+    with pytest.raises(ConfigError, match="needs 16-bit KV"):  # the codes on CUDA: bf16 / fp16 KV only
+        K25Config(device="cuda", dtype="float32", enable_dynamic_sparsity=True, sparsity_score_rule="codes")
+    if not _C.cuda_available():  # past the rule's checks, the device check
+        with pytest.raises(ConfigError, match="no CUDA backend"):
+            K25Config(device="cuda", enable_dynamic_sparsity=True, sparsity_score_rule="codes")
 
 
 def pydoc_ids(model, n, offset):
