@@ -612,7 +612,9 @@ __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cas
 // kernel stored them in fragment order: one 16- or 8-byte load a lane) and up to 8 query heads
 // as columns (B: q_d (hi_d - lo_d) of the lane's channels, the block's ranges times the query),
 // plus one with A the block's lo_d in every row and B 3 q_d (every row gets the block's base
-// 3 q.lo): C is then 3 x the key's q.k in code units. A lane's 8-byte runs of minima and maxima hold its channels
+// 3 q.lo; blocks go in pairs, and one such product serves both: block 0 in rows 0..7, block 1
+// in rows 8..15): C is then 3 x the key's q.k in code units. Each warp stages the rows (bounds,
+// scale, first code tile) of the next three pairs in shared memory with cp.async. A lane's 8-byte runs of minima and maxima hold its channels
 // as nibble pairs (n, n + 4) that one mask turns into half2 values (1024 + code + 8, times 16
 // for the odd pairs: exact), so r = hi - lo needs no offset; A codes c at bits 2j (and 16 + 2j)
 // become c 4^(j % 4) exactly in fp16 (1024 + c 4^(j % 4), less 1024), the power folded into B.
@@ -620,20 +622,28 @@ __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cas
 // (B <= 15 x 2^11, 3 x 8 x 2^11: inside fp16). Then per head a log-sum-exp over the 16 keys
 // (rows g, g + 8 of the 8 lanes of a column pair), keys past the block's fill left out, and
 // the result as both raw values (rank and size: docs/sparsity.md).
+// Rows staged a warp (shared memory, cp.async): blocks are scored in pairs, the next three pairs'
+// rows in flight meanwhile (one block's load a warp in flight left the kernel latency-bound).
+constexpr int kCodeSlots = 8;
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads, 2)
     codes_score_kernel(const T* __restrict__ q, int64_t q_stride, const void* __restrict__ summ, SparseSelect a,
                        int run) {
   static_assert(kCodedSummaries<T> && D % 64 == 0, "4-bit-coded rows of 64-channel runs");
-  constexpr int kSteps = D / 16;  // k-steps of 16 channels
-  constexpr int kRuns = D / 64;   // a lane's 8-byte runs of 16 channels in each half of the bounds
-  constexpr int kWords = D / 32;  // code words a lane per tile
+  constexpr int kSteps = D / 16;         // k-steps of 16 channels
+  constexpr int kRuns = D / 64;          // a lane's 8-byte runs of 16 channels in each half of the bounds
+  constexpr int kWords = D / 32;         // code words a lane per tile
+  constexpr int kSlot = 5 * D + 16;      // a row's bounds, scale, padding and first code tile
+  static_assert(kSlot % 16 == 0, "16-byte copies");
   using CodeV = typename Bytes<4 * kWords>::type;
+  __shared__ __align__(16) uint8_t stage[kScoreThreads / 32][kCodeSlots][kSlot];
   const ScoreTask w = score_task(a, run);
   if (idle_cta(w)) return;
   const int s = w.s, nb = w.nb, h = w.h, j0 = w.j0, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks, bs = a.block_size;
   const int tiles = a.code_tiles;
+  uint8_t* const my = &stage[threadIdx.x / 32][0][0];
   __shared__ uint32_t smax[2 * kMaxSparseHeads];
   clear_maxima(smax, Hq);
   bool waited = false;  // warp-uniform
@@ -688,98 +698,160 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
         pdl_trigger();
         waited = true;
       }
-      // A block's loads: its tile-0 codes, this lane's runs of minima and maxima, the scale.
-      struct Loaded {
-        CodeV codes;
-        uint2 lo[kRuns], hi[kRuns];
-        float scale;
-        const uint8_t* row;
-      };
-      auto load = [&](int block, Loaded& L) {
-        L.row = summary_row<T>(a, summ, block, h, D);
-        L.codes = *reinterpret_cast<const CodeV*>(L.row + D + 16 + 4 * kWords * lane);
-#pragma unroll
-        for (int m = 0; m < kRuns; ++m) {
-          L.lo[m] = *reinterpret_cast<const uint2*>(L.row + 32 * m + 8 * t);
-          L.hi[m] = *reinterpret_cast<const uint2*>(L.row + D / 2 + 32 * m + 8 * t);
+      // The run's table entries 32 at a time (lane l: entry cb + l, and cb + 32 + l a chunk ahead);
+      // issue(jj), called for jj = j0, j0 + 1, ... in order, copies block jj's row (its first code
+      // tile) into slot (jj - j0) % kCodeSlots.
+      int cb = j0;
+      int tab_lo = j0 + lane < j1 ? tab[j0 + lane] : 0, tab_hi = j0 + 32 + lane < j1 ? tab[j0 + 32 + lane] : 0;
+      auto issue = [&](int jj) {
+        if (jj - cb == 32) {
+          cb += 32;
+          tab_lo = tab_hi;
+          tab_hi = cb + 32 + lane < j1 ? tab[cb + 32 + lane] : 0;
         }
-        L.scale = *reinterpret_cast<const float*>(L.row + D);
+        const uint8_t* row = summary_row<T>(a, summ, __shfl_sync(0xffffffffu, tab_lo, jj - cb), h, D);
+        const uint32_t dst = smem_u32(my + ((jj - j0) % kCodeSlots) * kSlot);
+#pragma unroll
+        for (int c = lane; c < kSlot / 16; c += 32) cp_async16(dst + 16 * c, row + 16 * c, true);
       };
+      __syncwarp();  // (a second pass of heads: the first's last pair has been read)
+      for (int p = 0; p < kCodeSlots / 2 - 1; ++p) {
+        if (j0 + 2 * p < j1) issue(j0 + 2 * p);
+        if (j0 + 2 * p + 1 < j1) issue(j0 + 2 * p + 1);
+        cp_async_commit();
+      }
       float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + 2 * t) * 2 * MB;
       uint32_t run_max[2] = {0, 0};
-      Loaded nxt;
-      load(tab[j0], nxt);
-      int id_after = j0 + 1 < j1 ? tab[j0 + 1] : 0;
-      for (int j = j0; j < j1; ++j) {
-        const Loaded cur = nxt;
-        if (j + 1 < j1) load(id_after, nxt);
-        id_after = j + 2 < j1 ? tab[j + 2] : 0;
-        const int n = j == nb - 1 ? last_n : bs;  // the block's keys
-        const float to_log2 = cur.scale * a.scale * 1.4426950408889634f / 3.0f;
-        float mrun[2] = {-INFINITY, -INFINITY}, lrun[2] = {0.0f, 0.0f};
-        for (int u = 0; u < tiles && 16 * u < n; ++u) {
-          uint32_t cw[kWords];
-          CodeV cv = cur.codes;
-          if (u > 0) cv = *reinterpret_cast<const CodeV*>(cur.row + D + 16 + 4 * D * u + 4 * kWords * lane);
+      for (int j = j0; j < j1; j += 2) {
+        const int ja = j + kCodeSlots - 2;  // into the slots of the pair before, which every lane has read
+        __syncwarp();
+        if (ja < j1) issue(ja);
+        if (ja + 1 < j1) issue(ja + 1);
+        cp_async_commit();
+        cp_async_wait<kCodeSlots / 2 - 1>();
+        __syncwarp();  // the pair's rows, copied by every lane of the warp
+        const bool two = j + 1 < j1;  // warp-uniform
+        const uint8_t* sp[2] = {my + ((j - j0) % kCodeSlots) * kSlot, my + ((j + 1 - j0) % kCodeSlots) * kSlot};
+        uint2 lo[2][kRuns], hi[2][kRuns];
+        uint32_t cw[2][kWords];
+        float rs[2];
 #pragma unroll
-          for (int i = 0; i < kWords; ++i) cw[i] = reinterpret_cast<const uint32_t*>(&cv)[i];
-          float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int b = 0; b < 2; ++b) {
 #pragma unroll
-          for (int ks = 0; ks < kSteps; ++ks) {
-            const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
-            // B from the block's ranges: r = hi - lo and lo of the nibble pairs 2 nh (b0) and
-            // 2 nh + 1 (b1, times 16) of word x of run m, times the coefficients.
-            const uint32_t L = ((x ? cur.lo[m].y : cur.lo[m].x) ^ 0x88888888u) >> (8 * nh);
-            const uint32_t H = ((x ? cur.hi[m].y : cur.hi[m].x) ^ 0x88888888u) >> (8 * nh);
+          for (int m = 0; m < kRuns; ++m) {
+            lo[b][m] = *reinterpret_cast<const uint2*>(sp[b] + 32 * m + 8 * t);
+            hi[b][m] = *reinterpret_cast<const uint2*>(sp[b] + D / 2 + 32 * m + 8 * t);
+          }
+          const CodeV cv = *reinterpret_cast<const CodeV*>(sp[b] + D + 16 + 4 * kWords * lane);
+#pragma unroll
+          for (int i = 0; i < kWords; ++i) cw[b][i] = reinterpret_cast<const uint32_t*>(&cv)[i];
+          rs[b] = *reinterpret_cast<const float*>(sp[b] + D);
+        }
+        // Per k-step: the two blocks' codes products and one product of both blocks' base (A:
+        // block 0's lo in rows 0..7, block 1's in rows 8..15; a lone block leaves rows 8..15 zero).
+        float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}}, base[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int ks = 0; ks < kSteps; ++ks) {
+          const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
+          uint32_t l0[2] = {0, 0}, l1[2] = {0, 0};
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            if (b == 1 && !two) break;
+            // B from the block's ranges: r = hi - lo of the nibble pairs 2 nh (b0) and 2 nh + 1
+            // (b1, times 16) of word x of run m, times the coefficients; lo (less 1024 + 8, 1024 + 128).
+            const uint32_t L = ((x ? lo[b][m].y : lo[b][m].x) ^ 0x88888888u) >> (8 * nh);
+            const uint32_t H = ((x ? hi[b][m].y : hi[b][m].x) ^ 0x88888888u) >> (8 * nh);
             const __half2 lo0 = bits_h2((L & 0x000F000Fu) | 0x64006400u), hi0 = bits_h2((H & 0x000F000Fu) | 0x64006400u);
             const __half2 lo1 = bits_h2((L & 0x00F000F0u) | 0x64006400u), hi1 = bits_h2((H & 0x00F000F0u) | 0x64006400u);
             const uint32_t br0 = h2_bits(__hmul2(bits_h2(qr[ks][0]), __hsub2(hi0, lo0)));
             const uint32_t br1 = h2_bits(__hmul2(bits_h2(qr[ks][1]), __hsub2(hi1, lo1)));
-            // lo (times 16 for the odd pair: less 1024 + 8, 1024 + 128) as A, the same in every row.
-            const uint32_t l0 = h2_bits(__hsub2(lo0, __float2half2_rn(1032.0f)));
-            const uint32_t l1 = h2_bits(__hsub2(lo1, __float2half2_rn(1152.0f)));
-            const uint32_t al[4] = {l0, l0, l1, l1};
-            const uint32_t v0 = cw[2 * m] >> (8 * x), v1 = cw[2 * m + 1] >> (8 * x);  // keys g, g + 8
-            const uint32_t k0 = 0x00030003u << (4 * nh), k1 = 0x00030003u << (4 * nh + 2);  // j % 4 = 2 nh, 2 nh + 1
+            l0[b] = h2_bits(__hsub2(lo0, __float2half2_rn(1032.0f)));
+            l1[b] = h2_bits(__hsub2(lo1, __float2half2_rn(1152.0f)));
+            // A: the codes c 4^(j % 4) of keys g (word 2m) and g + 8 (word 2m + 1) at j % 4 = 2 nh, 2 nh + 1.
+            const uint32_t v0 = cw[b][2 * m] >> (8 * x), v1 = cw[b][2 * m + 1] >> (8 * x);
+            const uint32_t k0 = 0x00030003u << (4 * nh), k1 = 0x00030003u << (4 * nh + 2);
             const __half2 off = __float2half2_rn(1024.0f);
-            uint32_t af[4];
-            af[0] = h2_bits(__hsub2(bits_h2((v0 & k0) | 0x64006400u), off));
-            af[1] = h2_bits(__hsub2(bits_h2((v1 & k0) | 0x64006400u), off));
-            af[2] = h2_bits(__hsub2(bits_h2((v0 & k1) | 0x64006400u), off));
-            af[3] = h2_bits(__hsub2(bits_h2((v1 & k1) | 0x64006400u), off));
-            mma16816<__half>(acc, af, br0, br1);
-            mma16816<__half>(acc2, al, ql[ks][0], ql[ks][1]);
+            const uint32_t af[4] = {h2_bits(__hsub2(bits_h2((v0 & k0) | 0x64006400u), off)),
+                                    h2_bits(__hsub2(bits_h2((v1 & k0) | 0x64006400u), off)),
+                                    h2_bits(__hsub2(bits_h2((v0 & k1) | 0x64006400u), off)),
+                                    h2_bits(__hsub2(bits_h2((v1 & k1) | 0x64006400u), off))};
+            mma16816<__half>(acc[b], af, br0, br1);
           }
-          // Lane (g, t): keys 16u + g (acc 0, 1) and 16u + g + 8 (acc 2, 3), heads 2t, 2t + 1.
+          const uint32_t al[4] = {l0[0], l0[1], l1[0], l1[1]};
+          mma16816<__half>(base, al, ql[ks][0], ql[ks][1]);
+        }
+        // Per block and head (columns 2t + i): the lane's two keys (rows g, g + 8), then the
+        // log-sum-exp over the column's 8 lanes; tiles past the first (blocks over 16 keys) from
+        // global memory, folded in online.
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          if (b == 1 && !two) break;
+          const int jb = j + b;
+          const int n = jb == nb - 1 ? last_n : bs;
+          const float to_log2 = rs[b] * a.scale * 1.4426950408889634f / 3.0f;
+          float mrun[2], lrun[2], m2[2];
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            const float m2 = to_log2 * col_inv[i];
-            const float x0 = 16 * u + g < n ? (acc[i] + acc2[i]) * m2 : -INFINITY;
-            const float x1 = 16 * u + g + 8 < n ? (acc[2 + i] + acc2[2 + i]) * m2 : -INFINITY;
-            const float mnew = fmaxf(mrun[i], fmaxf(x0, x1));
-            if (mnew > -INFINITY) {
-              lrun[i] = lrun[i] * exp2f(mrun[i] - mnew) + exp2f(x0 - mnew) + exp2f(x1 - mnew);
-              mrun[i] = mnew;
+            m2[i] = to_log2 * col_inv[i];
+            const float x0 = g < n ? (acc[b][i] + base[2 * b + i]) * m2[i] : -INFINITY;
+            const float x1 = g + 8 < n ? (acc[b][2 + i] + base[2 * b + i]) * m2[i] : -INFINITY;
+            mrun[i] = fmaxf(x0, x1);  // key 0 is always there: finite unless the scores are not
+            lrun[i] = exp2f(x0 - mrun[i]) + exp2f(x1 - mrun[i]);
+          }
+          for (int u = 1; u < tiles && 16 * u < n; ++u) {
+            const uint8_t* row = summary_row<T>(a, summ, tab[jb], h, D);
+            const CodeV cv = *reinterpret_cast<const CodeV*>(row + D + 16 + 4 * D * u + 4 * kWords * lane);
+            uint32_t cu[kWords];
+#pragma unroll
+            for (int i = 0; i < kWords; ++i) cu[i] = reinterpret_cast<const uint32_t*>(&cv)[i];
+            float au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int ks = 0; ks < kSteps; ++ks) {
+              const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
+              const uint32_t L = ((x ? lo[b][m].y : lo[b][m].x) ^ 0x88888888u) >> (8 * nh);
+              const uint32_t H = ((x ? hi[b][m].y : hi[b][m].x) ^ 0x88888888u) >> (8 * nh);
+              const uint32_t br0 = h2_bits(__hmul2(bits_h2(qr[ks][0]), __hsub2(bits_h2((H & 0x000F000Fu) | 0x64006400u),
+                                                                                bits_h2((L & 0x000F000Fu) | 0x64006400u))));
+              const uint32_t br1 = h2_bits(__hmul2(bits_h2(qr[ks][1]), __hsub2(bits_h2((H & 0x00F000F0u) | 0x64006400u),
+                                                                                bits_h2((L & 0x00F000F0u) | 0x64006400u))));
+              const uint32_t v0 = cu[2 * m] >> (8 * x), v1 = cu[2 * m + 1] >> (8 * x);
+              const uint32_t k0 = 0x00030003u << (4 * nh), k1 = 0x00030003u << (4 * nh + 2);
+              const __half2 off = __float2half2_rn(1024.0f);
+              const uint32_t af[4] = {h2_bits(__hsub2(bits_h2((v0 & k0) | 0x64006400u), off)),
+                                      h2_bits(__hsub2(bits_h2((v1 & k0) | 0x64006400u), off)),
+                                      h2_bits(__hsub2(bits_h2((v0 & k1) | 0x64006400u), off)),
+                                      h2_bits(__hsub2(bits_h2((v1 & k1) | 0x64006400u), off))};
+              mma16816<__half>(au, af, br0, br1);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const float x0 = 16 * u + g < n ? (au[i] + base[2 * b + i]) * m2[i] : -INFINITY;
+              const float x1 = 16 * u + g + 8 < n ? (au[2 + i] + base[2 * b + i]) * m2[i] : -INFINITY;
+              const float mnew = fmaxf(mrun[i], fmaxf(x0, x1));
+              if (mnew > -INFINITY) {
+                lrun[i] = lrun[i] * exp2f(mrun[i] - mnew) + exp2f(x0 - mnew) + exp2f(x1 - mnew);
+                mrun[i] = mnew;
+              }
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            float mx = mrun[i];
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            float l = mrun[i] > -INFINITY ? lrun[i] * exp2f(mrun[i] - mx) : 0.0f;
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+            const float e = (mx + log2f(l)) * 0.6931471805599453f;  // nats
+            if (g == 0 && g0 + 2 * t + i < group) {
+              raw[i * 2 * MB + jb] = e;
+              raw[i * 2 * MB + MB + jb] = e;
+              run_max[i] = max(run_max[i], order_bits(e));
             }
           }
         }
-        // Over the column's 8 lanes (g): the largest, then the sum rescaled to it.
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          float mx = mrun[i];
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-          float l = mrun[i] > -INFINITY ? lrun[i] * exp2f(mrun[i] - mx) : 0.0f;
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-          const float e = (mx + log2f(l)) * 0.6931471805599453f;  // nats
-          if (g == 0 && g0 + 2 * t + i < group) {
-            raw[i * 2 * MB + j] = e;
-            raw[i * 2 * MB + MB + j] = e;
-            run_max[i] = max(run_max[i], order_bits(e));
-          }
-        }
       }
+      cp_async_wait<0>();  // (empty groups only: the loop waited for every copy it used)
       if (g == 0) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
