@@ -613,17 +613,18 @@ __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cas
 // as columns (B: q_d (hi_d - lo_d) of the lane's channels, the block's ranges times the query),
 // plus one with A the block's lo_d in every row and B 3 q_d (every row gets the block's base
 // 3 q.lo; blocks go in pairs, and one such product serves both: block 0 in rows 0..7, block 1
-// in rows 8..15): C is then 3 x the key's q.k in code units. Each warp stages the rows (bounds,
-// scale, first code tile) of the next three pairs in shared memory with cp.async. A lane's 8-byte runs of minima and maxima hold its channels
-// as nibble pairs (n, n + 4) that one mask turns into half2 values (1024 + code + 8, times 16
-// for the odd pairs: exact), so r = hi - lo needs no offset; A codes c at bits 2j (and 16 + 2j)
-// become c 4^(j % 4) exactly in fp16 (1024 + c 4^(j % 4), less 1024), the power folded into B.
-// The query goes in times the power of two that puts each head's largest |q| in [2^10, 2^11)
-// (B <= 15 x 2^11, 3 x 8 x 2^11: inside fp16). Then per head a log-sum-exp over the 16 keys
-// (rows g, g + 8 of the 8 lanes of a column pair), keys past the block's fill left out, and
-// the result as both raw values (rank and size: docs/sparsity.md).
-// Rows staged a warp (shared memory, cp.async): blocks are scored in pairs, the next three pairs'
-// rows in flight meanwhile (one block's load a warp in flight left the kernel latency-bound).
+// in rows 8..15): C is then 3 x the key's q.k in code units. A lane's 8-byte runs of minima and
+// maxima hold its channels as nibble pairs (n, n + 4) that one mask turns into half2 values
+// (1024 + code + 8, times 16 for the odd pairs: exact), so r = hi - lo needs no offset; A codes
+// c at bits 2j (and 16 + 2j) become c 4^(j % 4) exactly in fp16 (1024 + c 4^(j % 4), less 1024),
+// the power folded into B (as fp16 subnormals without the subtraction they came out inexact on
+// an H100: bench/gpu/variants/README.md). The query goes in times the power of two that puts
+// each head's largest |q| in [2^10, 2^11) (B <= 15 x 2^11 and 3 x 2^11: inside fp16). Then per
+// head a log-sum-exp over the 16 keys (rows g, g + 8 of the 8 lanes of a column pair), keys past
+// the block's fill left out, and the result as both raw values (rank and size: docs/sparsity.md).
+// Each warp stages the rows (bounds, scale, first code tile) of the next three pairs in shared
+// memory with cp.async, kCodeSlots rows a warp (with one block's loads in flight a warp the
+// kernel took 518 us at B8 @ 128K on an H100, staged 441; bench/RESULTS.md).
 constexpr int kCodeSlots = 8;
 
 template <typename T, int D>
@@ -737,6 +738,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
         float rs[2];
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
+          // (Read unconditionally: for a lone last block the second slot may never have been filled,
+          // and its values go unused; a guard here costs the kernel registers and a spill.)
 #pragma unroll
           for (int m = 0; m < kRuns; ++m) {
             lo[b][m] = *reinterpret_cast<const uint2*>(sp[b] + 32 * m + 8 * t);

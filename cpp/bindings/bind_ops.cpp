@@ -204,6 +204,15 @@ void bind_cuda_ops(py::module_& m) {
            py::arg("q"), py::arg("summaries"), py::arg("layer_stats"), py::arg("min_context"),
            py::arg("sink_blocks"), py::arg("recent_blocks"), py::arg("min_ratio"), py::arg("max_ratio"),
            py::arg("mass_target"), py::arg("count_reads") = false, py::arg("key_codes") = false)
+      // The last selection's raw scores [S, num_heads, 2, max_blocks] (the bound and the centre
+      // estimate, or with key codes the block's log-mass twice), for tests; written for the
+      // sequences that selected.
+      .def("selection_raw",
+           [](const AttentionCall& c) {
+             if (!c.scratch.raw.defined()) throw Error(ErrorCode::kInvalidArgument, "no selection has run");
+             const int64_t S = c.batch.context_lens.numel(), MB = c.batch.max_blocks;
+             return c.scratch.raw.narrow(0, 0, S * c.num_heads * 2 * MB).view({S, c.num_heads, 2, MB});
+           })
       .def("run_sparse", [](const AttentionCall& c, const at::Tensor& q) { return c.run_batch(q, c.sparse); });
   cu.def("make_block_summaries", [](int64_t num_blocks, py::tuple layout, const at::Tensor& like, bool key_codes) {
     return cuda_glue::make_block_summaries(num_blocks, layout_of(layout), like.scalar_type(), like.device(), key_codes);

@@ -462,7 +462,7 @@ void update_block_summaries(const at::Tensor& kv, const KVLayout& layout, int32_
   need(summaries.scalar_type() == at::kByte && summaries.is_cuda() && summaries.is_contiguous() &&
            summaries.numel() % block_summary_bytes(layout, kv.scalar_type(), key_codes) == 0,
        "block summaries: a contiguous CUDA byte tensor of make_block_summaries' rows");
-  need(!key_codes || layout.head_dim <= 128, "key codes on CUDA support head_dim up to 128");
+  need(!key_codes || layout.head_dim == 64 || layout.head_dim == 128, "key codes on CUDA support head_dim 64 and 128");
   cuda::update_block_summaries(dtype_of(kv), cache_of(kv, layout), layer, summaries.data_ptr(),
                                b.query_start.data_ptr<int32_t>(), b.context_lens.data_ptr<int32_t>(),
                                b.block_tables.data_ptr<int32_t>(), b.max_blocks,

@@ -43,12 +43,19 @@ def ref_select(q, mn, mx, ctx, bs, group, scale, p):
 
 
 def ref_select_codes(q, parts, ctx, bs, group, scale, p):
-    """The key-code rule for one sequence, in float64 but for the two roundings to fp16 the device
-    makes: parts = coded_parts() of the sequence. A key's score is scale x row scale x (q.lo +
-    sum_d c_d q_d (hi_d - lo_d) / 3) in code units, with q times its head's power of two qs (the
-    largest |q| in [2^10, 2^11)) rounded to fp16 and q_d (hi_d - lo_d) rounded again (the B
-    operand), and 3 q_d qs rounded to fp16 for the lo term; a block's log-mass, the log-sum-exp
-    over its keys, ranks and sizes."""
+    """The key-code rule for one sequence: ref_codes_log_mass ranks and sizes."""
+    e = ref_codes_log_mass(q, parts, ctx, bs, group, scale)
+    est = (e - e.amax(-1, keepdim=True)).amax(1)
+    return ref_choose(est, est, est.exp(), p)
+
+
+def ref_codes_log_mass(q, parts, ctx, bs, group, scale):
+    """Each block's log-mass per query head [Hkv, group, nb], in float64 but for the two roundings
+    to fp16 the device makes: parts = coded_parts() of the sequence. A key's score is scale x row
+    scale x (q.lo + sum_d c_d q_d (hi_d - lo_d) / 3) in code units, with q times its head's power of
+    two qs (the largest |q| in [2^10, 2^11)) rounded to fp16 and q_d (hi_d - lo_d) rounded again
+    (the B operand), and 3 q_d qs rounded to fp16 for the lo term; a block's log-mass, the
+    log-sum-exp over its keys (those past ctx left out)."""
     lo, hi, rs, codes = parts  # [Hkv, nb, D] ints, [Hkv, nb] row scales, [Hkv, nb, bs, D]
     Hkv, nb, D = lo.shape
     qf = q.float().view(Hkv, group, D)
@@ -61,9 +68,7 @@ def ref_select_codes(q, parts, ctx, bs, group, scale, p):
     s = s3 * (rs[:, None, :, None] * scale / (3 * qs[..., None]))            # [Hkv, group, nb, bs]
     s = s.reshape(Hkv, group, nb * bs)[..., :ctx]
     pad = torch.full((Hkv, group, nb * bs - ctx), -math.inf, dtype=torch.float64, device=q.device)
-    e = torch.logsumexp(torch.cat([s, pad], -1).view(Hkv, group, nb, bs), -1)  # [Hkv, group, nb]
-    est = (e - e.amax(-1, keepdim=True)).amax(1)
-    return ref_choose(est, est, est.exp(), p)
+    return torch.logsumexp(torch.cat([s, pad], -1).view(Hkv, group, nb, bs), -1)
 
 
 def ref_choose(score, est, mass, p):
@@ -322,6 +327,7 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
     before = stats[1].clone()
     tables, lens, reads = call.select(buf, summ, stats, **p, count_reads=True, key_codes=key_codes)
     tables, lens, reads = tables.cpu(), lens.cpu(), reads.cpu()
+    raw = call.selection_raw().cpu() if key_codes else None
     # The reads the selection counted (the tiered KV's predictor reads them): per decode row
     # and block position, the KV heads whose table holds the block; nothing for a prompt chunk.
     for i, s in enumerate(info):
@@ -345,8 +351,12 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
         row += qlen
         keep_ref, kept_ref = nb, None
         if qlen == 1 and ctx > p["min_context"] and key_codes:
-            keep_ref, kept_ref = ref_select_codes(q, coded_parts(summ, layout, 1, buf.dtype, table), ctx, bs,
-                                                  group, 1.0 / (math.sqrt(D) * q_mult), p)
+            parts = coded_parts(summ, layout, 1, buf.dtype, table)
+            keep_ref, kept_ref = ref_select_codes(q, parts, ctx, bs, group, 1.0 / (math.sqrt(D) * q_mult), p)
+            # Every block's log-mass (both raw values), the last one's keys past the fill left out.
+            e_ref = ref_codes_log_mass(q, parts, ctx, bs, group, 1.0 / (math.sqrt(D) * q_mult)).reshape(Hq, nb)
+            for v in range(2):
+                torch.testing.assert_close(raw[i, :, v, :nb].double(), e_ref.cpu(), rtol=1e-4, atol=2e-3)
         elif qlen == 1 and ctx > p["min_context"]:
             keep_ref, kept_ref = ref_select(q, mn[table].transpose(0, 1), mx[table].transpose(0, 1), ctx, bs, group,
                                             1.0 / (math.sqrt(D) * q_mult), p)
@@ -394,17 +404,21 @@ def test_selection_matches_the_float64_rule(dtype, group, D, rule):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 4, 8, 12])
-@pytest.mark.parametrize("D,bs", [(64, 16), (128, 16), (128, 40)])
-@pytest.mark.parametrize("rule", ["capped", "mass"])
+@pytest.mark.parametrize("D,bs", [(64, 16), (128, 16), (128, 40), (64, 24)])
+@pytest.mark.parametrize("rule", ["capped", "mass", "no_recent"])
 def test_key_code_selection_matches_the_float64_rule(dtype, group, D, bs, rule):
     # The key-code estimate on tensor cores (codes_score_kernel) against the float64 log-sum-exp
-    # of scale q.k over the keys read back from the codes: groups over 8 take two passes of
-    # column heads, blocks of 40 keys three code tiles (the last one partly filled).
+    # of scale q.k over the keys read back from the codes, every block's log-mass (check_selection
+    # compares the raw scores too): groups over 8 take two passes of column heads, blocks of 40
+    # keys three code tiles (the last one partly filled); 1569 keys at blocks of 16 are 99 blocks,
+    # the last one of a single key scored without a pair; "no_recent" keeps no recent block, so the
+    # last blocks compete with the others.
     Hkv = 2
-    seqs = [(3000, 1), (40, 1), (1500, 1), (701, 1), (2000, 20)]
+    seqs = [(3000, 1), (40, 1), (1500, 1), (701, 1), (2000, 20), (1569, 1)]
+    p = PARAMS[rule] if rule != "no_recent" else dict(PARAMS["capped"], recent_blocks=0)
     call, buf, info, layout, kv = build(group * 13 + D + bs, dtype, Hkv * group, Hkv, D, bs, seqs)
-    _, _, heads = check_selection(call, buf, info, layout, kv, Hkv * group, PARAMS[rule], key_codes=True)
-    assert heads == 3 * Hkv, "three sequences were meant to select"
+    _, _, heads = check_selection(call, buf, info, layout, kv, Hkv * group, p, key_codes=True)
+    assert heads == 4 * Hkv, "four sequences were meant to select"
 
 
 @pytest.mark.parametrize("q_mult", [2.0 ** 17, 2.0 ** -20])
