@@ -401,6 +401,15 @@ __global__ void __launch_bounds__(kScoreThreads)
   flush_maxima(smax, a, s, Hq);
 }
 
+// The power of two that puts mabs (a query's largest |q|, finite and > 0; else 1) in
+// [2^top, 2^(top + 1)), and its inverse.
+__device__ __forceinline__ float pow2_scale(float mabs, int top, float* inv) {
+  int e = 0;
+  if (mabs > 0.0f && mabs < INFINITY) e = min(126, max(-126, top - ((__float_as_int(mabs) >> 23) - 127)));
+  *inv = __int_as_float((127 - e) << 23);
+  return __int_as_float((127 + e) << 23);
+}
+
 // 4-bit codes at nibbles 0 and 4 of x = w ^ 0x88888888 (each code + 8, unsigned) as a half2,
 // nibble 0 first: under an fp16 exponent of 2^10 (1024 + u, exact) by one mask-and-or, less
 // 1032 by one half2 subtraction.
@@ -483,10 +492,7 @@ __global__ void __launch_bounds__(kScoreThreads)
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) mabs = fmaxf(mabs, __shfl_xor_sync(0xffffffffu, mabs, o));
-        int e = 0;
-        if (mabs > 0.0f && mabs < INFINITY) e = min(126, max(-126, 14 - ((__float_as_int(mabs) >> 23) - 127)));
-        const float qscale = __int_as_float((127 + e) << 23);
-        inv_qscale = __int_as_float((127 - e) << 23);
+        const float qscale = pow2_scale(mabs, 14, &inv_qscale);
 #pragma unroll
         for (int m = 0; m < kLoads; ++m) {
           const bool maxima = m >= kHalf;
@@ -605,6 +611,30 @@ __global__ void __launch_bounds__(kScoreThreads)
 __device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
 __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
+// A k-step's two nibble pairs of a bound half (minima or maxima) of the lane's 8-byte run: pair
+// 2 nh (b0's channels) and 2 nh + 1 (b1's) of word x, as half2 values 1024 + code + 8 (times 16
+// for the second pair), exact.
+struct NibblePairs {
+  __half2 p0, p1;
+};
+__device__ __forceinline__ NibblePairs nibble_pairs(uint2 run, int x, int nh) {
+  const uint32_t w = ((x ? run.y : run.x) ^ 0x88888888u) >> (8 * nh);
+  return {bits_h2((w & 0x000F000Fu) | 0x64006400u), bits_h2((w & 0x00F000F0u) | 0x64006400u)};
+}
+
+// The A fragment of a k-step (x, nh) from a lane's code words of keys g (w0) and g + 8 (w1): the
+// codes c 4^(j % 4) at j % 4 = 2 nh (registers 0, 1) and 2 nh + 1 (2, 3), exact in fp16
+// (1024 + c 4^(j % 4), less 1024).
+__device__ __forceinline__ void code_fragment(uint32_t w0, uint32_t w1, int x, int nh, uint32_t (&af)[4]) {
+  const uint32_t v0 = w0 >> (8 * x), v1 = w1 >> (8 * x);
+  const uint32_t k0 = 0x00030003u << (4 * nh), k1 = 0x00030003u << (4 * nh + 2);
+  const __half2 off = __float2half2_rn(1024.0f);
+  af[0] = h2_bits(__hsub2(bits_h2((v0 & k0) | 0x64006400u), off));
+  af[1] = h2_bits(__hsub2(bits_h2((v1 & k0) | 0x64006400u), off));
+  af[2] = h2_bits(__hsub2(bits_h2((v0 & k1) | 0x64006400u), off));
+  af[3] = h2_bits(__hsub2(bits_h2((v1 & k1) | 0x64006400u), off));
+}
+
 // A block's log-mass per query head: log sum_t exp(scale q.k_t) over its keys, each read back
 // from its codes as lo + c (hi - lo) / 3 in the row's coded range (k25_cuda.h). A warp per
 // (KV head, run of blocks) as score_mma_kernel's split, and per block and tile of 16 keys one
@@ -674,10 +704,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
         }
         mabs = fmaxf(mabs, __shfl_xor_sync(0xffffffffu, mabs, 1));
         mabs = fmaxf(mabs, __shfl_xor_sync(0xffffffffu, mabs, 2));
-        int e = 0;
-        if (mabs > 0.0f && mabs < INFINITY) e = min(126, max(-126, 10 - ((__float_as_int(mabs) >> 23) - 127)));
-        const float qs = __int_as_float((127 + e) << 23);
-        inv_qs = __int_as_float((127 - e) << 23);
+        const float qs = pow2_scale(mabs, 10, &inv_qs);
 #pragma unroll
         for (int ks = 0; ks < kSteps; ++ks) {
           // A's powers: 4^(2 nh) for b0's columns, 4^(2 nh + 1) for b1's; b1's pair also comes
@@ -760,24 +787,16 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
             if (b == 1 && !two) break;
-            // B from the block's ranges: r = hi - lo of the nibble pairs 2 nh (b0) and 2 nh + 1
-            // (b1, times 16) of word x of run m, times the coefficients; lo (less 1024 + 8, 1024 + 128).
-            const uint32_t L = ((x ? lo[b][m].y : lo[b][m].x) ^ 0x88888888u) >> (8 * nh);
-            const uint32_t H = ((x ? hi[b][m].y : hi[b][m].x) ^ 0x88888888u) >> (8 * nh);
-            const __half2 lo0 = bits_h2((L & 0x000F000Fu) | 0x64006400u), hi0 = bits_h2((H & 0x000F000Fu) | 0x64006400u);
-            const __half2 lo1 = bits_h2((L & 0x00F000F0u) | 0x64006400u), hi1 = bits_h2((H & 0x00F000F0u) | 0x64006400u);
-            const uint32_t br0 = h2_bits(__hmul2(bits_h2(qr[ks][0]), __hsub2(hi0, lo0)));
-            const uint32_t br1 = h2_bits(__hmul2(bits_h2(qr[ks][1]), __hsub2(hi1, lo1)));
-            l0[b] = h2_bits(__hsub2(lo0, __float2half2_rn(1032.0f)));
-            l1[b] = h2_bits(__hsub2(lo1, __float2half2_rn(1152.0f)));
-            // A: the codes c 4^(j % 4) of keys g (word 2m) and g + 8 (word 2m + 1) at j % 4 = 2 nh, 2 nh + 1.
-            const uint32_t v0 = cw[b][2 * m] >> (8 * x), v1 = cw[b][2 * m + 1] >> (8 * x);
-            const uint32_t k0 = 0x00030003u << (4 * nh), k1 = 0x00030003u << (4 * nh + 2);
-            const __half2 off = __float2half2_rn(1024.0f);
-            const uint32_t af[4] = {h2_bits(__hsub2(bits_h2((v0 & k0) | 0x64006400u), off)),
-                                    h2_bits(__hsub2(bits_h2((v1 & k0) | 0x64006400u), off)),
-                                    h2_bits(__hsub2(bits_h2((v0 & k1) | 0x64006400u), off)),
-                                    h2_bits(__hsub2(bits_h2((v1 & k1) | 0x64006400u), off))};
+            // B from the block's ranges: r = hi - lo of the k-step's nibble pairs, times the
+            // coefficients; lo (less 1024 + 8, 1024 + 128) for the base.
+            const NibblePairs L = nibble_pairs(lo[b][m], x, nh), H = nibble_pairs(hi[b][m], x, nh);
+            const uint32_t br0 = h2_bits(__hmul2(bits_h2(qr[ks][0]), __hsub2(H.p0, L.p0)));
+            const uint32_t br1 = h2_bits(__hmul2(bits_h2(qr[ks][1]), __hsub2(H.p1, L.p1)));
+            l0[b] = h2_bits(__hsub2(L.p0, __float2half2_rn(1032.0f)));
+            l1[b] = h2_bits(__hsub2(L.p1, __float2half2_rn(1152.0f)));
+            // A: the codes of keys g (word 2m) and g + 8 (word 2m + 1).
+            uint32_t af[4];
+            code_fragment(cw[b][2 * m], cw[b][2 * m + 1], x, nh, af);
             mma16816<__half>(acc[b], af, br0, br1);
           }
           const uint32_t al[4] = {l0[0], l0[1], l1[0], l1[1]};
@@ -811,19 +830,11 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
 #pragma unroll
             for (int ks = 0; ks < kSteps; ++ks) {
               const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
-              const uint32_t L = ((x ? lo[b][m].y : lo[b][m].x) ^ 0x88888888u) >> (8 * nh);
-              const uint32_t H = ((x ? hi[b][m].y : hi[b][m].x) ^ 0x88888888u) >> (8 * nh);
-              const uint32_t br0 = h2_bits(__hmul2(bits_h2(qr[ks][0]), __hsub2(bits_h2((H & 0x000F000Fu) | 0x64006400u),
-                                                                                bits_h2((L & 0x000F000Fu) | 0x64006400u))));
-              const uint32_t br1 = h2_bits(__hmul2(bits_h2(qr[ks][1]), __hsub2(bits_h2((H & 0x00F000F0u) | 0x64006400u),
-                                                                                bits_h2((L & 0x00F000F0u) | 0x64006400u))));
-              const uint32_t v0 = cu[2 * m] >> (8 * x), v1 = cu[2 * m + 1] >> (8 * x);
-              const uint32_t k0 = 0x00030003u << (4 * nh), k1 = 0x00030003u << (4 * nh + 2);
-              const __half2 off = __float2half2_rn(1024.0f);
-              const uint32_t af[4] = {h2_bits(__hsub2(bits_h2((v0 & k0) | 0x64006400u), off)),
-                                      h2_bits(__hsub2(bits_h2((v1 & k0) | 0x64006400u), off)),
-                                      h2_bits(__hsub2(bits_h2((v0 & k1) | 0x64006400u), off)),
-                                      h2_bits(__hsub2(bits_h2((v1 & k1) | 0x64006400u), off))};
+              const NibblePairs L = nibble_pairs(lo[b][m], x, nh), H = nibble_pairs(hi[b][m], x, nh);
+              const uint32_t br0 = h2_bits(__hmul2(bits_h2(qr[ks][0]), __hsub2(H.p0, L.p0)));
+              const uint32_t br1 = h2_bits(__hmul2(bits_h2(qr[ks][1]), __hsub2(H.p1, L.p1)));
+              uint32_t af[4];
+              code_fragment(cu[2 * m], cu[2 * m + 1], x, nh, af);
               mma16816<__half>(au, af, br0, br1);
             }
 #pragma unroll
