@@ -4,7 +4,7 @@ benchmark: it runs transformers (float32) with its attention replaced, not the e
 
     python bench/sparsity_rules.py [--context 4096] [--docs 3] [--decoded 128] [--cap 0.6]
                                    [--rules dense,oracle,estimate8,quest,...] [--fixed]
-                                   [--calib self|other|code] [--reselect N] [--prune-stats] [--layers a:b]
+                                   [--calib self|other|code] [--reselect N] [--lag] [--prune-stats] [--layers a:b]
 
 Each window of the pydoc text is run teacher-forced: the first context - decoded positions in
 one dense pass, then the last `decoded` one token per step with the rule's selection in every
@@ -202,6 +202,17 @@ class Rule:
         """q [Hq, D], k [Hkv, L, D]: bool keep mask [Hkv, L]. With --reselect N a selection
         serves N steps: in between, the keys written since are kept besides it."""
         Hkv, L, D = k.shape
+        if STATE["lag"]:
+            # Each step's selection is made from the step before's query and keys (what a selection
+            # run beside that step's MLP, for the next step, sees); the keys written since are kept.
+            prev = self.reuse.get(layer)
+            self.reuse[layer] = (q, k)
+            if prev is None or prev[1].shape[1] <= MIN_CTX:
+                mask = self._select(layer, q, k, scale, cap)
+            else:
+                old = self._select(layer, prev[0], prev[1], scale, cap)
+                mask = torch.cat([old, torch.ones(Hkv, L - old.shape[1], dtype=torch.bool)], 1)
+            return mask
         old = self.reuse.get(layer)
         if old is not None and old[2] < STATE["reselect"]:
             mask = torch.cat([old[0], torch.ones(Hkv, L - old[1], dtype=torch.bool)], 1)
@@ -252,7 +263,7 @@ class Rule:
         return mask.repeat_interleave(BS, 1)[:, :L]
 
 
-STATE = {"rule": None, "cap": 0.6, "calibrating": [], "fixed": False, "reselect": 1, "prune": False, "layers": (0, 1 << 30)}
+STATE = {"rule": None, "cap": 0.6, "calibrating": [], "fixed": False, "reselect": 1, "lag": False, "prune": False, "layers": (0, 1 << 30)}
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -284,6 +295,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prune-stats", action="store_true", help="channel estimate: how many blocks the bound rules out")
     ap.add_argument("--reselect", type=int, default=1, help="a selection serves this many steps")
+    ap.add_argument("--lag", action="store_true", help="each step selects from the step before's query and keys")
     ap.add_argument("--layers", default="0:", help="a:b, the layers that select (the others attend densely; Quest leaves its first two dense: 2:)")
     ap.add_argument("--fixed", action="store_true", help="keep the cap's count (ranking alone compared)")
     ap.add_argument("--calib", default="self", choices=["self", "other", "code"],
@@ -308,6 +320,7 @@ def main():
     stride = (len(ids) - ctx) // max(1, args.docs)
     rules = [Rule(r) for r in args.rules.split(",")]
     STATE["cap"], STATE["fixed"], STATE["reselect"] = args.cap, args.fixed, args.reselect
+    STATE["lag"] = args.lag
     STATE["prune"] = args.prune_stats
     a, b = args.layers.split(":")
     STATE["layers"] = (int(a or 0), int(b) if b else 1 << 30)

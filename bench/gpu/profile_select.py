@@ -7,7 +7,8 @@ inside its own duration, so per-kernel times include that wait (count_kernel's 1
 is 7.6 us alone); K25_PDL=0 gives each kernel's time alone. On sm_90 the last three steps are one
 launch (choose_kernel); K25_SPARSE_FUSED=0 shows the three kernels instead:
 
-    python3 bench/gpu/profile_select.py [--brief] [BxL ...]   (--brief: one line a case)
+    python3 bench/gpu/profile_select.py [--brief] [--codes] [BxL ...]   (--brief: one line a case;
+        --codes: the key-code estimate, sparsity_score_rule="codes", instead of the bound)
     ncu --metrics gpu__time_duration.sum --kernel-name regex:"score|bin|count|table" \
         --launch-skip 4 --launch-count 4 python3 bench/gpu/profile_select.py --plain 1 32768
 """
@@ -40,7 +41,8 @@ def kernel_times(prof, n):
 def main():
     args = sys.argv[1:]
     brief = "--brief" in args
-    args = [a for a in args if a != "--brief"]
+    codes = "--codes" in args
+    args = [a for a in args if a not in ("--brief", "--codes")]
     plain = len(args) == 3 and args[0] == "--plain"
     if plain:
         cases = [(int(args[1]), int(args[2]))]
@@ -56,19 +58,19 @@ def main():
         cl = torch.full((B,), L, dtype=torch.int32)
         call = cu.AttentionCall(kv, layout, 0, torch.arange(B + 1, dtype=torch.int32), cl, tables, HQ,
                                 1 / math.sqrt(D), 0, 264, 1)
-        summ = cu.make_block_summaries(B * nb + 1, layout, kv)
+        summ = cu.make_block_summaries(B * nb + 1, layout, kv, key_codes=codes)
         cu.AttentionCall(kv, layout, 0, torch.arange(B + 1, dtype=torch.int32) * L, cl, tables, HQ, 1.0, 0, 264,
-                         0).update_summaries(summ)
+                         0).update_summaries(summ, key_codes=codes)
         stats = torch.zeros(1, 4, dtype=torch.float64, device="cuda")
         p = dict(min_context=2048, sink_blocks=1, recent_blocks=16, min_ratio=0.1, max_ratio=0.6, mass_target=0.95)
         for _ in range(3):
-            call.select(q, summ, stats, **p)
+            call.select(q, summ, stats, key_codes=codes, **p)
         torch.cuda.synchronize()
         if plain:
             continue
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
-                call.select(q, summ, stats, **p)
+                call.select(q, summ, stats, key_codes=codes, **p)
             torch.cuda.synchronize()
         if brief:
             print(f"B{B} @ {L // 1024}K, us per selection: {kernel_times(prof, 10)}")
