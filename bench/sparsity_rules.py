@@ -38,6 +38,9 @@ runs the same per-step path, so agreement and perplexity compare like with like.
               per-channel codes): what a channel-complete low-bit key copy would rank with
   skeysqB     the same relative to the 4-bit-coded summary's range (min / max rounded outward
               to codes of one scale per block and head, as CUDA stores them)
+  lkeys       one bit a key and channel (above the block's channel mean or not), each side read
+              back as the mean of its keys: two levels a channel instead of min / max
+  slkeys      the same with the two levels as 4-bit codes of one scale a block and head
   *qB         a suffix: the stored values rounded to B-bit codes, one scale per block and head
               (questqB, gaussPqB, mixPqB: min/max rounded outward; estimateRqB: the keys the
               chosen channels are read from, as a low-bit copy would hold them; momentsPqB: the
@@ -79,7 +82,7 @@ def quest_bound(q, mn, mx, scale):
 class Rule:
     def __init__(self, name):
         self.name = name
-        m = re.fullmatch(r"(dense|oracle|questx|oraclex|quest|centre|gauss|moments|mix|estimate|gestimate|static|pca|keys|skeys)(\d*)(?:q(\d+))?", name)
+        m = re.fullmatch(r"(dense|oracle|questx|oraclex|quest|centre|gauss|moments|mix|estimate|gestimate|static|pca|keys|skeys|lkeys|slkeys)(\d*)(?:q(\d+))?", name)
         if not m:
             raise SystemExit(f"unknown rule {name}")
         self.kind, self.r, self.quant = m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)
@@ -106,7 +109,7 @@ class Rule:
         vmask = valid[None, None]
         cnt = valid.sum(-1).float().log()[None, None]  # log token count per block, [1, 1, nb]
         mn, mx = block_min_max(kb, valid)
-        if self.kind in ("oracle", "keys", "skeys", "estimate", "gestimate", "static", "pca"):
+        if self.kind in ("oracle", "keys", "skeys", "lkeys", "slkeys", "estimate", "gestimate", "static", "pca"):
             if self.kind == "oracle":
                 s = torch.einsum("hgd,hjtd->hgjt", q, kb) * scale
             elif self.kind in ("keys", "skeys"):
@@ -117,6 +120,20 @@ class Rule:
                 lo, step = mn[:, :, None], ((mx - mn) / levels).clamp_min(1e-12)[:, :, None]
                 kq = lo + torch.round((kb - lo) / step).clamp(0, levels) * step
                 s = torch.einsum("hgd,hjtd->hgjt", q, torch.where(valid[None, :, :, None], kq, 0.0)) * scale
+            elif self.kind in ("lkeys", "slkeys"):
+                # One bit a key and channel: above the block's channel mean or not; each side read back
+                # as the mean of its keys (two levels a channel, stored instead of min / max).
+                vm = valid[None, :, :, None]
+                mean = (kb * vm).sum(2, keepdim=True) / valid.sum(-1).clamp_min(1)[None, :, None, None]
+                up, dn = (kb > mean) & vm, ~(kb > mean) & vm
+                hi = (kb * up).sum(2, keepdim=True) / up.sum(2, keepdim=True).clamp_min(1)
+                lo = (kb * dn).sum(2, keepdim=True) / dn.sum(2, keepdim=True).clamp_min(1)
+                hi = torch.where(up.sum(2, keepdim=True) > 0, hi, lo)
+                if self.kind == "slkeys":  # the levels as 4-bit codes of one scale a block and head, to nearest
+                    sc = torch.maximum(lo.abs(), hi.abs()).amax(-1, keepdim=True).clamp_min(1e-12) / 7
+                    lo, hi = torch.round(lo / sc) * sc, torch.round(hi / sc) * sc
+                kq = torch.where(up, hi, lo)
+                s = torch.einsum("hgd,hjtd->hgjt", q, torch.where(vm, kq, 0.0)) * scale
             elif self.kind == "pca":
                 mu, U = self.calib[layer]
                 z = torch.einsum("hjtd,hdr->hjtr", kb - mu[:, None, None], U)
