@@ -42,9 +42,8 @@ def ref_select(q, mn, mx, ctx, bs, group, scale, p):
     return ref_choose(score, est, n * est.exp(), p)
 
 
-def ref_select_codes(q, parts, ctx, bs, group, scale, p):
-    """The key-code rule for one sequence: ref_codes_log_mass ranks and sizes."""
-    e = ref_codes_log_mass(q, parts, ctx, bs, group, scale)
+def ref_select_codes(e, p):
+    """The key-code rule for one sequence: its blocks' log-mass e (ref_codes_log_mass) ranks and sizes."""
     est = (e - e.amax(-1, keepdim=True)).amax(1)
     return ref_choose(est, est, est.exp(), p)
 
@@ -342,6 +341,7 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
         assert torch.equal(reads[i], want), f"sequence {i}: counted reads differ from its head tables"
     assert reads.sum().item() > 0
     mn, mx, _ = summaries_view(summ, layout, 1, buf.dtype, key_codes)
+    scale = 1.0 / (math.sqrt(D) * q_mult)
     row = 0
     mismatched = kept_total = sparse_heads = nb_sum = keep_sum = 0
     for i, s in enumerate(info):
@@ -351,15 +351,15 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
         row += qlen
         keep_ref, kept_ref = nb, None
         if qlen == 1 and ctx > p["min_context"] and key_codes:
-            parts = coded_parts(summ, layout, 1, buf.dtype, table)
-            keep_ref, kept_ref = ref_select_codes(q, parts, ctx, bs, group, 1.0 / (math.sqrt(D) * q_mult), p)
+            e_ref = ref_codes_log_mass(q, coded_parts(summ, layout, 1, buf.dtype, table), ctx, bs, group, scale)
+            keep_ref, kept_ref = ref_select_codes(e_ref, p)
             # Every block's log-mass (both raw values), the last one's keys past the fill left out.
-            e_ref = ref_codes_log_mass(q, parts, ctx, bs, group, 1.0 / (math.sqrt(D) * q_mult)).reshape(Hq, nb)
             for v in range(2):
-                torch.testing.assert_close(raw[i, :, v, :nb].double(), e_ref.cpu(), rtol=1e-4, atol=2e-3)
+                torch.testing.assert_close(raw[i, :, v, :nb].double(), e_ref.reshape(Hq, nb).cpu(), rtol=1e-4,
+                                           atol=2e-3)
         elif qlen == 1 and ctx > p["min_context"]:
             keep_ref, kept_ref = ref_select(q, mn[table].transpose(0, 1), mx[table].transpose(0, 1), ctx, bs, group,
-                                            1.0 / (math.sqrt(D) * q_mult), p)
+                                            scale, p)
         if kept_ref is None:
             assert lens[i].item() == ctx
             for h in range(Hkv):
