@@ -9,6 +9,10 @@ best round's median step, since the machine may be shared. Reports ms per token,
 speed-up over dense, and the skipped fraction.
 
     python bench/cpu_sparse_decode.py [--contexts 4096,8000] [--new 24] [--rounds 3] [--threads 2]
+                                      [--intervals 2,4]
+
+--intervals adds, per value N, the channel estimate and the key codes with one selection
+serving N decode steps (sparsity_selection_interval=N).
 """
 import argparse
 import asyncio
@@ -34,12 +38,17 @@ def main():
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--intervals", default="", help="sparsity_selection_interval values > 1 to add (comma list)")
     ap.add_argument("--json")
     args = ap.parse_args()
     from k25 import K25Config, K25Model
     variants = [("dense", {}), ("sparse, channel estimate", dict(enable_dynamic_sparsity=True)),
                 ("sparse, key codes", dict(enable_dynamic_sparsity=True, sparsity_score_rule="codes")),
                 ("sparse, Quest bound", dict(enable_dynamic_sparsity=True, sparsity_score_channels=0))]
+    for n in (int(v) for v in args.intervals.split(",") if v):
+        variants += [(f"channels, every {n} steps", dict(enable_dynamic_sparsity=True, sparsity_selection_interval=n)),
+                     (f"key codes, every {n} steps", dict(enable_dynamic_sparsity=True, sparsity_score_rule="codes",
+                                                          sparsity_selection_interval=n))]
     results = []
     for ctx in (int(c) for c in args.contexts.split(",")):
         base = dict(num_threads=args.threads, max_seq_len=ctx + args.new + 16, kv_cache_bytes=1 << 30,

@@ -3,7 +3,7 @@ the same run, on the default model and real English text (pydoc_data).
 
     python bench/cpu_sparsity.py [--contexts 4096,8192] [--docs 3] [--decoded 128]
                                  [--caps 0.6,0.8] [--threads 2] [--compensation off|on|both]
-                                 [--mass-targets 0.95,0.99] [--device cpu|cuda] [--dtype D]
+                                 [--mass-targets 0.95,0.99] [--intervals 1,2] [--device cpu|cuda] [--dtype D]
                                  [--topics path/to/pydoc_data/topics.py] [--json out.json]
 
 For each context length, --docs windows of the text are scored teacher-forced: the first
@@ -74,6 +74,7 @@ def main():
     ap.add_argument("--caps", default="0.6,0.8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mass-targets", default="0.95", help="sparsity_mass_target values to run (comma list)")
+    ap.add_argument("--intervals", default="1", help="sparsity_selection_interval values to run (comma list)")
     ap.add_argument("--compensation", default="off", choices=["off", "on", "both"],
                     help="sparsity_compensation for the sparse runs (both: each cap twice)")
     ap.add_argument("--score-channels", type=int, default=None,
@@ -108,16 +109,19 @@ def main():
         d_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(dense, docs)])
         comps = {"off": [False], "on": [True], "both": [False, True]}[args.compensation]
         targets = [float(t) for t in args.mass_targets.split(",")]
-        for cap, comp, mt in [(float(c), comp, mt) for c in args.caps.split(",") for comp in comps for mt in targets]:
+        intervals = [int(n) for n in args.intervals.split(",")]
+        for cap, comp, mt, every in [(float(c), comp, mt, n) for c in args.caps.split(",") for comp in comps
+                                     for mt in targets for n in intervals]:
             sparse, sparse_s, ratio, layers = run(dict(base, enable_dynamic_sparsity=True, max_sparsity_ratio=cap,
                                                        sparsity_compensation=comp, sparsity_mass_target=mt,
                                                        sparsity_score_channels=args.score_channels,
-                                                       sparsity_score_rule=args.score_rule),
+                                                       sparsity_score_rule=args.score_rule,
+                                                       sparsity_selection_interval=every),
                                                   docs, args.decoded)
             s_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(sparse, docs)])
             agree = float(np.mean(np.concatenate(
                 [o[-args.decoded - 1:-1].argmax(1) == r[-args.decoded - 1:-1].argmax(1) for o, r in zip(sparse, dense)])))
-            row = {"context": ctx, "cap": cap, "compensation": comp, "mass_target": mt,
+            row = {"context": ctx, "cap": cap, "compensation": comp, "mass_target": mt, "selection_interval": every,
                    "score_channels": args.score_channels, "score_rule": args.score_rule, "tokens": int(d_nll.size), "sparsity": ratio,
                    "ppl_dense": float(np.exp(d_nll.mean())), "ppl_sparse": float(np.exp(s_nll.mean())),
                    "ppl_ratio": float(np.exp(s_nll.mean() - d_nll.mean())), "top1_agreement": agree,
@@ -125,7 +129,8 @@ def main():
                    "decode_speedup": dense_s / sparse_s if sparse_s > 0 else None,
                    "layer_ratios": [round(l["ratio"], 3) for l in layers]}
             results.append(row)
-            print(f"ctx {ctx} cap {cap} mass {mt}{' +comp' if comp else ''}: sparsity {ratio:.3f}  ppl {row['ppl_dense']:.3f} -> {row['ppl_sparse']:.3f} "
+            print(f"ctx {ctx} cap {cap} mass {mt}{' +comp' if comp else ''}"
+                  f"{f' every {every} steps' if every > 1 else ''}: sparsity {ratio:.3f}  ppl {row['ppl_dense']:.3f} -> {row['ppl_sparse']:.3f} "
                   f"({100 * (row['ppl_ratio'] - 1):+.2f}%)  top-1 agreement {agree:.4f} over {d_nll.size} tokens  "
                   f"decode steps {dense_s:.2f} s dense, {sparse_s:.2f} s sparse "
                   f"({'%.2fx' % row['decode_speedup'] if row['decode_speedup'] else 'not timed: shorter than the prefill pass it subtracts'})",

@@ -88,6 +88,7 @@ py::dict stats_dict(const EngineStats& s) {
     ld["blocks_total"] = l.blocks_total;
     ld["blocks_skipped"] = l.blocks_skipped;
     ld["selections"] = l.selections;
+    ld["reused_selections"] = l.reused_selections;
     ld["ratio"] = l.blocks_total > 0 ? static_cast<double>(l.blocks_skipped) / l.blocks_total : 0.0;
     ld["mean_entropy_bits"] = l.selections > 0 ? l.entropy_bits / l.selections : 0.0;
     ld["top_blocks"] = l.top_blocks;
@@ -171,6 +172,7 @@ void bind_engine(py::module_& m) {
       .def_readwrite("sparsity_score_channels", &EngineConfig::sparsity_score_channels)
       .def_readwrite("sparsity_key_codes", &EngineConfig::sparsity_key_codes)
       .def_readwrite("sparsity_compensation", &EngineConfig::sparsity_compensation)
+      .def_readwrite("sparsity_selection_interval", &EngineConfig::sparsity_selection_interval)
       .def_readwrite("swap_preempted", &EngineConfig::swap_preempted)
       .def_readwrite("l2_bytes", &EngineConfig::l2_bytes)
       .def_readwrite("l3_path", &EngineConfig::l3_path)
@@ -248,6 +250,7 @@ void bind_engine(py::module_& m) {
              sp.score_channels = cfg.sparsity_score_channels;
              sp.key_codes = cfg.sparsity_key_codes;
              sp.compensation = cfg.sparsity_compensation;
+             sp.selection_interval = cfg.sparsity_selection_interval;
              auto exec = make_executor(model, cfg.block_size, cfg.num_kv_blocks, fused, cfg.num_threads,
                                        cfg.enable_dynamic_sparsity ? &sp : nullptr);
              return std::make_unique<Engine>(cfg, std::move(exec), std::move(tb), std::move(eos));

@@ -485,7 +485,7 @@ void bind_ops(py::module_& m) {
           const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& summaries,
           int32_t num_heads, double scale, int32_t min_context, int32_t recent_blocks, int32_t sink_blocks,
           double max_ratio, double mass_target, bool compensation, int32_t score_channels, bool key_codes,
-          bool info) -> py::object {
+          bool info, py::object reuse) -> py::object {
         check_rows(q, "q");
         check(kv, at::kFloat, "kv");
         const KVLayout L = layout_of(layout);
@@ -507,6 +507,32 @@ void bind_ops(py::module_& m) {
                                                        std::to_string(SummaryLayout::of(L, key_codes, true).fields) +
                                                        ")");
         }
+        // reuse: None, or per sequence None or an earlier selection's kept positions [Hkv][count]
+        // (select_blocks' ReusedSelection; the info dict's "positions" of that call, cut at -1).
+        std::vector<std::vector<int32_t>> reuse_rows;
+        std::vector<ReusedSelection> reused;
+        if (!reuse.is_none()) {
+          py::list rl = reuse.cast<py::list>();
+          if (static_cast<int32_t>(rl.size()) != b.num_seqs) {
+            throw Error(ErrorCode::kInvalidArgument, "reuse needs one entry per sequence");
+          }
+          reuse_rows.resize(rl.size());
+          reused.resize(rl.size());
+          for (size_t i = 0; i < rl.size(); ++i) {
+            if (rl[i].is_none()) continue;
+            auto heads = rl[i].cast<std::vector<std::vector<int32_t>>>();
+            if (static_cast<int32_t>(heads.size()) != L.num_kv_heads || heads[0].empty()) {
+              throw Error(ErrorCode::kInvalidArgument, "a reused selection has one non-empty row per KV head");
+            }
+            for (const auto& h : heads) {
+              if (h.size() != heads[0].size()) {
+                throw Error(ErrorCode::kInvalidArgument, "a reused selection's rows have one length");
+              }
+              reuse_rows[i].insert(reuse_rows[i].end(), h.begin(), h.end());
+            }
+            reused[i] = ReusedSelection{reuse_rows[i].data(), static_cast<int32_t>(heads[0].size())};
+          }
+        }
         // info=False (timing): the selection's buffers persist across calls, as the engine's
         // per-layer selections do, and no Python lists are built.
         thread_local LayerSelection kept_sel;
@@ -520,7 +546,7 @@ void bind_ops(py::module_& m) {
           py::gil_scoped_release release;
           sparse_decode_attention(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), kv.data_ptr<float>(), L,
                                   layer, b, summaries.data_ptr<float>(), S, num_heads, static_cast<float>(scale), p,
-                                  &sel, &lse);
+                                  &sel, &lse, reused.empty() ? nullptr : reused.data());
         }
         if (!info) return py::cast(out);
         py::dict d;
@@ -530,6 +556,9 @@ void bind_ops(py::module_& m) {
         d["blocks_total"] = sel.blocks_total;
         d["blocks_kept"] = sel.blocks_kept;
         d["selections"] = sel.selections;
+        d["reused_selections"] = sel.reused_selections;
+        d["reused"] = std::vector<int32_t>(sel.reused.begin(), sel.reused.end());
+        d["positions"] = sel.positions;
         d["entropy_bits"] = sel.entropy_bits;
         d["top_blocks"] = sel.top_blocks;
         return py::make_tuple(out, d);
@@ -538,7 +567,8 @@ void bind_ops(py::module_& m) {
       py::arg("context_lens"), py::arg("block_tables"), py::arg("summaries"), py::arg("num_heads"), py::arg("scale"),
       py::arg("min_context") = 2048, py::arg("recent_blocks") = 2, py::arg("sink_blocks") = 1,
       py::arg("max_ratio") = 0.6, py::arg("mass_target") = 0.95, py::arg("compensation") = false,
-      py::arg("score_channels") = 8, py::arg("key_codes") = false, py::arg("info") = true);
+      py::arg("score_channels") = 8, py::arg("key_codes") = false, py::arg("info") = true,
+      py::arg("reuse") = py::none());
 }
 
 }  // namespace k25::bindings

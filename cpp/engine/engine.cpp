@@ -786,6 +786,7 @@ void Engine::build_inputs(const std::vector<ScheduledSeq>& seqs_in, StepInputs* 
     }
     meta.query_start.push_back(meta.num_tokens());
     meta.context_lens.push_back(seq->num_computed + s.num_new_tokens);
+    meta.seq_ids.push_back(seq->id);
     std::copy(seq->block_table.begin(), seq->block_table.end(),
               meta.block_tables.begin() + static_cast<std::ptrdiff_t>(i) * max_blocks);
     if (seq->num_cold > 0) {

@@ -85,6 +85,9 @@ struct BatchMeta {
   std::vector<int32_t> query_start;   // [S + 1] offsets of each sequence's tokens
   std::vector<int32_t> context_lens;  // [S] tokens with KV after this step (incl. new)
   std::vector<int32_t> block_tables;  // [S * max_blocks_per_seq], unused entries -1
+  // [S] the request of each sequence (dynamic sparsity keeps selections across its steps:
+  // SelectionMemory), or empty: none named.
+  std::vector<int64_t> seq_ids;
   int32_t max_blocks_per_seq = 0;
   int32_t max_query_len = 0;
   int32_t max_context_len = 0;

@@ -190,6 +190,10 @@ class TorchExecutor : public ModelExecutor {
         sparse_->summaries = summaries_.data_ptr<float>();
       } else {
 #ifdef K25_WITH_CUDA
+        if (sparsity->selection_interval != 1) {
+          fail(ErrorCode::kUnsupported, "sparsity_selection_interval other than 1 is implemented on the CPU backend only "
+                                        "(the CUDA selection runs every step)");
+        }
         if (sparsity->score_channels != 0 || sparsity->compensation) {
           fail(ErrorCode::kUnsupported, "on CUDA, dynamic sparsity ranks blocks by the Quest bound or the key "
                                         "codes: set sparsity_score_channels=0 and sparsity_compensation=False");
@@ -582,7 +586,8 @@ class TorchExecutor : public ModelExecutor {
       for (int32_t l = 0; l < L; ++l) {
         const LayerSelection* sel = layers ? &(*layers)[l] : nullptr;
         // A layer that ran no selection this step (sliding window, prefill) read every block.
-        const bool selected = sel && sel->selections > 0 && static_cast<int32_t>(sel->sparse.size()) == S &&
+        const bool selected = sel && sel->selections + sel->reused_selections > 0 &&
+                              static_cast<int32_t>(sel->sparse.size()) == S &&
                               sel->sparse[s] && sel->max_blocks == MB;
         if (!selected) {
           for (int32_t b = 0; b < nb; ++b) r[b] += H;
@@ -835,13 +840,14 @@ class TorchExecutor : public ModelExecutor {
   void add_layer_stats(size_t l) {
     if (!sparse_ || l >= stats_.size()) return;
     const LayerSelection& sel = sparse_->layers[l];
-    if (sel.selections == 0) return;
+    if (sel.selections == 0 && sel.reused_selections == 0) return;
     LayerSparsityStats& st = stats_[l];
     st.blocks_total += sel.blocks_total;
     st.blocks_skipped += sel.blocks_total - sel.blocks_kept;
     st.selections += sel.selections;
+    st.reused_selections += sel.reused_selections;
     st.entropy_bits += sel.entropy_bits;
-    st.top_blocks = sel.top_blocks;
+    if (sel.selections > 0) st.top_blocks = sel.top_blocks;
   }
 
   // A step's logits into its results (on the device where it can) and copies.

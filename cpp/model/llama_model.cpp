@@ -194,6 +194,17 @@ struct LlamaModel::Pass::State {
   // L3 that its attention needs (ColdLayerSource::need), and the next call runs the rest.
   bool layer(int32_t l);
   at::Tensor logits();
+  // The CPU's select_blocks for layer l's rows q, through the selections kept across steps
+  // (SparseStep::memory, by request id when the step names them).
+  bool select(int32_t l, const float* q, LayerSelection* out) {
+    const bool named = meta.seq_ids.size() == static_cast<size_t>(meta.num_seqs());
+    const int64_t* ids = named ? meta.seq_ids.data() : nullptr;
+    sparse->memory.lookup(ab, ids, l, sparse->params, &reuse);
+    const bool any = select_blocks(q, qkv_dim, kv.data_ptr<float>(), sparse->summaries, sparse->layout, layout, l, ab,
+                                   Hq, scale, sparse->params, out, reuse.data());
+    sparse->memory.store(ab, ids, l, Hkv, layout.block_size, sparse->params, *out);
+    return any;
+  }
   // The fused kernels of this device.
   void norm(const at::Tensor& in, const at::Tensor& w, at::Tensor& out) {
 #ifdef K25_WITH_CUDA
@@ -254,6 +265,7 @@ struct LlamaModel::Pass::State {
   // between the parts, and it selects into SparseStep::layers too.
   at::Tensor qkv_kept;
   LayerSelection sel_kept;
+  std::vector<ReusedSelection> reuse;  // select()'s
   bool split = false, selected = false;
 };
 
@@ -309,6 +321,7 @@ void LlamaModel::Pass::State::begin() {
   }
   if (kv.device() != dev) fail(ErrorCode::kInternal, "the KV pool is not on the model's device");
   if (!cuda && kv.scalar_type() != at::kFloat) fail(ErrorCode::kUnsupported, "the CPU backend keeps KV in float32");
+  if (sparse && !cuda) sparse->memory.begin_step();
 
   // The step's metadata on the device.
   ids = prepared ? prepared->ids : on_device(meta.token_ids, at::kInt, dev);
@@ -463,9 +476,7 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
       update_key_summaries(kv.data_ptr<float>(), layout, sparse->summaries, sparse->layout, l, ab);
     }
     if (cl && cl->selective() && !second) {
-      selected = sparse && window == 0 &&
-                 select_blocks(q, qkv_dim, kv.data_ptr<float>(), sparse->summaries, sparse->layout, layout, l, ab, Hq,
-                               scale, sparse->params, &sel_kept);
+      selected = sparse && window == 0 && select(l, q, &sel_kept);
       std::vector<uint8_t> need(meta.cold_blocks.size(), 0);
       cold_entries_read(ab, layout.block_size, Hkv, selected, sel_kept, &need);
       if (cl->need(l, need)) {
@@ -477,17 +488,14 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
     }
     if (sparse && window == 0) {
       // Selected above (or in the first part) with selective cold reads, else here.
-      if (!(cl && cl->selective())) {
-        selected = select_blocks(q, qkv_dim, kv.data_ptr<float>(), sparse->summaries, sparse->layout, layout, l, ab,
-                                 Hq, scale, sparse->params, &sel_kept);
-      }
+      if (!(cl && cl->selective())) selected = select(l, q, &sel_kept);
       attend_selected(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, sparse->summaries,
                       sparse->layout, Hq, scale, sparse->params, selected, sel_kept, &sparse->lse);
       std::swap(sparse->layers[l], sel_kept);  // this layer's selection, for the stats and block_reads
     } else {
       if (sparse) {
         LayerSelection& sel = sparse->layers[l];
-        sel.blocks_total = sel.blocks_kept = sel.selections = 0;
+        sel.blocks_total = sel.blocks_kept = sel.selections = sel.reused_selections = 0;
       }
       cpu::paged_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, Hq, scale,
                            window);

@@ -76,6 +76,7 @@ struct SparseStep {
   SummaryLayout layout;
   std::vector<LayerSelection> layers;  // sized num_layers by the caller
   std::vector<float> lse;              // [T][num_heads] scratch for compensation
+  SelectionMemory memory;              // selections kept across steps (params.selection_interval > 1)
 #ifdef K25_WITH_CUDA
   // The CUDA form (cuda/block_sparsity.cu): summaries in the KV dtype on the device; the
   // selection's scratch (one for every step and graph: steps run in order on one stream);

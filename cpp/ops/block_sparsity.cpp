@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <utility>
 
 #include "k25/status.h"
@@ -424,7 +425,7 @@ struct TaskScratch {
 
 bool select_blocks(const float* q, int64_t q_stride, const float* kv, const float* summaries, const SummaryLayout& S,
                    const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B, int32_t num_heads, float scale,
-                   const SparsityParams& p, LayerSelection* out) {
+                   const SparsityParams& p, LayerSelection* out, const ReusedSelection* reuse) {
   const int32_t Hkv = L.num_kv_heads, group = num_heads / Hkv, D = L.head_dim, bs = L.block_size;
   // The rule: the key-code estimate, the channel estimate on R channels, or (R == 0) the bound.
   const bool codes = p.key_codes;
@@ -436,17 +437,24 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
   const int32_t nseq = B.num_seqs, MB = B.max_blocks_per_seq;
   out->context_lens.assign(B.context_lens, B.context_lens + nseq);
   out->sparse.assign(nseq, 0);
+  out->reused.assign(nseq, 0);
   out->max_blocks = MB;
   out->head_tables.clear();
-  out->blocks_total = out->blocks_kept = out->selections = 0;
+  out->positions.clear();
+  out->blocks_total = out->blocks_kept = out->selections = out->reused_selections = 0;
   out->entropy_bits = 0;
   out->top_blocks.clear();
+  auto eligible = [&](int32_t s) {
+    return B.query_start[s + 1] - B.query_start[s] == 1 && B.context_lens[s] > p.min_context;
+  };
   bool any = false;
   for (int32_t s = 0; s < nseq; ++s) {
-    any = any || (B.query_start[s + 1] - B.query_start[s] == 1 && B.context_lens[s] > p.min_context);
+    any = any || eligible(s);
+    out->reused[s] = eligible(s) && reuse && reuse[s].positions && reuse[s].count > 0;
   }
   if (!any) return false;
   out->head_tables.assign(static_cast<size_t>(nseq) * Hkv * MB, -1);
+  out->positions.assign(static_cast<size_t>(nseq) * Hkv * MB, -1);
 
   // (A reference: the workers' lambdas must see this thread's buffers, not their own.)
   thread_local SelectScratch scratch;
@@ -459,7 +467,7 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
   X.tasks.clear();  // (s, first block) of every scoring task, as s * 2^32 + block
   size_t flat = 0;
   for (int32_t s = 0; s < nseq; ++s) {
-    if (B.query_start[s + 1] - B.query_start[s] != 1 || B.context_lens[s] <= p.min_context) continue;
+    if (!eligible(s) || out->reused[s]) continue;  // reused: not scored
     const int32_t nb = (B.context_lens[s] + bs - 1) / bs;
     X.nbs[s] = nb;
     X.base[s] = flat;
@@ -690,7 +698,45 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
     for (int32_t h = 0; h < Hkv; ++h) out->entropy_bits += X.entropy[static_cast<size_t>(s) * Hkv + h];
     if (first_sparse < 0) first_sparse = s;
   }
-  if (first_sparse < 0) return false;
+  // The reused selections: the kept positions, then the blocks written since.
+  bool any_reused = false;
+  for (int32_t s = 0; s < nseq; ++s) {
+    if (!out->reused[s]) continue;
+    const ReusedSelection& r = reuse[s];
+    const int32_t ctx = B.context_lens[s], nb = (ctx + bs - 1) / bs;
+    const int32_t last = r.positions[r.count - 1];
+    for (int32_t h = 0; h < Hkv; ++h) {
+      const int32_t* kept = r.positions + static_cast<size_t>(h) * r.count;
+      for (int32_t i = 0; i < r.count; ++i) {
+        if (kept[i] < 0 || (i > 0 && kept[i] <= kept[i - 1]) || (i == r.count - 1 && kept[i] != last)) {
+          fail(ErrorCode::kInvalidArgument, "a reused selection's positions must ascend from 0 and every KV "
+                                            "head's must end at the same block");
+        }
+      }
+    }
+    const int32_t keep = r.count + (nb - 1 - last);
+    if (last >= nb || keep >= nb) {
+      fail(ErrorCode::kInvalidArgument, "a reused selection must name fewer blocks than the sequence has, "
+                                        "positions below its block count");
+    }
+    const int32_t* table = B.block_tables + static_cast<int64_t>(s) * MB;
+    for (int32_t h = 0; h < Hkv; ++h) {
+      const int32_t* kept = r.positions + static_cast<size_t>(h) * r.count;
+      const size_t at = (static_cast<size_t>(s) * Hkv + h) * MB;
+      int32_t* ht = out->head_tables.data() + at;
+      int32_t* pt = out->positions.data() + at;
+      std::copy(kept, kept + r.count, pt);
+      for (int32_t i = r.count; i < keep; ++i) pt[i] = last + 1 + (i - r.count);
+      for (int32_t i = 0; i < keep; ++i) ht[i] = table[pt[i]];
+    }
+    out->sparse[s] = 1;
+    out->context_lens[s] = (keep - 1) * bs + (ctx - (nb - 1) * bs);
+    out->blocks_total += static_cast<int64_t>(nb) * Hkv;
+    out->blocks_kept += static_cast<int64_t>(keep) * Hkv;
+    out->reused_selections += Hkv;
+    any_reused = true;
+  }
+  if (first_sparse < 0) return any_reused;
 
   // 3. Every head of a sparse sequence: its mandatory blocks plus its best-scoring others
   //    (nth_element, not a sort), as a block table in position order.
@@ -717,9 +763,12 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
       for (int32_t j = 0; j < nb; ++j) T.kept[j] = j < ob || j >= oe;
       for (int32_t i = 0; i < take; ++i) T.kept[key_block(keys[i])] = 1;
       int32_t* ht = out->head_tables.data() + (static_cast<size_t>(s) * Hkv + h) * MB;
+      int32_t* pt = out->positions.data() + (static_cast<size_t>(s) * Hkv + h) * MB;
       int32_t n = 0;
       for (int32_t j = 0; j < nb; ++j) {
-        if (T.kept[j]) ht[n++] = table[j];
+        if (!T.kept[j]) continue;
+        ht[n] = table[j];
+        pt[n++] = j;
       }
       if (s == first_sparse && h == 0) {
         // Statistics: the best-scoring blocks (mandatory ones included), best first.
@@ -746,8 +795,8 @@ cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelect
 void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L,
                              int32_t layer, const cpu::AttentionBatch& B, const float* summaries,
                              const SummaryLayout& S, int32_t num_heads, float scale, const SparsityParams& p,
-                             LayerSelection* sel, std::vector<float>* lse) {
-  const bool selected = select_blocks(q, q_stride, kv, summaries, S, L, layer, B, num_heads, scale, p, sel);
+                             LayerSelection* sel, std::vector<float>* lse, const ReusedSelection* reuse) {
+  const bool selected = select_blocks(q, q_stride, kv, summaries, S, L, layer, B, num_heads, scale, p, sel, reuse);
   attend_selected(q, q_stride, out, kv, L, layer, B, summaries, S, num_heads, scale, p, selected, *sel, lse);
 }
 
@@ -845,6 +894,72 @@ void compensate_skipped(const float* q, int64_t q_stride, float* out, const floa
       }
     }
   });
+}
+
+
+void SelectionMemory::begin_step() {
+  if (++steps_ % 64 != 0) return;
+  // Requests not seen for 64 steps (finished, aborted, long preempted) are forgotten.
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    it = steps_ - it->second.used > 64 ? entries_.erase(it) : std::next(it);
+  }
+}
+
+void SelectionMemory::lookup(const cpu::AttentionBatch& B, const int64_t* ids, int32_t layer,
+                             const SparsityParams& p, std::vector<ReusedSelection>* reuse) {
+  const int32_t nseq = B.num_seqs;
+  reuse->assign(nseq, ReusedSelection{});
+  if (p.selection_interval <= 1 || ids == nullptr) return;
+  const int32_t N = p.selection_interval;
+  for (int32_t s = 0; s < nseq; ++s) {
+    const auto it = entries_.find(ids[s]);
+    if (it == entries_.end()) continue;
+    if (B.query_start[s + 1] - B.query_start[s] != 1) {
+      entries_.erase(it);  // a prompt chunk (a recomputed sequence): its KV is new
+      continue;
+    }
+    it->second.used = steps_;
+    if (layer >= static_cast<int32_t>(it->second.layers.size())) continue;
+    const Kept& k = it->second.layers[layer];
+    // Fresh selections fall on context lengths that are multiples of N; the steps in between
+    // use the latest one made since then (with no entry, e.g. its first sparse step, a
+    // sequence selects afresh at any length).
+    const int32_t ctx = B.context_lens[s];
+    if (k.count > 0 && k.context_len < ctx && k.context_len >= ctx - ctx % N) {
+      (*reuse)[s] = ReusedSelection{k.positions.data(), k.count};
+    }
+  }
+}
+
+void SelectionMemory::store(const cpu::AttentionBatch& B, const int64_t* ids, int32_t layer, int32_t num_kv_heads,
+                            int32_t block_size, const SparsityParams& p, const LayerSelection& sel) {
+  if (p.selection_interval <= 1 || ids == nullptr || sel.positions.empty()) return;
+  const int32_t MB = sel.max_blocks;
+  for (int32_t s = 0; s < B.num_seqs; ++s) {
+    const bool selected = B.query_start[s + 1] - B.query_start[s] == 1 && B.context_lens[s] > p.min_context;
+    if (!selected || sel.reused[s]) continue;  // a reused one keeps its entry (and its age)
+    Entry& e = entries_[ids[s]];
+    e.used = steps_;
+    if (static_cast<int32_t>(e.layers.size()) <= layer) e.layers.resize(layer + 1);
+    Kept& k = e.layers[layer];
+    k.context_len = B.context_lens[s];
+    k.count = 0;
+    if (!sel.sparse[s]) continue;  // stayed dense: the next step selects afresh
+    const int32_t* row = sel.positions.data() + static_cast<size_t>(s) * num_kv_heads * MB;
+    int32_t count = 0;
+    while (count < MB && row[count] != -1) ++count;
+    // Reusable only if every head kept the last block (always, with recent_blocks >= 1).
+    const int32_t last = (B.context_lens[s] - 1) / block_size;
+    bool ends = count > 0;
+    for (int32_t h = 0; h < num_kv_heads && ends; ++h) ends = row[static_cast<size_t>(h) * MB + count - 1] == last;
+    if (!ends) continue;
+    k.count = count;
+    k.positions.resize(static_cast<size_t>(num_kv_heads) * count);
+    for (int32_t h = 0; h < num_kv_heads; ++h) {
+      std::copy(row + static_cast<size_t>(h) * MB, row + static_cast<size_t>(h) * MB + count,
+                k.positions.begin() + static_cast<size_t>(h) * count);
+    }
+  }
 }
 
 }  // namespace k25

@@ -35,6 +35,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <unordered_map>
 #include <vector>
 
 #include "ops/cpu_kernels.h"
@@ -53,6 +54,7 @@ struct SparsityParams {
   int32_t score_channels = 8;   // R > 0: channel estimate on the R largest |q_d| (min(R, head_dim));
                                 // 0: Quest bound ranks, centre estimate sizes
   bool key_codes = false;       // the key-code estimate (summaries with codes; score_channels unused)
+  int32_t selection_interval = 1;  // a sequence's selection serves this many of its decode steps (SelectionMemory)
 };
 
 // Block summaries: [num_blocks][num_layers][num_kv_heads][fields][head_dim] 32-bit words.
@@ -124,20 +126,72 @@ struct LayerSelection {
   std::vector<int32_t> context_lens;  // [S]: virtual length for sparse sequences, else real
   std::vector<uint8_t> sparse;        // [S]
   std::vector<int32_t> head_tables;   // [S][Hkv][max_blocks]: kept blocks in position order
+  std::vector<int32_t> positions;     // [S][Hkv][max_blocks]: their positions in the block table, then -1
+  std::vector<uint8_t> reused;        // [S]: the sequence's tables came from an earlier step (ReusedSelection)
   int32_t max_blocks = 0;
-  // Statistics over this layer's sparse (sequence, head) selections.
+  // Statistics over this layer's sparse (sequence, head) selections: blocks over the fresh and
+  // the reused ones, the entropy over the fresh ones (selections), which a reused one has not.
   int64_t blocks_total = 0, blocks_kept = 0;
   double entropy_bits = 0;   // sum over selections of the entropy of the estimated masses
   int64_t selections = 0;
+  int64_t reused_selections = 0;  // (sequence, KV head) selections carried over from an earlier step
   std::vector<int32_t> top_blocks;  // best-scoring physical blocks of the first selection, best first
+};
+
+// An earlier step's selection of a sequence, used again instead of selecting afresh: per KV
+// head the positions (in the block table) of the blocks it kept, ascending, `count` each
+// ([Hkv][count]). The blocks written since (past its last position) are kept too: they are
+// the newest, which a selection always keeps. Null positions: select afresh.
+struct ReusedSelection {
+  const int32_t* positions = nullptr;
+  int32_t count = 0;
 };
 
 // Selects for every single-token sequence longer than min_context (layers without a
 // sliding window only). q: rows after RoPE; kv: the cache (read on the chosen channels
-// by the channel estimate). Returns whether any sequence went sparse.
+// by the channel estimate). reuse (null, or [S]): the sequences whose tables come from an
+// earlier selection (such a row is not scored). Returns whether any sequence went sparse.
 bool select_blocks(const float* q, int64_t q_stride, const float* kv, const float* summaries, const SummaryLayout& S,
                    const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B, int32_t num_heads, float scale,
-                   const SparsityParams& p, LayerSelection* out);
+                   const SparsityParams& p, LayerSelection* out, const ReusedSelection* reuse = nullptr);
+
+// Selections kept across steps, per request and layer (SparsityParams::selection_interval
+// N > 1): a decode step whose context length is a multiple of N selects afresh, and the
+// steps up to the next multiple reuse that selection (the latest one made since the last
+// multiple: a sequence with none, e.g. at its first sparse step, selects afresh at any
+// length). So which steps select depends on the context length only, not on the batch or
+// its history. A prompt chunk of a request drops its entry (its KV is being recomputed), a
+// step that leaves a layer dense that layer's; entries of requests not seen for 64 steps are
+// dropped (a missing entry only means a fresh selection). Held by the engine thread's
+// executor.
+class SelectionMemory {
+ public:
+  // Before each step (forward pass) that may select: drops the entries of requests no step
+  // has named for 64 steps.
+  void begin_step();
+  // For `layer` of a step of B whose rows belong to requests ids[s]: reuse[s] (sized S)
+  // names the kept selection of each sequence that may use one, else null. Valid until the
+  // next store() of the layer.
+  void lookup(const cpu::AttentionBatch& B, const int64_t* ids, int32_t layer, const SparsityParams& p,
+              std::vector<ReusedSelection>* reuse);
+  // After select_blocks: keeps the fresh selections of `sel` (a sequence that selected and
+  // stayed dense forgets its entry).
+  void store(const cpu::AttentionBatch& B, const int64_t* ids, int32_t layer, int32_t num_kv_heads,
+             int32_t block_size, const SparsityParams& p, const LayerSelection& sel);
+
+ private:
+  struct Kept {
+    int32_t context_len = 0;  // at the selection
+    int32_t count = 0;        // 0: none
+    std::vector<int32_t> positions;  // [Hkv][count]
+  };
+  struct Entry {
+    std::vector<Kept> layers;
+    uint64_t used = 0;  // steps_ when a step last named the request
+  };
+  std::unordered_map<int64_t, Entry> entries_;
+  uint64_t steps_ = 0;
+};
 
 // The batch attention should use after select_blocks: context lengths and per-head tables.
 cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelection& sel);
@@ -149,7 +203,7 @@ cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelect
 void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L,
                              int32_t layer, const cpu::AttentionBatch& B, const float* summaries,
                              const SummaryLayout& S, int32_t num_heads, float scale, const SparsityParams& p,
-                             LayerSelection* sel, std::vector<float>* lse);
+                             LayerSelection* sel, std::vector<float>* lse, const ReusedSelection* reuse = nullptr);
 // Its second half, for a selection made already: `selected` is what select_blocks returned.
 void attend_selected(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L, int32_t layer,
                      const cpu::AttentionBatch& B, const float* summaries, const SummaryLayout& S, int32_t num_heads,

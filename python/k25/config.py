@@ -49,6 +49,9 @@ class K25Config:
     # summaries; on CUDA with 16-bit KV), "bound" (Quest bound); None: from sparsity_score_channels
     # (docs/sparsity.md)
     sparsity_score_rule: Optional[str] = None
+    # decode steps one selection of a sequence serves (1: select every step; N: the kept blocks,
+    # plus those written since, for the next N - 1 steps too); CPU only for now (docs/sparsity.md)
+    sparsity_selection_interval: int = 1
     enable_async_offload: bool = False  # with cache_mode="hierarchical": tiered KV (docs/offload.md)
     cache_mode: str = "standard"        # or "hierarchical"
     l2_bytes: Optional[int] = None      # L2 host pool; None: as large as the primary KV pool
@@ -107,6 +110,10 @@ class K25Config:
             if self.sparsity_compensation is True:
                 raise ConfigError("sparsity_compensation=True runs on the CPU backend only (the CUDA selection "
                                   "keeps no key or value sums)")
+            v = self.sparsity_selection_interval
+            if isinstance(v, int) and not isinstance(v, bool) and 1 < v <= 64:
+                raise ConfigError(f"sparsity_selection_interval={self.sparsity_selection_interval!r} is "
+                                  "implemented on the CPU backend only (the CUDA selection runs every step)")
         if device.startswith("cuda"):
             from . import _C
             if not _C.cuda_available():
@@ -163,6 +170,12 @@ class K25Config:
                  "sparsity_score_rule='channels' needs sparsity_score_channels > 0 (or None: 8)")
         need(isinstance(self.enable_dynamic_sparsity, bool), "enable_dynamic_sparsity must be a bool")
         need(isinstance(self.sparsity_compensation, bool), "sparsity_compensation must be a bool")
+        positive_int("sparsity_selection_interval")
+        need(self.sparsity_selection_interval <= 64,
+             f"sparsity_selection_interval must be at most 64, got {self.sparsity_selection_interval}")
+        if self.sparsity_selection_interval != 1 and not self.enable_dynamic_sparsity:
+            raise ConfigError(f"sparsity_selection_interval={self.sparsity_selection_interval} needs "
+                              "enable_dynamic_sparsity=True")
         if self.sparsity_score_rule is not None and self.enable_dynamic_sparsity is not True:
             raise ConfigError(f"sparsity_score_rule={self.sparsity_score_rule!r} needs enable_dynamic_sparsity=True")
         if self.sparsity_compensation and not self.enable_dynamic_sparsity:

@@ -224,6 +224,7 @@ class K25Model:
         ec.sparsity_sink_blocks = config.sparsity_sink_blocks
         ec.sparsity_mass_target = float(config.sparsity_mass_target)
         ec.sparsity_compensation = bool(config.sparsity_compensation)
+        ec.sparsity_selection_interval = config.sparsity_selection_interval
         ec.sparsity_score_channels = config.resolved_score_channels()
         ec.sparsity_key_codes = config.resolved_score_rule() == "codes"
         self.kv_block_bytes = self._handle.kv_block_bytes(config.block_size)

@@ -241,6 +241,90 @@ def test_sparse_attention_equals_dense_attention_over_the_kept_blocks(Hq):
 
 
 @pytest.mark.parametrize("codes", [False, True])
+def test_reused_selection_attends_over_its_kept_blocks_and_those_written_since(codes):
+    """A selection kept from an earlier step (reuse=): no scoring; each head attends over the
+    blocks it kept then plus every block written since, whatever the new query would select."""
+    # 2512: a full last block, the next token starts a new one; 2200 grows inside its last block.
+    Hq, ctxs = 4, [3000, 2512, 700, 2200]
+    pool, summ, tables, ks, vs, q = random_sequences(11, ctxs, Hq, codes=codes)
+    kw = dict(min_context=1000, recent_blocks=4, sink_blocks=1, max_ratio=0.6, key_codes=codes,
+              score_channels=0 if codes else 8)
+    scale = 1 / math.sqrt(D)
+    qs, cl, bt = batch(ctxs, [1] * len(ctxs), tables)
+    _, first = _C.ops.sparse_attention(q, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, scale, **kw)
+    assert first["sparse"] == [1, 1, 0, 1] and first["reused"] == [0, 0, 0, 0]
+    MB = bt.shape[1]
+    pos = torch.tensor(first["positions"]).view(len(ctxs), HKV, MB)
+    heads = torch.tensor(first["head_tables"]).view(len(ctxs), HKV, MB)
+    kept = {}
+    for i in (0, 1, 3):
+        rows = [[j for j in pos[i, h].tolist() if j >= 0] for h in range(HKV)]
+        for h in range(HKV):  # positions name the head table's blocks
+            assert [tables[i][j] for j in rows[h]] == [b for b in heads[i, h].tolist() if b >= 0]
+        kept[i] = rows
+    assert kept[0][0] != kept[0][1] or kept[1][0] != kept[1][1], "heads select differently"
+    # Later steps: 20 more tokens for the first (into a new block), one for the second (a new
+    # block), three for the last (no new block).
+    g = torch.Generator().manual_seed(12)
+    grow = [20, 1, 1, 3]
+    spare = [b for b in range(pool.shape[0]) if all(b not in t for t in tables)] + \
+        list(range(pool.shape[0], pool.shape[0] + 2))
+    pool = torch.cat([pool, torch.full_like(pool[:2], float("nan"))])
+    summ = torch.cat([summ, torch.zeros_like(summ[:2])])
+    for i, n in enumerate(grow):
+        c = ctxs[i]
+        while len(tables[i]) * BS < c + n:
+            tables[i].append(spare.pop())
+        k = torch.randn(n, HKV, D, generator=g) * 2
+        v = torch.randn(n, HKV, D, generator=g)
+        write_keys(pool, 0, tables[i], k, v, start=c)
+        ks[i], vs[i] = torch.cat([ks[i], k]), torch.cat([vs[i], v])
+    ctxs2 = [c + n for c, n in zip(ctxs, grow)]
+    qs, cl, bt = batch(ctxs2, grow, tables)  # the summaries follow the writes, as in the engine
+    _C.ops.update_key_summaries(pool.view(-1), LAYOUT, summ, 0, qs, cl, bt, key_codes=codes)
+    q2 = torch.randn(len(ctxs), Hq * D, generator=g) * 3  # a query the old selection was not made for
+    qs, cl, bt = batch(ctxs2, [1] * len(ctxs), tables)
+    out, info = _C.ops.sparse_attention(q2, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, scale,
+                                        reuse=[kept[0], kept[1], None, kept[3]], **kw)
+    assert info["reused"] == [1, 1, 0, 1] and info["sparse"] == [1, 1, 0, 1]
+    assert info["reused_selections"] == 3 * HKV and info["selections"] == 0
+    MB = bt.shape[1]
+    heads = torch.tensor(info["head_tables"]).view(len(ctxs), HKV, MB)
+    group = Hq // HKV
+    blocks_kept = 0
+    for i in (0, 1, 3):
+        nb_old, nb = -(-ctxs[i] // BS), -(-ctxs2[i] // BS)
+        assert nb == nb_old + (i != 3)
+        for h in range(HKV):
+            want = kept[i][h] + list(range(nb_old, nb))
+            assert [b for b in heads[i, h].tolist() if b >= 0] == [tables[i][j] for j in want]
+            blocks_kept += len(want)
+            positions = torch.cat([torch.arange(j * BS, min(ctxs2[i], (j + 1) * BS)) for j in want])
+            assert info["context_lens"][i] == len(positions)
+            ref = dense_over(q2[i], ks[i], vs[i], Hq, positions)[h * group:(h + 1) * group]
+            o = out[i].view(Hq, D)[h * group:(h + 1) * group].double()
+            assert (o - ref).abs().max().item() < 3e-5, (i, h)
+    assert info["context_lens"][2] == ctxs2[2]
+    assert info["blocks_total"] == HKV * sum(-(-ctxs2[i] // BS) for i in (0, 1, 3))
+    assert info["blocks_kept"] == blocks_kept
+    # The same step selecting afresh keeps other blocks (the reuse above skipped the rule).
+    _, fresh = _C.ops.sparse_attention(q2, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, scale, **kw)
+    assert fresh["selections"] == 3 * HKV and fresh["head_tables"] != info["head_tables"]
+    # A malformed reuse is a clear error.
+    call = lambda r: _C.ops.sparse_attention(q2, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, scale, reuse=r, **kw)
+    nb0 = -(-ctxs2[0] // BS)
+    rest = [None, None, None]
+    for bad, match in [([None], "one entry per sequence"),
+                       ([[kept[0][0]]] + rest, "one non-empty row per KV head"),
+                       ([[kept[0][0], kept[0][1][:-1]]] + rest, "one length"),
+                       ([[r[::-1] for r in kept[0]]] + rest, "ascend"),
+                       ([[r + [nb0 + 5] for r in kept[0]]] + rest, "fewer blocks|below"),
+                       ([[list(range(nb0)) for _ in range(HKV)]] + rest, "fewer blocks")]:
+        with pytest.raises(ValueError, match=match):
+            call(bad)
+
+
+@pytest.mark.parametrize("codes", [False, True])
 def test_compensation_folds_skipped_blocks_back_as_mean_pseudo_keys(codes):
     """With sums in the summaries (after the key codes, where kept) the key and value sums are
     kept too; compensation adds, per skipped block, a pseudo-key mean(k) with value mean(v) and
@@ -721,3 +805,61 @@ def test_engine_score_channels_is_honoured_end_to_end():
     assert r0 > 0 and r1 > 0
     assert np.array_equal(bound[:ctx - decoded], chan[:ctx - decoded])
     assert np.abs(bound[ctx - decoded:] - chan[ctx - decoded:]).max() > 1e-4
+
+
+def test_engine_selection_interval_reuses_each_selection_for_the_next_steps():
+    """sparsity_selection_interval=N: decode steps at context lengths that are multiples of N
+    select, the steps up to the next multiple reuse that selection (counted apart in the
+    statistics); prompt rows and the first decode row are bit-identical to selecting every
+    step, later rows differ."""
+    ctx, decoded, Hkv = 1200, 40, None
+    runs = {}
+    for n in (1, 2, 3):
+        m = K25Model(K25Config(num_threads=2, kv_cache_bytes=256 << 20, enable_dynamic_sparsity=True,
+                               sparsity_min_context=512, sparsity_score_rule="codes", sparsity_selection_interval=n))
+        try:
+            ids = pydoc_ids(m, ctx, 12000)
+            Hkv = m.model_config["num_kv_heads"]
+            runs[n] = (m.score(ids, decode_from=ctx - decoded), m.stats()["sparsity_layers"],
+                       m.get_current_sparsity_ratio())
+        finally:
+            m.close()
+    every = runs[1][0]
+    steps = range(ctx - decoded + 1, ctx + 1)  # the decode steps' context lengths
+    for n, (logits, layers, ratio) in runs.items():
+        # The first decode step selects, then those at multiples of n.
+        fresh = 1 + sum(c % n == 0 for c in steps[1:])
+        for l in layers:
+            assert l["selections"] == fresh * Hkv, (n, l)
+            assert l["reused_selections"] == (decoded - fresh) * Hkv, (n, l)
+        assert 0.1 <= ratio <= 0.6
+        assert np.array_equal(logits[:ctx - decoded + 1], every[:ctx - decoded + 1])
+        if n > 1:
+            assert np.abs(logits[ctx - decoded + 1:] - every[ctx - decoded + 1:]).max() > 1e-4
+            agree = np.mean(logits[ctx - decoded:].argmax(1) == every[ctx - decoded:].argmax(1))
+            assert agree >= 0.9, (n, agree)
+    with pytest.raises(ConfigError, match="needs enable_dynamic_sparsity"):
+        K25Config(sparsity_selection_interval=2)
+    for bad in (0, -1, 65, 2.0, True, "2"):
+        with pytest.raises(ConfigError, match="sparsity_selection_interval"):
+            K25Config(device="cpu", enable_dynamic_sparsity=True, sparsity_selection_interval=bad)
+    with pytest.raises(ConfigError, match="CPU backend only"):
+        K25Config(device="cuda", enable_dynamic_sparsity=True, sparsity_score_rule="codes",
+                  sparsity_selection_interval=2)
+
+
+def test_engine_reused_selections_follow_each_request_in_a_batch():
+    """Selections are kept per request: two requests of different lengths give the same
+    tokens decoding together as alone (a selection reused for the wrong row would change
+    them, or fail on positions past the shorter one's blocks)."""
+    m = K25Model(K25Config(num_threads=2, kv_cache_bytes=256 << 20, enable_dynamic_sparsity=True,
+                           sparsity_min_context=256, sparsity_score_rule="codes", sparsity_selection_interval=3))
+    try:
+        prompts = [pydoc_ids(m, 700, 3000), pydoc_ids(m, 420, 9000)]
+        alone = [m.generate([p], max_new_tokens=14, ignore_eos=True, temperature=0.0)[0].token_ids for p in prompts]
+        together = [o.token_ids for o in m.generate(prompts, max_new_tokens=14, ignore_eos=True, temperature=0.0)]
+        layers = m.stats()["sparsity_layers"]
+    finally:
+        m.close()
+    assert together == alone
+    assert all(l["reused_selections"] > 0 and l["selections"] > 0 for l in layers)

@@ -72,6 +72,7 @@ struct LayerSparsityStats {
   int64_t blocks_total = 0;    // blocks of the selections, one count per KV head
   int64_t blocks_skipped = 0;
   int64_t selections = 0;      // (sequence, KV head, step) selections
+  int64_t reused_selections = 0;  // of the same, those carried over from an earlier step (not counted in selections)
   double entropy_bits = 0;     // summed entropy of the estimated attention mass over blocks
   std::vector<int32_t> top_blocks;  // best-scoring physical blocks of the latest selection
 };
