@@ -61,11 +61,16 @@ __device__ __forceinline__ float from_order_bits(uint32_t u) {
   return __uint_as_float((u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u);
 }
 
-// Blocks of sequence s that select (single-token step, more than min_context keys), else 0.
+// Row s's SparseSelect::reuse entry (-1 without reuse).
+__device__ __forceinline__ int reuse_of(const SparseSelect& a, int s) { return a.reuse != nullptr ? a.reuse[s] : -1; }
+
+// Blocks of sequence s that select (single-token step, more than min_context keys, not
+// reusing a kept selection), else 0.
 __device__ __forceinline__ int eligible_blocks(const SparseSelect& a, int s) {
   const int q_len = a.query_start[s + 1] - a.query_start[s];
   const int ctx = a.context_lens[s];
-  return q_len == 1 && ctx > a.min_context ? (ctx + a.block_size - 1) / a.block_size : 0;
+  const int r = reuse_of(a, s);
+  return q_len == 1 && ctx > a.min_context && !(r >= 0 && (r & 1)) ? (ctx + a.block_size - 1) / a.block_size : 0;
 }
 
 // Mandatory blocks of nb: [0, ob) and [oe, nb).
@@ -1231,6 +1236,37 @@ __device__ __forceinline__ void write_head_table(const SparseSelect& a, int s, i
   int* reads = a.block_reads != nullptr && a.query_start[s + 1] - a.query_start[s] == 1
                    ? a.block_reads + static_cast<int64_t>(s) * a.reads_stride
                    : nullptr;
+  // Selection reuse: the slot's kept selection of this layer (ru odd), or where this one goes (even).
+  const int ru = reuse_of(a, s);
+  const int64_t slot_layer = ru >= 0 ? static_cast<int64_t>(ru >> 1) * a.num_layers + a.layer : -1;
+  int* kept = ru >= 0 ? a.kept_positions + (slot_layer * a.num_kv_heads + h) * a.kept_stride : nullptr;
+  if (ru >= 0 && (ru & 1)) {
+    const int n = ctx > 0 ? (ctx + bs - 1) / bs : 0;
+    const int rc = a.kept_counts[slot_layer];
+    const int last = rc > 0 ? kept[rc - 1] : n;
+    if (rc > 0 && last < n) {
+      // The kept positions, then every block written since (uniform per sequence: each
+      // head's kept list ends at the last block it had).
+      const int keep = rc + (n - 1 - last);
+      for (int i = threadIdx.x; i < keep; i += kThreads) {
+        const int j = i < rc ? kept[i] : last + 1 + (i - rc);
+        out[i] = table[j];
+        if (reads) atomicAdd(reads + j, 1);
+      }
+      if (h == 0 && threadIdx.x == 0) a.context_lens_out[s] = (keep - 1) * bs + (ctx - (n - 1) * bs);
+      if (threadIdx.x == 0) {
+        atomicAdd(a.layer_stats, static_cast<double>(n));
+        atomicAdd(a.layer_stats + 1, static_cast<double>(keep));
+        if (a.reused_stats != nullptr) atomicAdd(a.reused_stats, 1.0);
+      }
+      return;
+    }
+    // A kept selection that stayed dense (or none): dense, the copy below (nb is 0 here).
+  }
+  if (ru >= 0 && !(ru & 1) && h == 0 && threadIdx.x == 0) {
+    a.kept_counts[slot_layer] = nb > 0 && p.sparse ? p.keep : 0;  // the positions follow below
+  }
+  if (!(ru >= 0 && !(ru & 1))) kept = nullptr;  // stored only by a row that selects and keeps
   if (nb == 0 || !p.sparse) {
     const int n = ctx > 0 ? (ctx + bs - 1) / bs : 0;
     // kBatch loads before their stores: out may alias table as far as the compiler knows,
@@ -1288,6 +1324,7 @@ __device__ __forceinline__ void write_head_table(const SparseSelect& a, int s, i
       const int j = j0 + i;
       if (j >= hi) break;
       if (!kept_at(j, r)) continue;
+      if (kept) kept[pos] = j;
       out[pos++] = v[i];
       if (reads) atomicAdd(reads + j, 1);
     }

@@ -213,6 +213,17 @@ struct SparseSelect {
   // sizes instead: a block's log-mass, the log-sum-exp of the scaled q.k over its keys read back
   // from the codes, as both raw values (16-bit KV only).
   int32_t code_tiles = 0;
+  // Selection reuse (sparsity_selection_interval, docs/sparsity.md "Selection reuse"): null, or
+  // per row [S]: -1, none; 2 m, select and keep the result in memory slot m; 2 m + 1, use slot
+  // m's kept selection of this layer instead of selecting (the row is not scored; the blocks
+  // written since it are kept too; a kept count of 0, a selection that stayed dense, is dense
+  // again). The caller gives a step's rows distinct slots and reuses only a selection of the
+  // same sequence made at a shorter context (positions below its block count).
+  const int32_t* reuse = nullptr;
+  int32_t* kept_positions = nullptr;  // [slots][num_layers][num_kv_heads][kept_stride]: ascending
+  int32_t* kept_counts = nullptr;     // [slots][num_layers]: kept blocks of each KV head
+  int32_t kept_stride = 0;            // >= max_blocks
+  double* reused_stats = nullptr;     // of this layer (optional), added to: reused (sequence, KV head) selections
 };
 // Selects for every single-token sequence longer than min_context (the Quest bound ranks,
 // the centre estimate sizes; with code_tiles the key-code estimate does both: docs/sparsity.md), and writes head_tables / context_lens_out

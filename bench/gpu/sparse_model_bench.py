@@ -14,7 +14,8 @@ A case whose KV does not fit the device's memory next to the weights is skipped 
 saying so (B8 @ 128K at 32 layers needs 137 GB of KV): --layers 8 keeps every layer's shape
 and fits it. Prefill dominates the run time (B8 @ 32K is 262K tokens per configuration).
 
-    python3 bench/gpu/sparse_model_bench.py [--layers 32] [--cases 1x8192,...] [--new 64] [--json out.json]
+    python3 bench/gpu/sparse_model_bench.py [--layers 32] [--cases 1x8192,...] [--new 64] [--rule codes]
+                                            [--intervals 1,2] [--json out.json]
     python3 bench/gpu/sparse_model_bench.py --device cpu --path default --cases 1x2600 --new 4  (smoke run)
 """
 import argparse
@@ -59,6 +60,10 @@ def main():
                     help="sparsity_mass_target (default: the config's 0.95). Random weights spread attention "
                          "evenly, so the rule keeps ~90%% of the blocks; a low target (0.05) makes the cap bind, "
                          "as real text at long contexts does")
+    ap.add_argument("--rule", default=None, choices=["bound", "codes"], help="sparsity_score_rule (default: the "
+                                                                             "device's, the bound on CUDA)")
+    ap.add_argument("--intervals", default="1", help="sparsity_selection_interval values (comma list): one "
+                                                     "selection serving that many decode steps")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -86,7 +91,12 @@ def main():
     sparse = dict(enable_dynamic_sparsity=True)
     if args.mass_target is not None:
         sparse["sparsity_mass_target"] = args.mass_target
-    configs = [("dense", {})] + [(f"cap {c}", dict(sparse, max_sparsity_ratio=float(c))) for c in args.caps.split(",")]
+    if args.rule is not None:
+        sparse["sparsity_score_rule"] = args.rule
+    configs = [("dense", {})] + [
+        (f"cap {c}" + (f" every {n}" if int(n) > 1 else ""),
+         dict(sparse, max_sparsity_ratio=float(c), sparsity_selection_interval=int(n)))
+        for c in args.caps.split(",") for n in args.intervals.split(",")]
     results = {name: {} for name, _ in configs}
     for name, kw in configs:
         t = time.perf_counter()

@@ -176,8 +176,27 @@ void bind_cuda_ops(py::module_& m) {
       .def("select",
            [](AttentionCall& c, const at::Tensor& q, const at::Tensor& summaries, at::Tensor& layer_stats,
               int32_t min_context, int32_t sink_blocks, int32_t recent_blocks, double min_ratio, double max_ratio,
-              double mass_target, bool count_reads, bool key_codes) {
+              double mass_target, bool count_reads, bool key_codes, py::object reuse, py::object memory) {
              const int32_t S = static_cast<int32_t>(c.batch.context_lens.numel());
+             // Selection reuse: reuse int32 [S] on the device (cuda::SparseSelect::reuse) and memory
+             // (positions int32 [slots, num_layers, Hkv, stride], counts int32 [slots, num_layers]).
+             if (reuse.is_none() != memory.is_none()) {
+               throw Error(ErrorCode::kInvalidArgument, "reuse and memory go together");
+             }
+             cuda_glue::SparseMemory mem;
+             cuda_glue::DeviceBatch batch = c.batch;
+             if (!reuse.is_none()) {
+               batch.reuse = reuse.cast<at::Tensor>();
+               auto t = memory.cast<py::tuple>();
+               mem.positions = t[0].cast<at::Tensor>();
+               mem.counts = t[1].cast<at::Tensor>();
+               const at::Tensor r = batch.reuse.to(at::kCPU).to(at::kInt).contiguous();
+               for (int64_t i = 0; i < r.numel(); ++i) {
+                 if (r.data_ptr<int32_t>()[i] >= 2 * mem.counts.size(0)) {
+                   throw Error(ErrorCode::kInvalidArgument, "reuse names a slot past the memory's");
+                 }
+               }
+             }
              if (!c.scratch.raw.defined() || c.scratch.reads.defined() != count_reads) {
                c.scratch = cuda_glue::make_sparse_scratch(S, c.batch.max_blocks, c.num_heads, c.layout.num_kv_heads,
                                                           c.kv.device(), count_reads);
@@ -193,7 +212,8 @@ void bind_cuda_ops(py::module_& m) {
              p.score_channels = 0;
              p.key_codes = key_codes;
              c.sparse = cuda_glue::select_blocks(q, c.layout, c.layer, summaries, c.kv.numel() / c.layout.block_elems(),
-                                                 c.batch, c.num_heads, c.scale, p, c.scratch, layer_stats);
+                                                 batch, c.num_heads, c.scale, p, c.scratch, layer_stats, at::Tensor(),
+                                                 reuse.is_none() ? nullptr : &mem);
              if (count_reads) {
                // and the block reads [S, max_blocks] the selection counted (SparseSelect::block_reads)
                return py::tuple(py::make_tuple(c.sparse.head_tables.narrow(0, 0, S), c.sparse.context_lens,
@@ -203,7 +223,8 @@ void bind_cuda_ops(py::module_& m) {
            },
            py::arg("q"), py::arg("summaries"), py::arg("layer_stats"), py::arg("min_context"),
            py::arg("sink_blocks"), py::arg("recent_blocks"), py::arg("min_ratio"), py::arg("max_ratio"),
-           py::arg("mass_target"), py::arg("count_reads") = false, py::arg("key_codes") = false)
+           py::arg("mass_target"), py::arg("count_reads") = false, py::arg("key_codes") = false,
+           py::arg("reuse") = py::none(), py::arg("memory") = py::none())
       // The last selection's raw scores [S, num_heads, 2, max_blocks] (the bound and the centre
       // estimate, or with key codes the block's log-mass twice), for tests; written for the
       // sequences that selected.
@@ -291,6 +312,11 @@ void bind_ops(py::module_& m) {
                           cuda_glue::sparse_scratch_bytes(num_seqs, max_blocks, num_heads, L.num_kv_heads, count_reads));
   }, py::arg("layout"), py::arg("dtype"), py::arg("num_heads"), py::arg("num_seqs"), py::arg("max_blocks"),
      py::arg("count_reads"), py::arg("key_codes") = false);
+  // Device bytes of the kept selections (sparsity_selection_interval > 1): `slots` rows of
+  // `stride` blocks (cuda_glue::make_sparse_memory).
+  m.def("cuda_sparse_memory_bytes", [](py::tuple layout, int32_t slots, int32_t stride) {
+    return cuda_glue::sparse_memory_bytes(slots, layout_of(layout), stride);
+  }, py::arg("layout"), py::arg("slots"), py::arg("stride"));
 #endif
   py::module_ ops = m.def_submodule("ops", "CPU kernels on float32 tensors (for tests)");
   // The 16-lane exp and log of ops/vec16.h, elementwise (for their accuracy tests).

@@ -190,10 +190,6 @@ class TorchExecutor : public ModelExecutor {
         sparse_->summaries = summaries_.data_ptr<float>();
       } else {
 #ifdef K25_WITH_CUDA
-        if (sparsity->selection_interval != 1) {
-          fail(ErrorCode::kUnsupported, "sparsity_selection_interval other than 1 is implemented on the CPU backend only "
-                                        "(the CUDA selection runs every step)");
-        }
         if (sparsity->score_channels != 0 || sparsity->compensation) {
           fail(ErrorCode::kUnsupported, "on CUDA, dynamic sparsity ranks blocks by the Quest bound or the key "
                                         "codes: set sparsity_score_channels=0 and sparsity_compensation=False");
@@ -211,8 +207,9 @@ class TorchExecutor : public ModelExecutor {
         sparse_->device_summaries = cuda_glue::make_block_summaries(num_blocks + 1, layout_, model_->dtype(), device,
                                                                     sparsity->key_codes);
         const auto f64 = at::TensorOptions().dtype(at::kDouble);
-        sparse_->layer_stats = at::zeros({c.num_layers, 4}, f64.device(device));
-        sparse_->host_stats = at::zeros({c.num_layers, 4}, f64.pinned_memory(true));
+        // blocks, kept blocks, selections, entropy bits, reused selections (cuda_glue::select_blocks)
+        sparse_->layer_stats = at::zeros({c.num_layers, 5}, f64.device(device));
+        sparse_->host_stats = at::zeros({c.num_layers, 5}, f64.pinned_memory(true));
 #endif
       }
     }
@@ -250,6 +247,15 @@ class TorchExecutor : public ModelExecutor {
   void warm_up(int32_t max_batch_size) override {
 #ifdef K25_WITH_CUDA
     grow_cold_summaries();  // before any graph captures the summaries' address
+    if (sparse_ && kv_.is_cuda() && sparse_->params.selection_interval > 1 && !reuse_slots_) {
+      // Selection reuse: a slot of kept selections per row of the largest step (before any
+      // graph captures their address; K25Model's pool sizing sets the same bytes aside).
+      c10::cuda::CUDAGuard guard(model_->device());
+      c10::cuda::CUDAStreamGuard sg(engine_stream());
+      const int32_t slots = std::max(max_batch_size, bucket_for(max_batch_size));
+      sparse_->device_memory = cuda_glue::make_sparse_memory(slots, layout_, graph_blocks(), model_->device());
+      reuse_slots_ = std::make_unique<ReuseSlots>(slots, graph_blocks());
+    }
     if (!use_graphs_) return;
     c10::cuda::CUDAGuard guard(model_->device());
     c10::cuda::CUDAStreamGuard sg(engine_stream());
@@ -281,10 +287,11 @@ class TorchExecutor : public ModelExecutor {
       std::vector<LayerSparsityStats> out(stats_.size());
       const double* h = sparse_->host_stats.data_ptr<double>();
       for (size_t l = 0; l < out.size(); ++l) {
-        out[l].blocks_total = std::llround(h[4 * l]);
-        out[l].blocks_skipped = std::llround(h[4 * l] - h[4 * l + 1]);
-        out[l].selections = std::llround(h[4 * l + 2]);
-        out[l].entropy_bits = h[4 * l + 3];
+        out[l].blocks_total = std::llround(h[5 * l]);
+        out[l].blocks_skipped = std::llround(h[5 * l] - h[5 * l + 1]);
+        out[l].selections = std::llround(h[5 * l + 2]);
+        out[l].entropy_bits = h[5 * l + 3];
+        out[l].reused_selections = std::llround(h[5 * l + 4]);
       }
       return out;
     }
@@ -363,6 +370,9 @@ class TorchExecutor : public ModelExecutor {
         guard = std::make_unique<c10::cuda::CUDAGuard>(ex_->kv_.device());
         sg = std::make_unique<c10::cuda::CUDAStreamGuard>(ex_->engine_stream());
         ex_->ensure_sparse_scratch(meta.num_seqs(), meta.max_blocks_per_seq);
+        // The lane's steps keep no selections (its layers interleave with whole steps, whose
+        // rows may take any slot): they select every step.
+        if (ex_->sparse_) ex_->sparse_->reuse_rows.clear();
       }
 #endif
       pass_ = ex_->model_->begin(meta, ex_->kv_, ex_->layout_, ex_->fused_, nullptr, ex_->sparse_.get(),
@@ -830,8 +840,12 @@ class TorchExecutor : public ModelExecutor {
       if (pf != nullptr) cold_gathered_ += n;
     }
     cold_->prefetch = pf;
+    if (reuse_slots_) reuse_modes(meta, &sparse_->reuse_rows);
 #endif
     at::Tensor logits = model_->forward(meta, kv_, layout_, fused_, nullptr, sparse_.get(), cold_.get());
+#ifdef K25_WITH_CUDA
+    if (sparse_) sparse_->reuse_rows.clear();
+#endif
     for (size_t l = 0; l < stats_.size(); ++l) add_layer_stats(l);
     sample_logits(logits, samples, results, copies);
   }
@@ -912,8 +926,10 @@ class TorchExecutor : public ModelExecutor {
   }
   struct DecodeGraph {
     DeviceStep step;
-    // [ids | positions | context_lens | prev_rows | block_tables] int32, one upload
+    // [ids | positions | context_lens | prev_rows | block_tables | gathered cold entries |
+    // selection reuse modes] int32, one upload
     at::Tensor ints;
+    int64_t reuse_at = -1;  // where the reuse modes start in ints (-1: none)
     at::Tensor prev_rows;  // view of ints: BatchMeta::prev_rows, -1 for host ids
     at::Tensor slots;    // int64
     at::Tensor logits;   // float32 [bucket, vocab], written by the graph
@@ -1023,7 +1039,10 @@ class TorchExecutor : public ModelExecutor {
     // Gathered cold entries: [count, slot...] after the tables.
     cuda_glue::ColdPrefetch* pf = cold_prefetch();
     const int64_t gather_ints = pf ? 1 + pf->capacity() : 0;
-    g.ints = at::empty({bucket * 4 + bucket * MB + gather_ints}, i32.device(dev));
+    // Selection reuse: the rows' modes last (cuda::SparseSelect::reuse).
+    const bool reuse = sparse_ && sparse_->device_memory.counts.defined();
+    g.reuse_at = reuse ? bucket * 4 + bucket * MB + gather_ints : -1;
+    g.ints = at::empty({bucket * 4 + bucket * MB + gather_ints + (reuse ? bucket : 0)}, i32.device(dev));
     g.slots = at::empty({bucket}, at::TensorOptions().dtype(at::kLong).device(dev));
     g.host_ints = at::empty({g.ints.numel()}, i32.pinned_memory(true));
     g.host_slots = at::empty({bucket}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
@@ -1038,6 +1057,7 @@ class TorchExecutor : public ModelExecutor {
     b.block_tables = g.ints.narrow(0, 4 * bucket, bucket * MB).view({bucket, MB});
     b.max_blocks = MB;
     b.num_seqs = bucket;
+    if (reuse) b.reuse = g.ints.narrow(0, g.reuse_at, bucket);
     // The tiers (and so the L2 pool) exist before warm_up captures: replays then read cold
     // blocks as eager steps do (replay_graph stages their slot ids).
     if (cold_->device != nullptr) b.cold = {cold_->device, cold_->slot_bytes, cold_->num_slots};
@@ -1096,6 +1116,7 @@ class TorchExecutor : public ModelExecutor {
       h[3 * bucket + r] = -1;
       std::fill(h + 4 * bucket + r * MB, h + 4 * bucket + (r + 1) * MB, scratch);
       hs[r] = static_cast<int64_t>(scratch) * layout_.block_size;
+      if (g.reuse_at >= 0) h[g.reuse_at + r] = -1;
     }
   }
 
@@ -1163,6 +1184,11 @@ class TorchExecutor : public ModelExecutor {
       std::copy(src, src + meta.max_blocks_per_seq, row);
       std::fill(row + meta.max_blocks_per_seq, row + MB, num_blocks_);  // never read
       hs[r] = meta.slot_mapping[r];
+    }
+    if (g.reuse_at >= 0) {
+      std::vector<int32_t> modes;
+      reuse_modes(meta, &modes);
+      std::copy(modes.begin(), modes.end(), h + g.reuse_at);
     }
     stage_padding(g, bucket, B);
     const bool reads = reads_buffer(reads_dst);
@@ -1260,6 +1286,15 @@ class TorchExecutor : public ModelExecutor {
   Sampler sampler_;
   std::vector<int32_t> counts_;  // scratch of sample_on_device, all zero between calls
   std::unique_ptr<SparseStep> sparse_;   // dynamic sparsity, when on
+#ifdef K25_WITH_CUDA
+  std::unique_ptr<ReuseSlots> reuse_slots_;  // selection reuse on CUDA (warm_up), when on
+  // The rows' cuda::SparseSelect::reuse modes for a step of `meta` (ReuseSlots::modes).
+  void reuse_modes(const BatchMeta& meta, std::vector<int32_t>* out) {
+    const bool named = meta.seq_ids.size() == static_cast<size_t>(meta.num_seqs());
+    reuse_slots_->modes(cpu_attention_batch(meta), named ? meta.seq_ids.data() : nullptr, sparse_->params,
+                        layout_.block_size, out);
+  }
+#endif
   bool selective_cold_ = false;         // K25_L3_SELECTIVE, the selection's rule (cold_read_plan)
   at::Tensor summaries_;                 // its key summaries (see ops/block_sparsity.h)
   std::vector<LayerSparsityStats> stats_;

@@ -536,10 +536,23 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
   return x;
 }
 
+SparseMemory make_sparse_memory(int32_t slots, const KVLayout& layout, int32_t stride, const at::Device& device) {
+  const auto i32 = at::TensorOptions().dtype(at::kInt).device(device);
+  SparseMemory m;
+  m.positions = at::empty({slots, layout.num_layers, layout.num_kv_heads, stride}, i32);
+  m.counts = at::zeros({slots, layout.num_layers}, i32);
+  return m;
+}
+
+int64_t sparse_memory_bytes(int32_t slots, const KVLayout& layout, int32_t stride) {
+  const int64_t per_layer = static_cast<int64_t>(layout.num_kv_heads) * stride + 1;  // positions, count
+  return 4 * static_cast<int64_t>(slots) * layout.num_layers * per_layer;
+}
+
 DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t layer, const at::Tensor& summaries,
                           int64_t pool_blocks, const DeviceBatch& b, int32_t num_heads, double scale,
                           const SparsityParams& p, SparseScratch& x, at::Tensor& layer_stats,
-                          const at::Tensor& cold_summaries) {
+                          const at::Tensor& cold_summaries, const SparseMemory* memory) {
   const int32_t S = static_cast<int32_t>(b.context_lens.numel());
   need(layout.head_dim == 64 || layout.head_dim == 128, "CUDA block selection supports head_dim 64 and 128");
   need(layout.num_kv_heads <= cuda::kMaxSparseKvHeads && num_heads <= cuda::kMaxSparseHeads,
@@ -550,9 +563,10 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
            layout.num_kv_heads == x.num_kv_heads,
        "sparse scratch smaller than the batch");
   need(summaries.scalar_type() == at::kByte && qkv.stride(1) == 1, "selection inputs");
-  need(layer_stats.scalar_type() == at::kDouble && layer_stats.is_contiguous() &&
-           layer_stats.numel() >= 4 * static_cast<int64_t>(layer + 1),
-       "layer stats: float64 [num_layers, 4]");
+  const int64_t width = layer_stats.dim() == 2 ? layer_stats.size(1) : 0;
+  need(layer_stats.scalar_type() == at::kDouble && layer_stats.is_contiguous() && (width == 4 || width == 5) &&
+           layer_stats.size(0) > layer,
+       "layer stats: float64 [num_layers, 4 or 5]");
   const ZeroedParts zp(x.num_seqs, x.num_heads, x.num_kv_heads);
   uint8_t* z = static_cast<uint8_t*>(x.zeroed.data_ptr());
   cuda::SparseSelect a;
@@ -585,7 +599,25 @@ DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t
   a.select = x.select.data_ptr<int32_t>();
   a.head_tables = x.head_tables.data_ptr<int32_t>();
   a.context_lens_out = x.context_lens.data_ptr<int32_t>();
-  a.layer_stats = layer_stats.data_ptr<double>() + 4 * static_cast<int64_t>(layer);
+  a.layer_stats = layer_stats.data_ptr<double>() + width * layer;
+  if (width == 5) a.reused_stats = a.layer_stats + 4;
+  if (b.reuse.defined()) {
+    need(memory != nullptr && memory->positions.dim() == 4 && memory->counts.dim() == 2 &&
+             memory->positions.size(1) == layout.num_layers && memory->positions.size(2) == layout.num_kv_heads &&
+             memory->positions.size(3) >= b.max_blocks && memory->counts.size(0) == memory->positions.size(0) &&
+             memory->counts.size(1) == layout.num_layers && memory->positions.scalar_type() == at::kInt &&
+             memory->counts.scalar_type() == at::kInt && memory->positions.is_contiguous() &&
+             memory->counts.is_contiguous(),
+         "selection reuse needs a SparseMemory as wide as the batch's block tables");
+    need(b.reuse.scalar_type() == at::kInt && b.reuse.numel() >= S && b.reuse.is_cuda(),
+         "selection reuse: int32 [S] on the device");
+    // A kept selection's heads all end at the sequence's last block then (a recent block).
+    need(p.recent_blocks >= 1, "selection reuse needs recent_blocks >= 1");
+    a.reuse = b.reuse.data_ptr<int32_t>();
+    a.kept_positions = memory->positions.data_ptr<int32_t>();
+    a.kept_counts = memory->counts.data_ptr<int32_t>();
+    a.kept_stride = static_cast<int32_t>(memory->positions.size(3));
+  }
   a.code_tiles = code_tiles_of(layout, qkv.scalar_type(), p.key_codes);
   if (x.reads.defined()) {
     a.block_reads = x.reads.data_ptr<int32_t>();

@@ -72,6 +72,9 @@ struct DeviceBatch {
   // Cold blocks (cuda::KVCache): block-table ids <= -2 name slots of this L2 pool, which
   // the attention kernels read in place (device pointer of the mapped pinned memory).
   ColdPool cold;
+  // Selection reuse: int32 [S], per row -1, 2 m (select, keep in SparseMemory slot m) or
+  // 2 m + 1 (use slot m's kept selection) (cuda::SparseSelect::reuse); undefined: none.
+  at::Tensor reuse;
 };
 // The device form of a plan: its merges reordered so that those the decode kernel can do
 // itself come first (every piece one of the leading num_decode items, group <= the decode
@@ -110,11 +113,22 @@ SparseScratch make_sparse_scratch(int32_t num_seqs, int32_t max_blocks, int32_t 
 // the read counts not included): what gpu_memory_utilization's sizing sets aside.
 int64_t sparse_scratch_bytes(int32_t num_seqs, int32_t max_blocks, int32_t num_heads, int32_t num_kv_heads,
                              bool count_reads);
+// Selections kept across steps on the device (sparsity_selection_interval): per memory slot and
+// layer, each KV head's kept block positions and their count (cuda::SparseSelect::reuse).
+struct SparseMemory {
+  at::Tensor positions;  // int32 [slots, num_layers, num_kv_heads, stride]
+  at::Tensor counts;     // int32 [slots, num_layers], zero at first
+};
+SparseMemory make_sparse_memory(int32_t slots, const KVLayout& layout, int32_t stride, const at::Device& device);
+// The device bytes make_sparse_memory allocates (for the pool's sizing).
+int64_t sparse_memory_bytes(int32_t slots, const KVLayout& layout, int32_t stride);
+
 // Selects the blocks of `layer` for the batch's single-token sequences longer than
 // p.min_context (Quest bound ranks, centre estimate sizes; with p.key_codes the key-code
 // estimate does both, on summaries made with key_codes) and returns the batch with
-// head_tables and the kept lengths set. layer_stats: float64 [num_layers, 4] on the device,
-// added to (blocks, kept blocks, selections, entropy bits). p.score_channels must be 0
+// head_tables and the kept lengths set. layer_stats: float64 [num_layers, 4 or 5] on the
+// device, added to (blocks, kept blocks, selections, entropy bits, and with 5 the reused
+// selections). With batch.reuse, memory holds the kept selections. p.score_channels must be 0
 // and p.compensation off: the device does neither (ConfigError before this). With cold
 // blocks (batch.cold), the summaries of L2 slot s are block row pool_blocks + s, past the
 // KV pool's pool_blocks rows (TorchExecutor::grow_cold_summaries); with cold_summaries
@@ -123,7 +137,7 @@ int64_t sparse_scratch_bytes(int32_t num_seqs, int32_t max_blocks, int32_t num_h
 DeviceBatch select_blocks(const at::Tensor& qkv, const KVLayout& layout, int32_t layer, const at::Tensor& summaries,
                           int64_t pool_blocks, const DeviceBatch& batch, int32_t num_heads, double scale,
                           const SparsityParams& p, SparseScratch& scratch, at::Tensor& layer_stats,
-                          const at::Tensor& cold_summaries = at::Tensor());
+                          const at::Tensor& cold_summaries = at::Tensor(), const SparseMemory* memory = nullptr);
 // Waits for the work queued on the current stream.
 void synchronize_stream();
 

@@ -392,6 +392,12 @@ void LlamaModel::Pass::State::begin() {
                                          {meta.num_seqs(), meta.max_blocks_per_seq}),
                                plan, Hq / Hkv, static_cast<int32_t>(D), dev);
     if (!cold_tables.empty()) db.cold = {cold->device, cold->slot_bytes, cold->num_slots};
+    if (sparse && !sparse->reuse_rows.empty()) {
+      if (static_cast<int32_t>(sparse->reuse_rows.size()) != meta.num_seqs()) {
+        fail(ErrorCode::kInternal, "selection reuse modes for another batch");
+      }
+      db.reuse = on_device(sparse->reuse_rows, at::kInt, dev);
+    }
   }
   // The step's block reads, counted by the selections of every layer (SparseScratch::reads).
   if (sparse && cuda && sparse->scratch.reads.defined()) sparse->scratch.reads.zero_();
@@ -442,7 +448,8 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
         if (cl) sparse->scratch.reads.zero_();
         kept = cuda_glue::select_blocks(qkv, layout, l, sparse->device_summaries, kv.numel() / layout.block_elems(),
                                         db, Hq, scale, sparse->params, sparse->scratch, sparse->layer_stats,
-                                        cl ? cold_summ : at::Tensor());
+                                        cl ? cold_summ : at::Tensor(),
+                                        sparse->device_memory.counts.defined() ? &sparse->device_memory : nullptr);
         // Selective: the cold entries the kept tables name are read now, unless read ahead.
         if (cl && cl->need(l, staged_need())) {
           kept_db = kept;

@@ -80,10 +80,15 @@ struct SparseStep {
 #ifdef K25_WITH_CUDA
   // The CUDA form (cuda/block_sparsity.cu): summaries in the KV dtype on the device; the
   // selection's scratch (one for every step and graph: steps run in order on one stream);
-  // per-layer statistics [num_layers, 4] on the device, copied to host_stats (pinned) at
+  // per-layer statistics [num_layers, 5] on the device, copied to host_stats (pinned) at
   // the end of every forward.
   at::Tensor device_summaries, layer_stats, host_stats;
   cuda_glue::SparseScratch scratch;
+  // Selection reuse (params.selection_interval > 1; undefined otherwise): the kept selections,
+  // and an eager step's rows' cuda::SparseSelect::reuse modes (empty: none; a CUDA graph's
+  // batch carries its own).
+  cuda_glue::SparseMemory device_memory;
+  std::vector<int32_t> reuse_rows;
 #endif
 };
 

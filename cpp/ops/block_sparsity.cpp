@@ -924,9 +924,63 @@ void SelectionMemory::lookup(const cpu::AttentionBatch& B, const int64_t* ids, i
     // Fresh selections fall on context lengths that are multiples of N; the steps in between
     // use the latest one made since then (with no entry, e.g. its first sparse step, a
     // sequence selects afresh at any length).
-    const int32_t ctx = B.context_lens[s];
-    if (k.count > 0 && k.context_len < ctx && k.context_len >= ctx - ctx % N) {
+    if (k.count > 0 && reuse_due(k.context_len, B.context_lens[s], N)) {
       (*reuse)[s] = ReusedSelection{k.positions.data(), k.count};
+    }
+  }
+}
+
+void ReuseSlots::modes(const cpu::AttentionBatch& B, const int64_t* ids, const SparsityParams& p, int32_t block_size,
+                       std::vector<int32_t>* out) {
+  const int32_t nseq = B.num_seqs, N = p.selection_interval;
+  out->assign(nseq, -1);
+  if (N <= 1 || ids == nullptr) return;
+  ++step_;
+  auto release = [&](int64_t id) {
+    const auto it = slot_of_.find(id);
+    if (it == slot_of_.end()) return;
+    owner_[it->second] = -1;
+    slot_of_.erase(it);
+  };
+  auto selects = [&](int32_t s) {
+    const int32_t ctx = B.context_lens[s];
+    return ctx > p.min_context && (ctx + block_size - 1) / block_size <= stride_;
+  };
+  // The step's requests that keep their slots first (so that no other row of the step takes them).
+  for (int32_t s = 0; s < nseq; ++s) {
+    if (B.query_start[s + 1] - B.query_start[s] != 1) {
+      release(ids[s]);  // its KV is being (re)computed
+      continue;
+    }
+    const auto it = slot_of_.find(ids[s]);
+    if (it != slot_of_.end()) stamp_[it->second] = step_;
+  }
+  for (int32_t s = 0; s < nseq; ++s) {
+    if (B.query_start[s + 1] - B.query_start[s] != 1 || !selects(s)) continue;
+    auto it = slot_of_.find(ids[s]);
+    if (it == slot_of_.end()) {
+      // A free slot, else the one named longest ago by a request not in this step.
+      int32_t m = -1;
+      for (int32_t i = 0; i < static_cast<int32_t>(owner_.size()); ++i) {
+        if (owner_[i] == -1) {
+          m = i;
+          break;
+        }
+        if (stamp_[i] < step_ && (m < 0 || stamp_[i] < stamp_[m])) m = i;
+      }
+      if (m < 0) continue;  // more rows than slots: this one selects without keeping
+      if (owner_[m] != -1) slot_of_.erase(owner_[m]);
+      owner_[m] = ids[s];
+      chosen_at_[m] = -1;
+      stamp_[m] = step_;
+      it = slot_of_.emplace(ids[s], m).first;
+    }
+    const int32_t m = it->second, ctx = B.context_lens[s];
+    if (reuse_due(chosen_at_[m], ctx, N)) {
+      (*out)[s] = 2 * m + 1;
+    } else {
+      (*out)[s] = 2 * m;
+      chosen_at_[m] = ctx;
     }
   }
 }

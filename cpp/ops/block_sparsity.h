@@ -147,6 +147,38 @@ struct ReusedSelection {
   int32_t count = 0;
 };
 
+// Whether a selection made at context length `chosen_at` serves a decode step at `ctx` under
+// selection_interval n (SelectionMemory's rule: the latest selection made at or after the
+// last multiple of n, and before ctx).
+inline bool reuse_due(int32_t chosen_at, int32_t ctx, int32_t n) {
+  return n > 1 && chosen_at >= 0 && chosen_at < ctx && chosen_at >= ctx - ctx % n;
+}
+
+// The CUDA form's host side (cuda::SparseSelect::reuse): per request a slot of the device's
+// kept selections (cuda_glue::SparseMemory, `slots` of them, `stride` blocks wide) and the
+// context length of the latest selection its rows kept there. The same rule as
+// SelectionMemory, decided on the host for every layer at once (a layer whose kept selection
+// stayed dense is dense again on the device, where the CPU would select it afresh: the same
+// attention).
+class ReuseSlots {
+ public:
+  ReuseSlots(int32_t slots, int32_t stride) : owner_(slots, -1), chosen_at_(slots, -1), stamp_(slots, 0), stride_(stride) {}
+  // Per row of a step (B: its query starts and context lengths, ids[s] its requests; null:
+  // none named): -1, 2 m (select and keep in slot m) or 2 m + 1 (use slot m's). A row that is
+  // not a decode (a prompt chunk, a recompute) gives up its slot; a row over `stride` blocks
+  // or beyond the slots (more rows than slots) selects without one.
+  void modes(const cpu::AttentionBatch& B, const int64_t* ids, const SparsityParams& p, int32_t block_size,
+             std::vector<int32_t>* out);
+
+ private:
+  std::unordered_map<int64_t, int32_t> slot_of_;
+  std::vector<int64_t> owner_;
+  std::vector<int32_t> chosen_at_;
+  std::vector<uint64_t> stamp_;  // the step that last named the slot's request
+  int32_t stride_;
+  uint64_t step_ = 0;
+};
+
 // Selects for every single-token sequence longer than min_context (layers without a
 // sliding window only). q: rows after RoPE; kv: the cache (read on the chosen channels
 // by the channel estimate). reuse (null, or [S]): the sequences whose tables come from an

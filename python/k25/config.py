@@ -110,10 +110,6 @@ class K25Config:
             if self.sparsity_compensation is True:
                 raise ConfigError("sparsity_compensation=True runs on the CPU backend only (the CUDA selection "
                                   "keeps no key or value sums)")
-            v = self.sparsity_selection_interval
-            if isinstance(v, int) and not isinstance(v, bool) and 1 < v <= 64:
-                raise ConfigError(f"sparsity_selection_interval={self.sparsity_selection_interval!r} is "
-                                  "implemented on the CPU backend only (the CUDA selection runs every step)")
         if device.startswith("cuda"):
             from . import _C
             if not _C.cuda_available():

@@ -325,6 +325,8 @@ class K25Model:
                                                       config.resolved_score_rule() == "codes")
             per_block += summary
             workspace += scratch
+            if config.sparsity_selection_interval > 1:  # the kept selections, a slot per row
+                workspace += _C.cuda_sparse_memory_bytes(layout, seqs, seq_blocks)
         budget = int(total * util) - (total - free) - workspace
         blocks = budget // per_block
         if blocks < seq_blocks:

@@ -87,6 +87,55 @@ def test_sparse_generation_runs_in_cuda_graphs(model_path, rule):
         assert 0.1 - 1e-9 <= l["ratio"] <= 0.6 + 1e-9
 
 
+def test_selection_reuse_on_gpu(model_path):
+    """sparsity_selection_interval=2 on the device (the key codes): teacher-forced decode steps
+    (eager) select at even context lengths and reuse in between (the statistics count both by the
+    rule), the first decode row equals selecting every step, and accuracy stays within the CPU
+    test's bounds; generation in CUDA graphs keeps the same rhythm."""
+    ctx, decoded = 3072, 96
+    dense_m = gpu_model(model_path)
+    try:
+        docs = [pydoc_ids(dense_m, ctx, off) for off in (0, 30000)]
+        dense = [dense_m.score(ids, decode_from=ctx - decoded) for ids in docs]
+        hkv = dense_m.model_config["num_kv_heads"]
+    finally:
+        dense_m.close()
+    runs = {}
+    for n in (1, 2):
+        m = gpu_model(model_path, enable_dynamic_sparsity=True, sparsity_score_rule="codes",
+                      sparsity_selection_interval=n)
+        try:
+            runs[n] = ([m.score(ids, decode_from=ctx - decoded) for ids in docs], m.stats()["sparsity_layers"])
+            if n == 2:
+                ids = pydoc_ids(m, 2600, 100)
+                m.generate([ids], max_new_tokens=24, temperature=0.0, ignore_eos=True)
+                st = m.stats()
+        finally:
+            m.close()
+    steps = range(ctx - decoded + 1, ctx + 1)  # the decode steps' context lengths
+    fresh = 1 + sum(c % 2 == 0 for c in steps[1:])
+    for l in runs[2][1]:
+        assert l["selections"] == fresh * len(docs) * hkv
+        assert l["reused_selections"] == (decoded - fresh) * len(docs) * hkv
+        assert 0.1 - 1e-9 <= l["ratio"] <= 0.6 + 1e-9
+    for l in runs[1][1]:
+        assert l["reused_selections"] == 0
+    for every, reusing in zip(runs[1][0], runs[2][0]):
+        assert np.array_equal(every[:ctx - decoded + 1], reusing[:ctx - decoded + 1])
+        assert not np.array_equal(every[ctx - decoded + 1:], reusing[ctx - decoded + 1:])
+    agree, ppl_ratio = agreement_and_perplexity_ratio(runs[2][0], dense, docs, decoded)
+    print(f"GPU codes, a selection every 2 steps, vs dense: top-1 agreement {agree:.3f}, "
+          f"perplexity ratio {ppl_ratio:.4f}")
+    assert agree >= 0.94 and ppl_ratio <= 1.03, (agree, ppl_ratio)
+    # The graph steps: 23 decodes at context lengths 2601..2623 (the first token from the prefill).
+    assert st["pipelined_steps"] > 0
+    gen = range(2601, 2624)
+    g_fresh = 1 + sum(c % 2 == 0 for c in gen[1:])
+    for l, e in zip(st["sparsity_layers"], runs[2][1]):
+        assert l["selections"] - e["selections"] == g_fresh * hkv
+        assert l["reused_selections"] - e["reused_selections"] == (len(gen) - g_fresh) * hkv
+
+
 def test_tiered_kv_with_sparsity_on_gpu(tmp_path):
     """Swapping sequences out to L2 and back must not change a sparse run: fetched blocks
     land in other L1 blocks, whose summaries the engine recomputes on the device

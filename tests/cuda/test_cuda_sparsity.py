@@ -306,14 +306,11 @@ def test_summaries_are_the_min_and_max_of_each_written_block(dtype, D, bs):
                 assert torch.isnan(mn[b]).all() and torch.isnan(mx[b]).all(), "a block the step did not write"
 
 
-def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True, q_mult=1.0, key_codes=False):
-    """Selects with `call` and checks the result against ref_select (ref_select_codes with
-    key_codes); returns (tables, lens, sparse heads). q_mult: build's (the call's scale is
-    1 / (sqrt(D) q_mult))."""
+def summaries_of(info, layout, kv, Hq, key_codes=False):
+    """Block summaries of every block of build's sequences (layer 1): an update over whole
+    sequences, the prefill that wrote them."""
     L, Hkv, D, bs = layout
-    group = Hq // Hkv
     summ = cu.make_block_summaries(kv.numel() // (L * 2 * Hkv * bs * D), layout, kv, key_codes=key_codes)
-    # Summaries of every block: an update over whole sequences (the prefill that wrote them).
     width = max(len(s["table"]) for s in info)
     full = cu.AttentionCall(kv, layout, 1, torch.tensor([0] + [sum(s["ctx"] for s in info[:i + 1])
                                                                   for i in range(len(info))], dtype=torch.int32),
@@ -321,10 +318,21 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
                             torch.tensor([s["table"] + [-1] * (width - len(s["table"])) for s in info],
                                          dtype=torch.int32), Hq, 1.0, 0, 264, 0)
     full.update_summaries(summ, key_codes=key_codes)
+    return summ
+
+
+def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True, q_mult=1.0, key_codes=False,
+                    **select_kw):
+    """Selects with `call` and checks the result against ref_select (ref_select_codes with
+    key_codes); returns (tables, lens, sparse heads). q_mult: build's (the call's scale is
+    1 / (sqrt(D) q_mult)); select_kw go to call.select (reuse, memory)."""
+    L, Hkv, D, bs = layout
+    group = Hq // Hkv
+    summ = summaries_of(info, layout, kv, Hq, key_codes)
     if stats is None:
         stats = torch.zeros(L, 4, dtype=torch.float64, device="cuda")
     before = stats[1].clone()
-    tables, lens, reads = call.select(buf, summ, stats, **p, count_reads=True, key_codes=key_codes)
+    tables, lens, reads = call.select(buf, summ, stats, **p, count_reads=True, key_codes=key_codes, **select_kw)
     tables, lens, reads = tables.cpu(), lens.cpu(), reads.cpu()
     raw = call.selection_raw().cpu() if key_codes else None
     # The reads the selection counted (the tiered KV's predictor reads them): per decode row
@@ -388,6 +396,93 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
     st = (stats[1] - before).cpu()
     assert st[2].item() == sparse_heads and st[0].item() == nb_sum and st[1].item() == keep_sum
     return tables, lens, sparse_heads
+
+
+@pytest.mark.parametrize("key_codes", [False, True])
+def test_reused_selection_keeps_its_blocks_and_those_written_since(key_codes):
+    # Selection reuse on the device (SparseSelect::reuse): rows in "select and keep" mode select
+    # as before (checked against the float64 rule) and leave each head's kept positions and their
+    # count in their memory slot; rows in "use" mode are not scored and attend over the slot's
+    # positions plus every block after the last of them (here kept lists made up to end before the
+    # last blocks, as a selection made some steps earlier would), whatever the new query; a kept
+    # count of 0 (a selection that stayed dense) gives a dense row, a row with no slot selects.
+    dtype, Hkv, group, D, bs = torch.bfloat16, 2, 4, 128, 16
+    Hq = Hkv * group
+    seqs = [(3000, 1), (1500, 1), (40, 1), (2000, 20), (2500, 1)]
+    call, buf, info, layout, kv = build(77, dtype, Hq, Hkv, D, bs, seqs)
+    L = layout[0]
+    width = max(len(s["table"]) for s in info)
+    slots = 4
+    positions = torch.full((slots, L, Hkv, width + 3), -7, dtype=torch.int32, device="cuda")
+    counts = torch.full((slots, L), -7, dtype=torch.int32, device="cuda")
+    memory = (positions, counts)
+    store = torch.tensor([0, 2, 4, -1, 6], dtype=torch.int32, device="cuda")  # slots 0, 1, 2, none, 3
+    stats = torch.zeros(L, 5, dtype=torch.float64, device="cuda")
+    p = PARAMS["capped"]
+    tables, lens, heads = check_selection(call, buf, info, layout, kv, Hq, p, stats, key_codes=key_codes,
+                                          reuse=store, memory=memory)
+    assert heads == 3 * Hkv and stats[1, 4].item() == 0
+    tables, lens, cnt, pos = tables.cpu(), lens.cpu(), counts.cpu(), positions.cpu()
+    assert cnt[2, 1].item() == 0, "a row that did not select keeps a count of 0"
+    assert (cnt[:, 0] == -7).all() and (pos[:, 0] == -7).all(), "layer 0's entries untouched"
+    for i, slot in ((0, 0), (1, 1), (4, 3)):
+        s = info[i]
+        nb = len(s["table"])
+        keep = (lens[i].item() - (s["ctx"] - (nb - 1) * bs)) // bs + 1
+        assert cnt[slot, 1].item() == keep
+        for h in range(Hkv):
+            assert [s["table"][j] for j in pos[slot, 1, h, :keep].tolist()] == tables[i, h, :keep].tolist()
+    # Made-up kept lists for slots 0 and 3: each head's every third position up to 5 blocks
+    # before the end (heads differ); slot 1 with a count of 0; slot 2 untouched (count 0).
+    made = {}
+    for i, slot in ((0, 0), (4, 3)):
+        nb = len(info[i]["table"])
+        rows = [list(range(h, nb - 6, 3)) + [nb - 5] for h in range(Hkv)]
+        rows = [r[:min(len(x) for x in rows)] for r in rows]  # one count for every head ...
+        for h in range(Hkv):
+            rows[h][-1] = nb - 5                                # ... ending at the same block
+            positions[slot, 1, h, :len(rows[h])] = torch.tensor(rows[h], dtype=torch.int32)
+        counts[slot, 1] = len(rows[0])
+        made[i] = rows
+    counts[1, 1] = 0
+    use = torch.tensor([1, 3, 5, -1, 7], dtype=torch.int32, device="cuda")
+    summ = summaries_of(info, layout, kv, Hq, key_codes)
+    before = stats[1].clone()
+    other = (torch.randn(buf.shape, generator=torch.Generator().manual_seed(3)) * 2).to(dtype).cuda()
+    t2, l2, reads = call.select(other, summ, stats, **p, count_reads=True, key_codes=key_codes, reuse=use,
+                                memory=memory)
+    t2, l2, reads = t2.cpu(), l2.cpu(), reads.cpu()
+    st = (stats[1] - before).cpu()
+    assert st[4].item() == 2 * Hkv and st[2].item() == 0, "two rows reused, none selected"
+    nb_sum = keep_sum = 0
+    for i, s in enumerate(info):
+        nb, ctx = len(s["table"]), s["ctx"]
+        if i in made:
+            keep = len(made[i][0]) + 4
+            assert l2[i].item() == (keep - 1) * bs + ctx - (nb - 1) * bs
+            want_reads = torch.zeros(reads.shape[1], dtype=torch.int32)
+            for h in range(Hkv):
+                want = made[i][h] + [nb - 4, nb - 3, nb - 2, nb - 1]
+                assert t2[i, h, :keep].tolist() == [s["table"][j] for j in want], (i, h)
+                want_reads[want] += 1
+            assert torch.equal(reads[i], want_reads)
+            nb_sum += nb * Hkv
+            keep_sum += keep * Hkv
+        else:  # count 0, too short, a prompt chunk: dense
+            assert l2[i].item() == ctx
+            for h in range(Hkv):
+                assert t2[i, h, :nb].tolist() == s["table"]
+    assert st[0].item() == nb_sum and st[1].item() == keep_sum
+    # Attention runs over the reused tables.
+    out = call.run_sparse(other)
+    row = 0
+    for i, s in enumerate(info):
+        last = row + s["qlen"] - 1
+        if i in made:
+            kept = [made[i][h] + [len(s["table"]) - k for k in (4, 3, 2, 1)] for h in range(Hkv)]
+            ref = ref_restricted(other[last, :Hq * D].view(Hq, D), s, kept, len(kept[0]), bs, group)
+            assert rel_err(out[last].view(Hq, D), ref) < TOL[dtype] / 2
+        row = last + 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
