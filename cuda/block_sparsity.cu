@@ -622,9 +622,22 @@ __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cas
 struct NibblePairs {
   __half2 p0, p1;
 };
+// (x & m) ^ c and (x & m) | c as one LOP3 each: written out, since ptxas otherwise takes the two
+// constants as immediates and spends an instruction on each (a third of codes_score_kernel's).
+template <int kLut>
+__device__ __forceinline__ uint32_t lop3(uint32_t x, uint32_t m, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(x), "r"(m), "r"(c), "n"(kLut));
+  return d;
+}
+__device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t m, uint32_t c) { return lop3<0x6A>(x, m, c); }
+__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t m, uint32_t c) { return lop3<0xEA>(x, m, c); }
+
 __device__ __forceinline__ NibblePairs nibble_pairs(uint2 run, int x, int nh) {
-  const uint32_t w = ((x ? run.y : run.x) ^ 0x88888888u) >> (8 * nh);
-  return {bits_h2((w & 0x000F000Fu) | 0x64006400u), bits_h2((w & 0x00F000F0u) | 0x64006400u)};
+  // The xor with 8 (signed code to code + 8) and the or with 1024's bits in one: the masked
+  // nibbles and 0x6400 share no bit.
+  const uint32_t w = (x ? run.y : run.x) >> (8 * nh);
+  return {bits_h2(and_xor(w, 0x000F000Fu, 0x64086408u)), bits_h2(and_xor(w, 0x00F000F0u, 0x64806480u))};
 }
 
 // The A fragment of a k-step (x, nh) from a lane's code words of keys g (w0) and g + 8 (w1): the
@@ -634,10 +647,10 @@ __device__ __forceinline__ void code_fragment(uint32_t w0, uint32_t w1, int x, i
   const uint32_t v0 = w0 >> (8 * x), v1 = w1 >> (8 * x);
   const uint32_t k0 = 0x00030003u << (4 * nh), k1 = 0x00030003u << (4 * nh + 2);
   const __half2 off = __float2half2_rn(1024.0f);
-  af[0] = h2_bits(__hsub2(bits_h2((v0 & k0) | 0x64006400u), off));
-  af[1] = h2_bits(__hsub2(bits_h2((v1 & k0) | 0x64006400u), off));
-  af[2] = h2_bits(__hsub2(bits_h2((v0 & k1) | 0x64006400u), off));
-  af[3] = h2_bits(__hsub2(bits_h2((v1 & k1) | 0x64006400u), off));
+  af[0] = h2_bits(__hsub2(bits_h2(and_or(v0, k0, 0x64006400u)), off));
+  af[1] = h2_bits(__hsub2(bits_h2(and_or(v1, k0, 0x64006400u)), off));
+  af[2] = h2_bits(__hsub2(bits_h2(and_or(v0, k1, 0x64006400u)), off));
+  af[3] = h2_bits(__hsub2(bits_h2(and_or(v1, k1, 0x64006400u)), off));
 }
 
 // A block's log-mass per query head: log sum_t exp(scale q.k_t) over its keys, each read back
@@ -743,7 +756,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
           tab_hi = cb + 32 + lane < j1 ? tab[cb + 32 + lane] : 0;
         }
         const uint8_t* row = summary_row<T>(a, summ, __shfl_sync(0xffffffffu, tab_lo, jj - cb), h, D);
-        const uint32_t dst = smem_u32(my + ((jj - j0) % kCodeSlots) * kSlot);
+        const uint32_t dst = smem_u32(my + (static_cast<unsigned>(jj - j0) % kCodeSlots) * kSlot);
 #pragma unroll
         for (int c = lane; c < kSlot / 16; c += 32) cp_async16(dst + 16 * c, row + 16 * c, true);
       };
@@ -754,7 +767,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
         cp_async_commit();
       }
       float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + 2 * t) * 2 * MB;
-      uint32_t run_max[2] = {0, 0};
+      uint32_t run_max = 0;  // of the column this lane stores (below)
       for (int j = j0; j < j1; j += 2) {
         const int ja = j + kCodeSlots - 2;  // into the slots of the pair before, which every lane has read
         __syncwarp();
@@ -764,7 +777,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
         cp_async_wait<kCodeSlots / 2 - 1>();
         __syncwarp();  // the pair's rows, copied by every lane of the warp
         const bool two = j + 1 < j1;  // warp-uniform
-        const uint8_t* sp[2] = {my + ((j - j0) % kCodeSlots) * kSlot, my + ((j + 1 - j0) % kCodeSlots) * kSlot};
+        const uint8_t* sp[2] = {my + (static_cast<unsigned>(j - j0) % kCodeSlots) * kSlot,
+                                my + (static_cast<unsigned>(j + 1 - j0) % kCodeSlots) * kSlot};
         uint2 lo[2][kRuns], hi[2][kRuns];
         uint32_t cw[2][kWords];
         float rs[2];
@@ -807,23 +821,27 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
           const uint32_t al[4] = {l0[0], l0[1], l1[0], l1[1]};
           mma16816<__half>(base, al, ql[ks][0], ql[ks][1]);
         }
-        // Per block and head (columns 2t + i): the lane's two keys (rows g, g + 8), then the
-        // log-sum-exp over the column's 8 lanes; tiles past the first (blocks over 16 keys) from
-        // global memory, folded in online.
+        // Per block and head (columns 2t + i): the lane's two keys (rows g, g + 8) as a running max
+        // and sum (tiles past the first, blocks over 16 keys, from global memory, folded in online).
+        float mrun[2][2], lrun[2][2];
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
-          if (b == 1 && !two) break;
+          if (b == 1 && !two) {
+            mrun[1][0] = mrun[1][1] = -INFINITY;
+            lrun[1][0] = lrun[1][1] = 0.0f;
+            break;
+          }
           const int jb = j + b;
           const int n = jb == nb - 1 ? last_n : bs;
           const float to_log2 = rs[b] * a.scale * 1.4426950408889634f / 3.0f;
-          float mrun[2], lrun[2], m2[2];
+          float m2[2];
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             m2[i] = to_log2 * col_inv[i];
             const float x0 = g < n ? (acc[b][i] + base[2 * b + i]) * m2[i] : -INFINITY;
             const float x1 = g + 8 < n ? (acc[b][2 + i] + base[2 * b + i]) * m2[i] : -INFINITY;
-            mrun[i] = fmaxf(x0, x1);  // key 0 is always there: finite unless the scores are not
-            lrun[i] = exp2f(x0 - mrun[i]) + exp2f(x1 - mrun[i]);
+            mrun[b][i] = fmaxf(x0, x1);  // key 0 is always there: finite unless the scores are not
+            lrun[b][i] = exp2f(x0 - mrun[b][i]) + exp2f(x1 - mrun[b][i]);
           }
           for (int u = 1; u < tiles && 16 * u < n; ++u) {
             const uint8_t* row = summary_row<T>(a, summ, tab[jb], h, D);
@@ -846,39 +864,64 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
             for (int i = 0; i < 2; ++i) {
               const float x0 = 16 * u + g < n ? (au[i] + base[2 * b + i]) * m2[i] : -INFINITY;
               const float x1 = 16 * u + g + 8 < n ? (au[2 + i] + base[2 * b + i]) * m2[i] : -INFINITY;
-              const float mnew = fmaxf(mrun[i], fmaxf(x0, x1));
+              const float mnew = fmaxf(mrun[b][i], fmaxf(x0, x1));
               if (mnew > -INFINITY) {
-                lrun[i] = lrun[i] * exp2f(mrun[i] - mnew) + exp2f(x0 - mnew) + exp2f(x1 - mnew);
-                mrun[i] = mnew;
+                lrun[b][i] = lrun[b][i] * exp2f(mrun[b][i] - mnew) + exp2f(x0 - mnew) + exp2f(x1 - mnew);
+                mrun[b][i] = mnew;
               }
             }
           }
+        }
+        // The log-sum-exp of each of the pair's four columns over its 8 lanes (g). The shift needs
+        // only be near the maximum (the result is the same for any shift that keeps the sums in
+        // range), so the four maxima go as two fp16 pairs (clamped into fp16's range): 6 shuffles
+        // for the four. The sums are reduced transposed: each level keeps half of the values and
+        // sends the other half, so that lane bits 4 and 3 end with block b and column i (4
+        // shuffles for the four), and each lane has one log to take and one column to store.
+        __half2 hm[2];
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            float mx = mrun[i];
+        for (int b = 0; b < 2; ++b) {
+          hm[b] = __floats2half2_rn(fminf(fmaxf(mrun[b][0], -60000.0f), 60000.0f),
+                                    fminf(fmaxf(mrun[b][1], -60000.0f), 60000.0f));
+        }
 #pragma unroll
-            for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            float l = mrun[i] > -INFINITY ? lrun[i] * exp2f(mrun[i] - mx) : 0.0f;
+        for (int o = 4; o < 32; o <<= 1) {
 #pragma unroll
-            for (int o = 4; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-            const float e = (mx + log2f(l)) * 0.6931471805599453f;  // nats
-            if (g == 0 && g0 + 2 * t + i < group) {
-              raw[i * 2 * MB + jb] = e;
-              raw[i * 2 * MB + MB + jb] = e;
-              run_max[i] = max(run_max[i], order_bits(e));
-            }
-          }
+          for (int b = 0; b < 2; ++b) hm[b] = __hmax2(hm[b], bits_h2(__shfl_xor_sync(0xffffffffu, h2_bits(hm[b]), o)));
+        }
+        float ls[2][2], mx[2][2];
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          mx[b][0] = __low2float(hm[b]);
+          mx[b][1] = __high2float(hm[b]);
+          // (A lane with no key of the block, g >= n, has mrun -inf and lrun NaN: its term is 0.)
+          ls[b][0] = mrun[b][0] > -INFINITY ? lrun[b][0] * exp2f(mrun[b][0] - mx[b][0]) : 0.0f;
+          ls[b][1] = mrun[b][1] > -INFINITY ? lrun[b][1] * exp2f(mrun[b][1] - mx[b][1]) : 0.0f;
+        }
+        const int bb = (lane >> 4) & 1, ii = (lane >> 3) & 1;
+        float k0 = bb ? ls[1][0] : ls[0][0], k1 = bb ? ls[1][1] : ls[0][1];
+        const float s0 = bb ? ls[0][0] : ls[1][0], s1 = bb ? ls[0][1] : ls[1][1];
+        k0 += __shfl_xor_sync(0xffffffffu, s0, 16);
+        k1 += __shfl_xor_sync(0xffffffffu, s1, 16);
+        float l = ii ? k1 : k0;
+        l += __shfl_xor_sync(0xffffffffu, ii ? k0 : k1, 8);
+        l += __shfl_xor_sync(0xffffffffu, l, 4);
+        const float mb0 = bb ? mx[1][0] : mx[0][0], mb1 = bb ? mx[1][1] : mx[0][1];
+        const float e = ((ii ? mb1 : mb0) + log2f(l)) * 0.6931471805599453f;  // nats
+        if (!(lane & 4) && (bb == 0 || two) && g0 + 2 * t + ii < group) {
+          raw[ii * 2 * MB + j + bb] = e;
+          raw[ii * 2 * MB + MB + j + bb] = e;
+          run_max = max(run_max, order_bits(e));
         }
       }
       cp_async_wait<0>();  // (empty groups only: the loop waited for every copy it used)
-      if (g == 0) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int hq = h * group + g0 + 2 * t + i;
-          if (g0 + 2 * t + i < group) {
-            atomicMax(&smax[2 * hq], run_max[i]);
-            atomicMax(&smax[2 * hq + 1], run_max[i]);
-          }
+      // Column ii's maximum over both blocks of the pairs (lanes 16 apart), from the lanes that stored.
+      run_max = max(run_max, __shfl_xor_sync(0xffffffffu, run_max, 16));
+      if ((lane & 20) == 0) {
+        const int ii = (lane >> 3) & 1, hq = h * group + g0 + 2 * t + ii;
+        if (g0 + 2 * t + ii < group) {
+          atomicMax(&smax[2 * hq], run_max);
+          atomicMax(&smax[2 * hq + 1], run_max);
         }
       }
     }
