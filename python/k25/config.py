@@ -49,8 +49,9 @@ class K25Config:
     # summaries; on CUDA with 16-bit KV), "bound" (Quest bound); None: from sparsity_score_channels
     # (docs/sparsity.md)
     sparsity_score_rule: Optional[str] = None
-    # decode steps one selection of a sequence serves (1: select every step; N: the kept blocks,
-    # plus those written since, for the next N - 1 steps too); CPU only for now (docs/sparsity.md)
+    # decode steps one selection of a sequence serves (1: select every step; N: steps at context
+    # lengths that are multiples of N select, the others reuse the latest kept blocks plus those
+    # written since; docs/sparsity.md "Selection reuse")
     sparsity_selection_interval: int = 1
     enable_async_offload: bool = False  # with cache_mode="hierarchical": tiered KV (docs/offload.md)
     cache_mode: str = "standard"        # or "hierarchical"

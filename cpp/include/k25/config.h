@@ -30,7 +30,7 @@ struct EngineConfig {
   int32_t sparsity_score_channels = 8;   // channels of the mass estimate (0: Quest bound)
   bool sparsity_key_codes = false;       // the key-code estimate instead (score_channels unused)
   bool sparsity_compensation = false;    // skipped blocks folded back as mean pseudo-keys
-  int32_t sparsity_selection_interval = 1;  // a sequence's selection serves this many decode steps (CPU)
+  int32_t sparsity_selection_interval = 1;  // a sequence's selection serves up to this many decode steps
   // Tiered KV (cache_mode="hierarchical", docs/offload.md; CPU backend): preemption
   // parks a sequence's computed KV in L2 host memory (L3 file when L2 is full) instead of
   // dropping it, and fetches it back on readmission.
