@@ -13,6 +13,8 @@
 #include "ops/vec16.h"
 
 #ifdef K25_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+
 #include "model/cuda_glue.h"
 #include "model/llama_model.h"
 #endif
@@ -190,10 +192,13 @@ void bind_cuda_ops(py::module_& m) {
                auto t = memory.cast<py::tuple>();
                mem.positions = t[0].cast<at::Tensor>();
                mem.counts = t[1].cast<at::Tensor>();
-               const at::Tensor r = batch.reuse.to(at::kCPU).to(at::kInt).contiguous();
-               for (int64_t i = 0; i < r.numel(); ++i) {
-                 if (r.data_ptr<int32_t>()[i] >= 2 * mem.counts.size(0)) {
-                   throw Error(ErrorCode::kInvalidArgument, "reuse names a slot past the memory's");
+               // (Checked on the host, except inside a CUDA graph's capture, which allows no copy back.)
+               if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+                 const at::Tensor r = batch.reuse.to(at::kCPU).to(at::kInt).contiguous();
+                 for (int64_t i = 0; i < r.numel(); ++i) {
+                   if (r.data_ptr<int32_t>()[i] >= 2 * mem.counts.size(0)) {
+                     throw Error(ErrorCode::kInvalidArgument, "reuse names a slot past the memory's");
+                   }
                  }
                }
              }
