@@ -109,6 +109,10 @@ struct BatchMeta {
   ColdLayerSource* cold_layers = nullptr;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
+  // seq_ids when it names every sequence, else null.
+  const int64_t* named_ids() const {
+    return seq_ids.size() == context_lens.size() ? seq_ids.data() : nullptr;
+  }
   int32_t num_seqs() const { return static_cast<int32_t>(context_lens.size()); }
   bool is_decode_only() const { return max_query_len == 1; }
 };

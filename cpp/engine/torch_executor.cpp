@@ -1290,9 +1290,7 @@ class TorchExecutor : public ModelExecutor {
   std::unique_ptr<ReuseSlots> reuse_slots_;  // selection reuse on CUDA (warm_up), when on
   // The rows' cuda::SparseSelect::reuse modes for a step of `meta` (ReuseSlots::modes).
   void reuse_modes(const BatchMeta& meta, std::vector<int32_t>* out) {
-    const bool named = meta.seq_ids.size() == static_cast<size_t>(meta.num_seqs());
-    reuse_slots_->modes(cpu_attention_batch(meta), named ? meta.seq_ids.data() : nullptr, sparse_->params,
-                        layout_.block_size, out);
+    reuse_slots_->modes(cpu_attention_batch(meta), meta.named_ids(), sparse_->params, layout_.block_size, out);
   }
 #endif
   bool selective_cold_ = false;         // K25_L3_SELECTIVE, the selection's rule (cold_read_plan)

@@ -197,8 +197,7 @@ struct LlamaModel::Pass::State {
   // The CPU's select_blocks for layer l's rows q, through the selections kept across steps
   // (SparseStep::memory, by request id when the step names them).
   bool select(int32_t l, const float* q, LayerSelection* out) {
-    const bool named = meta.seq_ids.size() == static_cast<size_t>(meta.num_seqs());
-    const int64_t* ids = named ? meta.seq_ids.data() : nullptr;
+    const int64_t* ids = meta.named_ids();
     sparse->memory.lookup(ab, ids, l, sparse->params, &reuse);
     const bool any = select_blocks(q, qkv_dim, kv.data_ptr<float>(), sparse->summaries, sparse->layout, layout, l, ab,
                                    Hq, scale, sparse->params, out, reuse.data());

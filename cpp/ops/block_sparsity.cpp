@@ -444,13 +444,10 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
   out->blocks_total = out->blocks_kept = out->selections = out->reused_selections = 0;
   out->entropy_bits = 0;
   out->top_blocks.clear();
-  auto eligible = [&](int32_t s) {
-    return B.query_start[s + 1] - B.query_start[s] == 1 && B.context_lens[s] > p.min_context;
-  };
   bool any = false;
   for (int32_t s = 0; s < nseq; ++s) {
-    any = any || eligible(s);
-    out->reused[s] = eligible(s) && reuse && reuse[s].positions && reuse[s].count > 0;
+    any = any || selects_blocks(B, s, p);
+    out->reused[s] = selects_blocks(B, s, p) && reuse && reuse[s].positions && reuse[s].count > 0;
   }
   if (!any) return false;
   out->head_tables.assign(static_cast<size_t>(nseq) * Hkv * MB, -1);
@@ -467,7 +464,7 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
   X.tasks.clear();  // (s, first block) of every scoring task, as s * 2^32 + block
   size_t flat = 0;
   for (int32_t s = 0; s < nseq; ++s) {
-    if (!eligible(s) || out->reused[s]) continue;  // reused: not scored
+    if (!selects_blocks(B, s, p) || out->reused[s]) continue;  // reused: not scored
     const int32_t nb = (B.context_lens[s] + bs - 1) / bs;
     X.nbs[s] = nb;
     X.base[s] = flat;
@@ -942,9 +939,9 @@ void ReuseSlots::modes(const cpu::AttentionBatch& B, const int64_t* ids, const S
     owner_[it->second] = -1;
     slot_of_.erase(it);
   };
+  // Rows that select and fit a slot's width.
   auto selects = [&](int32_t s) {
-    const int32_t ctx = B.context_lens[s];
-    return ctx > p.min_context && (ctx + block_size - 1) / block_size <= stride_;
+    return selects_blocks(B, s, p) && (B.context_lens[s] + block_size - 1) / block_size <= stride_;
   };
   // The step's requests that keep their slots first (so that no other row of the step takes them).
   for (int32_t s = 0; s < nseq; ++s) {
@@ -956,7 +953,7 @@ void ReuseSlots::modes(const cpu::AttentionBatch& B, const int64_t* ids, const S
     if (it != slot_of_.end()) stamp_[it->second] = step_;
   }
   for (int32_t s = 0; s < nseq; ++s) {
-    if (B.query_start[s + 1] - B.query_start[s] != 1 || !selects(s)) continue;
+    if (!selects(s)) continue;
     auto it = slot_of_.find(ids[s]);
     if (it == slot_of_.end()) {
       // A free slot, else the one named longest ago by a request not in this step.
@@ -990,8 +987,7 @@ void SelectionMemory::store(const cpu::AttentionBatch& B, const int64_t* ids, in
   if (p.selection_interval <= 1 || ids == nullptr || sel.positions.empty()) return;
   const int32_t MB = sel.max_blocks;
   for (int32_t s = 0; s < B.num_seqs; ++s) {
-    const bool selected = B.query_start[s + 1] - B.query_start[s] == 1 && B.context_lens[s] > p.min_context;
-    if (!selected || sel.reused[s]) continue;  // a reused one keeps its entry (and its age)
+    if (!selects_blocks(B, s, p) || sel.reused[s]) continue;  // a reused one keeps its entry (and its age)
     Entry& e = entries_[ids[s]];
     e.used = steps_;
     if (static_cast<int32_t>(e.layers.size()) <= layer) e.layers.resize(layer + 1);

@@ -138,6 +138,11 @@ struct LayerSelection {
   std::vector<int32_t> top_blocks;  // best-scoring physical blocks of the first selection, best first
 };
 
+// Whether sequence s of B selects blocks (a single-token row with more than min_context keys).
+inline bool selects_blocks(const cpu::AttentionBatch& B, int32_t s, const SparsityParams& p) {
+  return B.query_start[s + 1] - B.query_start[s] == 1 && B.context_lens[s] > p.min_context;
+}
+
 // An earlier step's selection of a sequence, used again instead of selecting afresh: per KV
 // head the positions (in the block table) of the blocks it kept, ascending, `count` each
 // ([Hkv][count]). The blocks written since (past its last position) are kept too: they are
