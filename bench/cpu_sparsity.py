@@ -4,7 +4,7 @@ the same run, on the default model and real English text (pydoc_data).
     python bench/cpu_sparsity.py [--contexts 4096,8192] [--docs 3] [--decoded 128]
                                  [--caps 0.6,0.8] [--threads 2] [--compensation off|on|both]
                                  [--mass-targets 0.95,0.99] [--intervals 1,2] [--device cpu|cuda] [--dtype D]
-                                 [--topics path/to/pydoc_data/topics.py] [--json out.json]
+                                 [--topics path/to/pydoc_data/topics.py] [--accuracy-only] [--json out.json]
 
 For each context length, --docs windows of the text are scored teacher-forced: the first
 ctx - decoded positions in prompt chunks (dense), the last `decoded` positions one token
@@ -44,7 +44,7 @@ def nll(logits, ids, n):
     return lse - lg[np.arange(n), tgt]
 
 
-def run(cfg_kw, docs, decoded):
+def run(cfg_kw, docs, decoded, timed=True):
     from k25 import K25Config, K25Model
     m = K25Model(K25Config(**cfg_kw))
     outs, decode_s = [], 0.0
@@ -53,13 +53,13 @@ def run(cfg_kw, docs, decoded):
         # faster of two: the decode steps' time is the difference, so a longer prefix here (it
         # used to be all ctx positions) or one slow pass biases it by a whole decode's worth.
         t_prefill = float("inf")
-        for _ in range(2):
+        for _ in range(2 if timed else 0):
             t = time.perf_counter()
             m.score(ids[:len(ids) - decoded])
             t_prefill = min(t_prefill, time.perf_counter() - t)
         t = time.perf_counter()
         outs.append(m.score(ids, decode_from=len(ids) - decoded))
-        decode_s += max(0.0, time.perf_counter() - t - t_prefill)
+        decode_s += max(0.0, time.perf_counter() - t - t_prefill) if timed else 0.0
     ratio = m.get_current_sparsity_ratio()
     layers = m.stats()["sparsity_layers"]
     m.close()
@@ -88,8 +88,11 @@ def main():
                     "float32 on the CPU, bfloat16 on CUDA)")
     ap.add_argument("--topics", help="a pydoc_data/topics.py to take the text from (default: this Python's); "
                     "the text differs between Python versions (the GPU machine runs 3.12, this box 3.11)")
+    ap.add_argument("--accuracy-only", action="store_true",
+                    help="no decode timing (skips the two prompt-only passes a window that time it: ~3x faster)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    timed = not args.accuracy_only
     base = dict(device=args.device, max_seq_len=8192, prefill_chunk_size=1024, max_num_batched_tokens=2048)
     if args.device == "cpu":
         base["num_threads"] = args.threads
@@ -105,7 +108,7 @@ def main():
     for ctx in [int(c) for c in args.contexts.split(",")]:
         stride = (len(all_ids) - ctx) // max(1, args.docs)
         docs = [all_ids[i * stride:i * stride + ctx] for i in range(args.docs)]
-        dense, dense_s, _, _ = run(base, docs, args.decoded)
+        dense, dense_s, _, _ = run(base, docs, args.decoded, timed)
         d_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(dense, docs)])
         comps = {"off": [False], "on": [True], "both": [False, True]}[args.compensation]
         targets = [float(t) for t in args.mass_targets.split(",")]
@@ -117,7 +120,7 @@ def main():
                                                        sparsity_score_channels=args.score_channels,
                                                        sparsity_score_rule=args.score_rule,
                                                        sparsity_selection_interval=every),
-                                                  docs, args.decoded)
+                                                  docs, args.decoded, timed)
             s_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(sparse, docs)])
             agree = float(np.mean(np.concatenate(
                 [o[-args.decoded - 1:-1].argmax(1) == r[-args.decoded - 1:-1].argmax(1) for o, r in zip(sparse, dense)])))
@@ -133,7 +136,7 @@ def main():
                   f"{f' every {every} steps' if every > 1 else ''}: sparsity {ratio:.3f}  ppl {row['ppl_dense']:.3f} -> {row['ppl_sparse']:.3f} "
                   f"({100 * (row['ppl_ratio'] - 1):+.2f}%)  top-1 agreement {agree:.4f} over {d_nll.size} tokens  "
                   f"decode steps {dense_s:.2f} s dense, {sparse_s:.2f} s sparse "
-                  f"({'%.2fx' % row['decode_speedup'] if row['decode_speedup'] else 'not timed: shorter than the prefill pass it subtracts'})",
+                  f"({'%.2fx' % row['decode_speedup'] if row['decode_speedup'] else 'not timed' + ('' if not timed else ': shorter than the prefill pass it subtracts')})",
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -222,28 +222,89 @@ constexpr int kScoreRunShort = 8, kScoreRunLong = 16;
 constexpr int kScorePass = 4;       // query heads per pass: 8 values, the reduce-scatter's 3 halvings
 static_assert(kScoreRunLong <= 32 && 2 * kScorePass == 8, "score_kernel's lane mapping");
 
-// The score kernels' work split: CTA x of row s (the sequence) has kScoreThreads / 32 warps,
-// each a (KV head, run of `run` blocks from j0); a CTA past the sequence's blocks has none.
-// run 0: the run from the sequence's own blocks, the shortest multiple of 8 (at least
-// kScoreRunShort) with which the row's warps cover them, so the launch (sized for the
-// table's width, e.g. a CUDA graph's) need not know the lengths.
+// The score kernels' work split: a CTA of kScoreThreads / 32 warps works for one row s (the
+// sequence), each warp a (KV head, run of `run` blocks from j0); a CTA past its row's blocks
+// has none. Fixed runs (run > 0): CTA x of row y. Run 0 (the kernels on tensor cores): the
+// launch is one wave of CTAs (`wave`) plus score_spare_ctas(Hkv) a row (score_grid), shared
+// out by blocks, on the device, so a launch sized for the table's width (a CUDA graph's) need
+// not know the lengths: every row's warps take runs of the same length, the shortest multiple
+// of 8 (at least kScoreRunShort) with which the wave's warps cover all rows' blocks, and row s
+// gets the ceil(Hkv ceil(nb_s / run) / 8) CTAs that needs, in row order. That many always fit:
+// each row's count exceeds Hkv nb_s / (8 run) by under (Hkv + 7) / 8, the spare CTAs. Equal
+// rows get an equal share of the wave, as before 2026-12-07; a long row beside short ones gets
+// the warps the short rows do not need (before, an equal share of the wave each: the long
+// row's runs were as long as at a batch of long rows).
 struct ScoreTask {
   int s, nb, h, j0, run;
   bool cta_has_work;
 };
+__host__ __device__ constexpr int score_spare_ctas(int num_kv_heads) {
+  return (num_kv_heads + 2 * (kScoreThreads / 32) - 2) / (kScoreThreads / 32);
+}
+// Run 0's CTAs for S rows of max_blocks columns on a device that holds `slots` warps at once.
+inline int64_t score_grid(int64_t slots, int S, int Hkv, int max_blocks) {
+  constexpr int kWarps = kScoreThreads / 32;
+  const int64_t runs = (max_blocks + kScoreRunShort - 1) / kScoreRunShort;  // no more warps than runs of 8
+  const int64_t wave = std::max<int64_t>(1, std::min<int64_t>(slots, static_cast<int64_t>(S) * Hkv * runs) / kWarps);
+  return wave + static_cast<int64_t>(S) * score_spare_ctas(Hkv);
+}
+// Run 0: this CTA's row (-1: none), its blocks, the run and the CTA's index among its row's.
+// Called by whole warps (it shuffles over the rows, 32 at a time); every lane gets the same.
+__device__ __forceinline__ void score_share(const SparseSelect& a, int* s_out, int* nb_out, int* run_out,
+                                            int* cta_out) {
+  constexpr unsigned kAll = 0xffffffffu;
+  constexpr int kWarps = kScoreThreads / 32;
+  const int S = a.num_seqs, Hkv = a.num_kv_heads, lane = threadIdx.x % 32;
+  const int64_t wave = static_cast<int64_t>(gridDim.x) - static_cast<int64_t>(S) * score_spare_ctas(Hkv);
+  int nb = lane < S ? eligible_blocks(a, lane) : 0;  // the first 32 rows' stay in registers
+  int64_t total = nb;
+  for (int s = lane + 32; s < S; s += 32) total += eligible_blocks(a, s);
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kAll, total, o);
+  const int64_t per_warp = (total * Hkv + wave * kWarps - 1) / (wave * kWarps);
+  const int run = per_warp <= kScoreRunShort ? kScoreRunShort : static_cast<int>((per_warp + 7) / 8 * 8);
+  const int cta = blockIdx.x;
+  int base = 0;
+  *s_out = -1;
+  for (int s0 = 0; s0 < S; s0 += 32) {
+    const int s = s0 + lane;
+    if (s0 > 0) nb = s < S ? eligible_blocks(a, s) : 0;
+    const int n = (Hkv * ((nb + run - 1) / run) + kWarps - 1) / kWarps;
+    int incl = n;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kAll, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const int excl = base + incl - n;
+    const unsigned hit = __ballot_sync(kAll, s < S && cta >= excl && cta < excl + n);
+    if (hit != 0) {
+      const int src = __ffs(hit) - 1;
+      *s_out = s0 + src;
+      *nb_out = __shfl_sync(kAll, nb, src);
+      *cta_out = cta - __shfl_sync(kAll, excl, src);
+      *run_out = run;
+      return;
+    }
+    base += __shfl_sync(kAll, incl, 31);
+  }
+}
 __device__ __forceinline__ ScoreTask score_task(const SparseSelect& a, int run) {
   constexpr int kWarps = kScoreThreads / 32;
   ScoreTask w;
-  w.s = blockIdx.y;
-  w.nb = eligible_blocks(a, w.s);
   const int Hkv = a.num_kv_heads;
+  int cta = blockIdx.x;
   if (run == 0) {
-    const int per_head = max(1, static_cast<int>(gridDim.x) * kWarps / Hkv);
-    run = max(kScoreRunShort, ((w.nb + per_head - 1) / per_head + 7) / 8 * 8);
+    score_share(a, &w.s, &w.nb, &run, &cta);
+    if (w.s < 0) {  // a spare CTA
+      w = ScoreTask{0, 0, 0, 0, kScoreRunShort, false};
+      return w;
+    }
+  } else {
+    w.s = blockIdx.y;
+    w.nb = eligible_blocks(a, w.s);
   }
   w.run = run;
-  w.cta_has_work = (static_cast<int>(blockIdx.x) * kWarps / Hkv) * run < w.nb;
-  const int task = blockIdx.x * kWarps + threadIdx.x / 32;
+  w.cta_has_work = (cta * kWarps / Hkv) * run < w.nb;
+  const int task = cta * kWarps + threadIdx.x / 32;
   w.h = task % Hkv;
   w.j0 = (task / Hkv) * run;
   return w;
@@ -439,10 +500,10 @@ __device__ __forceinline__ uint32_t nibble_pair_h(uint32_t x) {
 // two that puts the pass's largest |q| in [2^14, 2^15) (undone with the scale): a bf16 value is
 // exact there down to 2^-28 of that largest. Products of 16-bit values are exact in fp32; only
 // the order of the fp32 sums differs from score_kernel's. A tile's products run while the next
-// tile's loads are in flight, in two accumulators (half the dependent chain). The launch gives
-// every sequence an equal share of one wave of warps (16 an SM) and each sequence's warps split
-// its own blocks (score_task, run 0), so a warp's fixed work (the query's fragments, the first
-// tile's round trip) is spread over many tiles: B8 @ 128K 256 blocks a warp, B1 @ 32K 8.
+// tile's loads are in flight, in two accumulators (half the dependent chain). The launch is one
+// wave of warps (16 an SM) shared out over the rows by their blocks (score_task, run 0), so a
+// warp's fixed work (the query's fragments, the first tile's round trip) is spread over many
+// tiles: B8 @ 128K 256 blocks a warp, B1 @ 32K 8.
 // Same-call A/B on an H100 (2026-12-05, session 28; bench/RESULTS.md), score alone at
 // B8 @ 128K / B8 @ 32K: 74.8 / 19.5 us with runs of 32 and the codes converted through fp32
 // (I2F and a pack); 62.6 / 15.9 with the long runs; 73.0 / 17.4 with the byte-permute
@@ -640,6 +701,16 @@ __device__ __forceinline__ NibblePairs nibble_pairs(uint2 run, int x, int nh) {
   return {bits_h2(and_xor(w, 0x000F000Fu, 0x64086408u)), bits_h2(and_xor(w, 0x00F000F0u, 0x64806480u))};
 }
 
+// The B fragment of a k-step's codes product: the lane's coefficients qr times r = hi - lo of
+// the k-step's nibble pairs (lo's and hi's), exact small integers times powers of two.
+struct RangeB {
+  uint32_t b0, b1;
+};
+__device__ __forceinline__ RangeB range_fragment(const uint32_t (&qr)[2], NibblePairs lo, NibblePairs hi) {
+  return {h2_bits(__hmul2(bits_h2(qr[0]), __hsub2(hi.p0, lo.p0))),
+          h2_bits(__hmul2(bits_h2(qr[1]), __hsub2(hi.p1, lo.p1)))};
+}
+
 // The A fragment of a k-step (x, nh) from a lane's code words of keys g (w0) and g + 8 (w1): the
 // codes c 4^(j % 4) at j % 4 = 2 nh (registers 0, 1) and 2 nh + 1 (2, 3), exact in fp16
 // (1024 + c 4^(j % 4), less 1024).
@@ -808,15 +879,14 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
             if (b == 1 && !two) break;
             // B from the block's ranges: r = hi - lo of the k-step's nibble pairs, times the
             // coefficients; lo (less 1024 + 8, 1024 + 128) for the base.
-            const NibblePairs L = nibble_pairs(lo[b][m], x, nh), H = nibble_pairs(hi[b][m], x, nh);
-            const uint32_t br0 = h2_bits(__hmul2(bits_h2(qr[ks][0]), __hsub2(H.p0, L.p0)));
-            const uint32_t br1 = h2_bits(__hmul2(bits_h2(qr[ks][1]), __hsub2(H.p1, L.p1)));
+            const NibblePairs L = nibble_pairs(lo[b][m], x, nh);
+            const RangeB br = range_fragment(qr[ks], L, nibble_pairs(hi[b][m], x, nh));
             l0[b] = h2_bits(__hsub2(L.p0, __float2half2_rn(1032.0f)));
             l1[b] = h2_bits(__hsub2(L.p1, __float2half2_rn(1152.0f)));
             // A: the codes of keys g (word 2m) and g + 8 (word 2m + 1).
             uint32_t af[4];
             code_fragment(cw[b][2 * m], cw[b][2 * m + 1], x, nh, af);
-            mma16816<__half>(acc[b], af, br0, br1);
+            mma16816<__half>(acc[b], af, br.b0, br.b1);
           }
           const uint32_t al[4] = {l0[0], l0[1], l1[0], l1[1]};
           mma16816<__half>(base, al, ql[ks][0], ql[ks][1]);
@@ -853,12 +923,10 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
 #pragma unroll
             for (int ks = 0; ks < kSteps; ++ks) {
               const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
-              const NibblePairs L = nibble_pairs(lo[b][m], x, nh), H = nibble_pairs(hi[b][m], x, nh);
-              const uint32_t br0 = h2_bits(__hmul2(bits_h2(qr[ks][0]), __hsub2(H.p0, L.p0)));
-              const uint32_t br1 = h2_bits(__hmul2(bits_h2(qr[ks][1]), __hsub2(H.p1, L.p1)));
+              const RangeB br = range_fragment(qr[ks], nibble_pairs(lo[b][m], x, nh), nibble_pairs(hi[b][m], x, nh));
               uint32_t af[4];
               code_fragment(cu[2 * m], cu[2 * m + 1], x, nh, af);
-              mma16816<__half>(au, af, br0, br1);
+              mma16816<__half>(au, af, br.b0, br.b1);
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -1725,19 +1793,15 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
     return n > 0 ? n : 132;
   }();
   // A kernel's long runs while they still give every SM `warps_per_sm` warps, else short ones
-  // (max_blocks standing for every sequence's length). long_run 0: every row (sequence) gets
-  // an equal share of one wave of warps, at least one per KV head, and each sequence's run
-  // follows from its own length on the device (score_task): a short sequence in a table
-  // sized for long ones (a CUDA graph's) keeps short runs and many warps.
+  // (max_blocks standing for every sequence's length). long_run 0: one wave of warps shared
+  // out over the rows by their blocks on the device (score_task, score_grid): short rows in a
+  // table sized for long ones (a CUDA graph's) keep short runs and many warps.
   auto launch_score = [&](auto kernel, int long_run, int warps_per_sm) {
     constexpr int kWarps = kScoreThreads / 32;
     const int64_t slots = static_cast<int64_t>(sms) * warps_per_sm;
     if (long_run == 0) {
-      // (No more warps a head than the widest row has runs of kScoreRunShort.)
-      const int64_t per_head = std::max<int64_t>(
-          1, std::min<int64_t>(slots / (static_cast<int64_t>(S) * Hkv), (MB + kScoreRunShort - 1) / kScoreRunShort));
-      launch_pdl(kernel, dim3(static_cast<unsigned>((per_head * Hkv + kWarps - 1) / kWarps), S), kScoreThreads, 0,
-                 stream, static_cast<const T*>(q), q_stride, summaries, a, 0);
+      launch_pdl(kernel, dim3(static_cast<unsigned>(score_grid(slots, S, Hkv, MB))), kScoreThreads, 0, stream,
+                 static_cast<const T*>(q), q_stride, summaries, a, 0);
       return;
     }
     const int64_t long_warps = static_cast<int64_t>(S) * Hkv * ((MB + long_run - 1) / long_run);

@@ -8,7 +8,8 @@ is 7.6 us alone); K25_PDL=0 gives each kernel's time alone. On sm_90 the last th
 launch (choose_kernel); K25_SPARSE_FUSED=0 shows the three kernels instead:
 
     python3 bench/gpu/profile_select.py [--brief] [--codes] [BxL ...]   (--brief: one line a case;
-        --codes: the key-code estimate, sparsity_score_rule="codes", instead of the bound)
+        --codes: the key-code estimate, sparsity_score_rule="codes", instead of the bound; a case
+        may mix lengths: 1x131072+7x2048)
     ncu --metrics gpu__time_duration.sum --kernel-name regex:"score|bin|count|table" \
         --launch-skip 4 --launch-count 4 python3 bench/gpu/profile_select.py --plain 1 32768
 """
@@ -44,23 +45,37 @@ def main():
     codes = "--codes" in args
     args = [a for a in args if a not in ("--brief", "--codes")]
     plain = len(args) == 3 and args[0] == "--plain"
+
+    def lengths_of(c):  # BxL, or a mixed batch: B1xL1+B2xL2 (e.g. 1x131072+7x2048)
+        out = []
+        for part in c.split("+"):
+            b, n = (int(x) for x in part.split("x"))
+            out += [n] * b
+        return out
+
     if plain:
-        cases = [(int(args[1]), int(args[2]))]
+        cases = [[int(args[2])] * int(args[1])]
     else:
-        cases = [tuple(int(x) for x in c.split("x")) for c in args] or [(1, 8192), (1, 32768), (8, 32768),
-                                                                        (8, 131072)]
-    for B, L in cases:
+        cases = [lengths_of(c) for c in args] or [[8192], [32768], [32768] * 8, [131072] * 8]
+    for lengths in cases:
+        B, L = len(lengths), max(lengths)
+        label = f"B{B} @ {L // 1024}K" if len(set(lengths)) == 1 else \
+            "+".join(f"{lengths.count(n)}x{n // 1024}K" for n in sorted(set(lengths), reverse=True))
         layout = (1, HKV, D, PAGE)
-        nb = L // PAGE
-        kv = torch.randn((B * nb + 1) * 2 * HKV * PAGE * D, device="cuda", dtype=torch.bfloat16)
-        tables = torch.randperm(B * nb, dtype=torch.int32).view(B, nb)
+        nbs = [n // PAGE for n in lengths]
+        nb = max(nbs)
+        kv = torch.randn((sum(nbs) + 1) * 2 * HKV * PAGE * D, device="cuda", dtype=torch.bfloat16)
+        perm = torch.randperm(sum(nbs), dtype=torch.int32)
+        tables = torch.full((B, nb), -1, dtype=torch.int32)
+        for b, o in enumerate([sum(nbs[:i]) for i in range(B)]):
+            tables[b, :nbs[b]] = perm[o:o + nbs[b]]
         q = torch.randn(B, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
-        cl = torch.full((B,), L, dtype=torch.int32)
+        cl = torch.tensor(lengths, dtype=torch.int32)
         call = cu.AttentionCall(kv, layout, 0, torch.arange(B + 1, dtype=torch.int32), cl, tables, HQ,
                                 1 / math.sqrt(D), 0, 264, 1)
-        summ = cu.make_block_summaries(B * nb + 1, layout, kv, key_codes=codes)
-        cu.AttentionCall(kv, layout, 0, torch.arange(B + 1, dtype=torch.int32) * L, cl, tables, HQ, 1.0, 0, 264,
-                         0).update_summaries(summ, key_codes=codes)
+        summ = cu.make_block_summaries(sum(nbs) + 1, layout, kv, key_codes=codes)
+        cu.AttentionCall(kv, layout, 0, torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+                         cl, tables, HQ, 1.0, 0, 264, 0).update_summaries(summ, key_codes=codes)
         stats = torch.zeros(1, 4, dtype=torch.float64, device="cuda")
         p = dict(min_context=2048, sink_blocks=1, recent_blocks=16, min_ratio=0.1, max_ratio=0.6, mass_target=0.95)
         for _ in range(3):
@@ -73,9 +88,9 @@ def main():
                 call.select(q, summ, stats, key_codes=codes, **p)
             torch.cuda.synchronize()
         if brief:
-            print(f"B{B} @ {L // 1024}K, us per selection: {kernel_times(prof, 10)}")
+            print(f"{label}, us per selection: {kernel_times(prof, 10)}")
             continue
-        print(f"B{B} @ {L // 1024}K, 10 selections:")
+        print(f"{label}, 10 selections:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
 
 

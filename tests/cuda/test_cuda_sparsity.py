@@ -550,6 +550,22 @@ def test_selection_of_far_scaled_queries_in_long_runs(q_mult):
     assert heads == 5 * 8, "five sequences were meant to select"
 
 
+@pytest.mark.parametrize("key_codes", [False, True])
+def test_selection_of_many_rows_shared_by_blocks(key_codes):
+    # The tensor-core score kernels share one wave of warps out over the rows by their blocks
+    # (score_task, run 0): 40 rows, so the device's scan over rows takes two rounds of 32, with
+    # a long row in each round beside short ones (whose warps it takes), rows too short to
+    # select and a prompt chunk (no CTA), in a table as wide as a CUDA graph's. Every selecting
+    # row's blocks must be scored: the selection and every block's raw score against float64.
+    seqs = [(30000, 1)] + [(300 + 97 * i, 1) for i in range(29)] + [(40, 1), (2000, 20), (50, 1)]
+    seqs += [(700, 1), (20000, 1), (190, 1), (1200, 1), (165, 1), (3001, 1), (64, 1)]
+    assert len(seqs) == 40
+    call, buf, info, layout, kv = build(31 + key_codes, torch.bfloat16, 8, 2, 128, 16, seqs, hot_frac=0.03,
+                                        width=4096)
+    _, _, heads = check_selection(call, buf, info, layout, kv, 8, PARAMS["mass"], key_codes=key_codes)
+    assert heads == 36 * 2, "36 rows were meant to select (three of 64 or fewer keys do not, nor the prompt chunk)"
+
+
 def test_selection_of_one_sequence_with_an_odd_number_of_query_heads():
     # The default model's shape (9 query heads, 3 KV heads, head_dim 64) with one sequence:
     # scratch for S * Hq = 9 rows of maxima, after which the histograms (loaded 16 bytes at a
