@@ -1,7 +1,8 @@
 """Pass-key retrieval on the CPU: dense against dynamic block sparsity (issue #5).
 
     python bench/cpu_passkey.py [--contexts 2500,4500,6800] [--depths 0.1,0.5,0.9]
-                                [--caps 0.6,0.8] [--threads 2] [--seed 0] [--json out.json]
+                                [--caps 0.6,0.8] [--score-rule channels|codes|bound] [--intervals 1,2]
+                                [--threads 2] [--seed 0] [--json out.json]
 
 A random 5-digit key is planted at each depth of a filler context of about each length, and
 the prompt ends by asking for it (format below, see docs/sparsity.md "Retrieval"). The default
@@ -73,6 +74,9 @@ def main():
     ap.add_argument("--caps", default="0.6,0.8", help="max_sparsity_ratio of the sparse runs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="seed of the random keys")
+    ap.add_argument("--score-rule", default=None, choices=["channels", "codes", "bound"],
+                    help="sparsity_score_rule of the sparse runs (default: the engine's)")
+    ap.add_argument("--intervals", default="1", help="sparsity_selection_interval values of the sparse runs (comma list)")
     ap.add_argument("--json")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -86,8 +90,12 @@ def main():
     all_cases = cases(probe.tokenizer, contexts, depths, args.seed)
     probe.close()
 
-    runs = [("dense", None, base)] + [(f"sparse {cap}", cap, dict(base, enable_dynamic_sparsity=True,
-                                                                   max_sparsity_ratio=cap)) for cap in caps]
+    intervals = [int(n) for n in args.intervals.split(",")]
+    runs = [("dense", None, base)] + [
+        (f"sparse {cap}" + (f" every {n}" if n > 1 else ""), cap,
+         dict(base, enable_dynamic_sparsity=True, max_sparsity_ratio=cap, sparsity_score_rule=args.score_rule,
+              sparsity_selection_interval=n))
+        for cap in caps for n in intervals]
     summary = []
     for name, cap, kw in runs:
         answers, ratio, secs = run(kw, all_cases)
