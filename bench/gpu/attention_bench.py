@@ -26,6 +26,22 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 DT = torch.bfloat16
 
 
+def batch_lengths(case):
+    """The context lengths of a case: BxL, or a mixed batch B1xL1+B2xL2 (e.g. 1x32768+7x2048)."""
+    lens = []
+    for part in case.split("+"):
+        B, L = (int(x) for x in part.split("x"))
+        lens += [L] * B
+    return lens
+
+
+def batch_label(lens):
+    """B8 @ 32K, or 1x128K+7x2K for a mixed batch (the sparsity benches' labels)."""
+    if len(set(lens)) == 1:
+        return f"B{len(lens)} @ {lens[0] // 1024}K"
+    return "+".join(f"{lens.count(n)}x{n // 1024}K" for n in sorted(set(lens), reverse=True))
+
+
 def time_ms(fn, iters=20, warmup=3):
     for _ in range(warmup):
         fn()
@@ -306,12 +322,8 @@ def main():
           getattr(fi, "__version__", None) if fi else None, flush=True)
     results = []
     for c in [] if args.prefill_only else args.decode_cases.split(","):
-        lens = []
-        for part in c.split("+"):  # BxL, or a mixed batch B1xL1+B2xL2
-            B, L = (int(x) for x in part.split("x"))
-            lens += [L] * B
         try:
-            decode_case(lens, fi, results)
+            decode_case(batch_lengths(c), fi, results)
         except Exception as e:
             print(f"decode {c} failed: {type(e).__name__}: {e}", flush=True)
             results.append({"case": f"decode {c}", "error": str(e)})

@@ -20,6 +20,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from attention_bench import batch_label, batch_lengths
 from k25 import _C
 
 cu = _C.cuda_ops
@@ -46,21 +47,13 @@ def main():
     args = [a for a in args if a not in ("--brief", "--codes")]
     plain = len(args) == 3 and args[0] == "--plain"
 
-    def lengths_of(c):  # BxL, or a mixed batch: B1xL1+B2xL2 (e.g. 1x131072+7x2048)
-        out = []
-        for part in c.split("+"):
-            b, n = (int(x) for x in part.split("x"))
-            out += [n] * b
-        return out
-
     if plain:
         cases = [[int(args[2])] * int(args[1])]
     else:
-        cases = [lengths_of(c) for c in args] or [[8192], [32768], [32768] * 8, [131072] * 8]
+        cases = [batch_lengths(c) for c in args] or [[8192], [32768], [32768] * 8, [131072] * 8]
     for lengths in cases:
-        B, L = len(lengths), max(lengths)
-        label = f"B{B} @ {L // 1024}K" if len(set(lengths)) == 1 else \
-            "+".join(f"{lengths.count(n)}x{n // 1024}K" for n in sorted(set(lengths), reverse=True))
+        B = len(lengths)
+        label = batch_label(lengths)
         layout = (1, HKV, D, PAGE)
         nbs = [n // PAGE for n in lengths]
         nb = max(nbs)

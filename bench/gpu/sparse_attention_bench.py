@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from attention_bench import time_ms
+from attention_bench import batch_label, batch_lengths, time_ms
 from k25 import _C
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -91,8 +91,7 @@ def case(lengths, caps, results, width=0, rules=("bound",), intervals=(1,)):
     fused = "summaries" in (cu.rope_write_kv.__doc__ or "")  # a tree whose rope_write_kv updates summaries
     dense_rope_ms = time_ms(graphed(lambda: (rope(), call.run(qr))))
     kv_bytes = sum(lengths) * HKV * D * 2 * 2
-    label = f"B{B} @ {L // 1024}K" if len(set(lengths)) == 1 else \
-        "+".join(f"{lengths.count(n)}x{n // 1024}K" for n in sorted(set(lengths), reverse=True))
+    label = batch_label(lengths)
     print(f"{label}{f' (tables {width} wide)' if width > nb else ''}: dense {dense_ms * 1e3:.1f} us ({kv_bytes / dense_ms / 1e9:.2f} TB/s), splits {splits}")
     for rule, cap in [(rule, cap) for rule in rules for cap in caps]:
         codes = rule == "codes"
@@ -205,11 +204,7 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     results = []
     for c in args.cases.split(","):  # BxL, or a mixed batch: B1xL1+B2xL2 (e.g. 1x131072+7x2048)
-        lengths = []
-        for part in c.split("+"):
-            B, L = (int(x) for x in part.split("x"))
-            lengths += [L] * B
-        case(lengths, [0.6, 0.8], results, args.width, tuple(args.rules.split(",")),
+        case(batch_lengths(c), [0.6, 0.8], results, args.width, tuple(args.rules.split(",")),
              tuple(int(n) for n in args.interval.split(",")))
     if args.json:
         with open(args.json, "w") as f:
