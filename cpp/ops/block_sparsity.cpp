@@ -446,8 +446,9 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
   out->top_blocks.clear();
   bool any = false;
   for (int32_t s = 0; s < nseq; ++s) {
-    any = any || selects_blocks(B, s, p);
-    out->reused[s] = selects_blocks(B, s, p) && reuse && reuse[s].positions && reuse[s].count > 0;
+    const bool selects = selects_blocks(B, s, p);
+    any = any || selects;
+    out->reused[s] = selects && reuse && reuse[s].positions && reuse[s].count > 0;
   }
   if (!any) return false;
   out->head_tables.assign(static_cast<size_t>(nseq) * Hkv * MB, -1);
