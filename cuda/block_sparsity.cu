@@ -87,6 +87,29 @@ constexpr bool kCodedSummaries = !std::is_same_v<T, float>;
 
 // Where the summary of (block, KV head) of this layer begins: a pool block's row of `summ`;
 // a cold one's row past the pool's (L2 slot s), or of cold_summaries (the step's cold entry j).
+// SummaryRows: the rows of one (layer, KV head) by block id, row(b) = base + b x stride, so a
+// kernel that walks many blocks of one head pays the layout's products once.
+struct SummaryRows {
+  const uint8_t* hot;
+  const uint8_t* cold;
+  int64_t stride;
+  __device__ __forceinline__ const uint8_t* operator()(int block) const {
+    const bool c = is_cold_block(block);  // (selects, one product: no predicated second path)
+    return (c ? cold : hot) + static_cast<int64_t>(c ? cold_slot_of(block) : block) * stride;
+  }
+};
+template <typename T>
+__device__ __forceinline__ SummaryRows summary_rows(const SparseSelect& a, const void* summ, int h, int D) {
+  const int64_t bytes = summary_row_bytes(dtype_of<T>(), D, a.code_tiles);
+  const int64_t stride = static_cast<int64_t>(a.num_layers) * a.num_kv_heads * bytes;
+  const int64_t head = (static_cast<int64_t>(a.layer) * a.num_kv_heads + h) * bytes;
+  const uint8_t* hot = static_cast<const uint8_t*>(summ) + head;
+  const uint8_t* cold = a.cold_summaries != nullptr ? static_cast<const uint8_t*>(a.cold_summaries) + head
+                                                    : hot + a.cold_summary_base * stride;
+  return {hot, cold, stride};
+}
+// (One row: the other score kernels' form. Through SummaryRows it cost score_kernel 16
+// registers, 63 -> 79, and a quarter of its CTAs an SM.)
 template <typename T>
 __device__ __forceinline__ const uint8_t* summary_row(const SparseSelect& a, const void* summ, int block, int h, int D) {
   int64_t row = block;
@@ -724,6 +747,40 @@ __device__ __forceinline__ void code_fragment(uint32_t w0, uint32_t w1, int x, i
   af[3] = h2_bits(__hsub2(bits_h2(and_or(v1, k1, 0x64006400u)), off));
 }
 
+// The codes product of a block's further code tile u (keys 16u .. 16u + 15, read from its row in
+// global memory: blocks of more than 16 keys), B from the lane's runs of the block's ranges.
+template <int D>
+__device__ __forceinline__ void further_tile_product(const uint8_t* row, int u, int lane,
+                                                     const uint32_t (&qr)[D / 16][2], const uint2 (&lo)[D / 64],
+                                                     const uint2 (&hi)[D / 64], float (&au)[4]) {
+  constexpr int kWords = D / 32;
+  using CodeV = typename Bytes<4 * kWords>::type;
+  const CodeV cv = *reinterpret_cast<const CodeV*>(row + D + 16 + 4 * D * u + 4 * kWords * lane);
+  uint32_t cu[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) cu[i] = reinterpret_cast<const uint32_t*>(&cv)[i];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) au[i] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
+    const RangeB br = range_fragment(qr[ks], nibble_pairs(lo[m], x, nh), nibble_pairs(hi[m], x, nh));
+    uint32_t af[4];
+    code_fragment(cu[2 * m], cu[2 * m + 1], x, nh, af);
+    mma16816<__half>(au, af, br.b0, br.b1);
+  }
+}
+
+// Two keys' scores (log2 units; -inf for a key past the block's fill) folded into a running
+// maximum m and sum l of exp2(x - m).
+__device__ __forceinline__ void fold_keys(float x0, float x1, float& m, float& l) {
+  const float mnew = fmaxf(m, fmaxf(x0, x1));
+  if (mnew > -INFINITY) {
+    l = l * exp2f(m - mnew) + exp2f(x0 - mnew) + exp2f(x1 - mnew);
+    m = mnew;
+  }
+}
+
 // A block's log-mass per query head: log sum_t exp(scale q.k_t) over its keys, each read back
 // from its codes as lo + c (hi - lo) / 3 in the row's coded range (k25_cuda.h). A warp per
 // (KV head, run of blocks) as score_mma_kernel's split, and per block and tile of 16 keys one
@@ -746,7 +803,13 @@ __device__ __forceinline__ void code_fragment(uint32_t w0, uint32_t w1, int x, i
 // kernel took 518 us at B8 @ 128K on an H100, staged 441; bench/RESULTS.md).
 constexpr int kCodeSlots = 8;
 
-template <typename T, int D>
+// kPack (groups of up to 4 query heads, as Llama-3's 32 / 8): B's columns 0..3 are the first
+// block's heads of a pair and 4..7 the second's, each lane's B built from its column's block, so
+// a pair builds one B (not two) and each lane reduces one block's log-sum-exps (not two); the two
+// codes products a k-step stay, each valid in its block's four columns. (Unpacked, columns past
+// the group are zeros: half of them at groups of 4.) 257 us against 276 at B8 @ 128K on an H100
+// (bench/gpu/variants/README.md, codes_pack4).
+template <typename T, int D, bool kPack>
 __global__ void __launch_bounds__(kScoreThreads, 2)
     codes_score_kernel(const T* __restrict__ q, int64_t q_stride, const void* __restrict__ summ, SparseSelect a,
                        int run) {
@@ -764,6 +827,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
   const int Hq = a.num_heads, Hkv = a.num_kv_heads, group = Hq / Hkv, MB = a.max_blocks, bs = a.block_size;
   const int tiles = a.code_tiles;
   uint8_t* const my = &stage[threadIdx.x / 32][0][0];
+  const uint32_t my_u32 = smem_u32(my);
   __shared__ uint32_t smax[2 * kMaxSparseHeads];
   clear_maxima(smax, Hq);
   bool waited = false;  // warp-uniform
@@ -771,6 +835,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
     const int j1 = min(nb, j0 + w.run);
     const int last_n = a.context_lens[s] - (nb - 1) * bs;  // keys of the sequence's last block
     const int* tab = a.block_tables + static_cast<int64_t>(s) * MB;
+    const SummaryRows rows = summary_rows<T>(a, summ, h, D);
     const T* qrow = q + static_cast<int64_t>(a.query_start[s]) * q_stride + static_cast<int64_t>(h) * group * D;
     for (int g0 = 0; g0 < group; g0 += 8) {
       // B coefficients of column g (query head g0 + g; zero past the group), per k-step
@@ -778,7 +843,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
       uint32_t qr[kSteps][2], ql[kSteps][2];
       float inv_qs;  // of column g's head
       {
-        const bool live = g0 + g < group;
+        const int hc = kPack ? g & 3 : g;  // column g's head in the pass
+        const bool live = g0 + hc < group;
         float qv[kSteps][4];
         float mabs = 0.0f;
 #pragma unroll
@@ -787,7 +853,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
           const int ch[4] = {c, c + 4, c + 1, c + 5};
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            qv[ks][i] = live ? to_f(qrow[(g0 + g) * D + ch[i]]) : 0.0f;
+            qv[ks][i] = live ? to_f(qrow[(g0 + hc) * D + ch[i]]) : 0.0f;
             mabs = fmaxf(mabs, fabsf(qv[ks][i]));
           }
         }
@@ -815,21 +881,28 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
         pdl_trigger();
         waited = true;
       }
-      // The run's table entries 32 at a time (lane l: entry cb + l, and cb + 32 + l a chunk ahead);
-      // issue(jj), called for jj = j0, j0 + 1, ... in order, copies block jj's row (its first code
-      // tile) into slot (jj - j0) % kCodeSlots.
+      // The run's rows 32 at a time (lane l: the row of entry cb + l, and table entry cb + 32 + l a
+      // chunk ahead; past the run, block 0's row, never copied); issue(jj), called for jj = j0,
+      // j0 + 1, ... in order, copies block jj's row (its first code tile) into slot
+      // (jj - j0) % kCodeSlots: two shuffles of its address, the layout's products paid a chunk
+      // at a time.
       int cb = j0;
-      int tab_lo = j0 + lane < j1 ? tab[j0 + lane] : 0, tab_hi = j0 + 32 + lane < j1 ? tab[j0 + 32 + lane] : 0;
+      const uint8_t* row_lo = rows(j0 + lane < j1 ? tab[j0 + lane] : 0);
+      int tab_hi = j0 + 32 + lane < j1 ? tab[j0 + 32 + lane] : 0;
       auto issue = [&](int jj) {
         if (jj - cb == 32) {
           cb += 32;
-          tab_lo = tab_hi;
+          row_lo = rows(tab_hi);
           tab_hi = cb + 32 + lane < j1 ? tab[cb + 32 + lane] : 0;
         }
-        const uint8_t* row = summary_row<T>(a, summ, __shfl_sync(0xffffffffu, tab_lo, jj - cb), h, D);
-        const uint32_t dst = smem_u32(my + (static_cast<unsigned>(jj - j0) % kCodeSlots) * kSlot);
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(__shfl_sync(
+                                 0xffffffffu, reinterpret_cast<unsigned long long>(row_lo), jj - cb)) +
+                             16 * lane;
+        const uint32_t dst = my_u32 + (static_cast<unsigned>(jj - j0) % kCodeSlots) * kSlot + 16 * lane;
 #pragma unroll
-        for (int c = lane; c < kSlot / 16; c += 32) cp_async16(dst + 16 * c, row + 16 * c, true);
+        for (int c = 0; c < kSlot / 16; c += 32) {
+          if (c + lane < kSlot / 16) cp_async16(dst + 16 * c, row + 16 * c, true);
+        }
       };
       __syncwarp();  // (a second pass of heads: the first's last pair has been read)
       for (int p = 0; p < kCodeSlots / 2 - 1; ++p) {
@@ -837,7 +910,15 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
         if (j0 + 2 * p + 1 < j1) issue(j0 + 2 * p + 1);
         cp_async_commit();
       }
-      float* raw = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + 2 * t) * 2 * MB;
+      // After the pair's reductions lane bits 4 and 3 hold block bb and column ii (below): the
+      // lane's two raw values of (head g0 + 2t + ii, block j + bb), stored by lanes with bit 2 clear.
+      // Packed: t holds block t / 2 (its C columns), lane bit 4 column ii, head 2 (t % 2) + ii,
+      // stored by lanes with bits 2 and 3 clear.
+      const int bb = kPack ? t >> 1 : (lane >> 4) & 1, ii = kPack ? (lane >> 4) & 1 : (lane >> 3) & 1;
+      const int hd = kPack ? 2 * (t & 1) + ii : 2 * t + ii;
+      const bool stores = !(lane & (kPack ? 12 : 4)) && g0 + hd < group;
+      const int bsel = kPack ? g >> 2 : 0;  // (packed) the block of the lane's B column
+      float* const out = a.raw + (static_cast<int64_t>(s) * Hq + h * group + g0 + hd) * 2 * MB + bb;
       uint32_t run_max = 0;  // of the column this lane stores (below)
       for (int j = j0; j < j1; j += 2) {
         const int ja = j + kCodeSlots - 2;  // into the slots of the pair before, which every lane has read
@@ -850,7 +931,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
         const bool two = j + 1 < j1;  // warp-uniform
         const uint8_t* sp[2] = {my + (static_cast<unsigned>(j - j0) % kCodeSlots) * kSlot,
                                 my + (static_cast<unsigned>(j + 1 - j0) % kCodeSlots) * kSlot};
-        uint2 lo[2][kRuns], hi[2][kRuns];
+        uint2 lo[2][kRuns], hi[kPack ? 1 : 2][kRuns];
         uint32_t cw[2][kWords];
         float rs[2];
 #pragma unroll
@@ -860,133 +941,205 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
 #pragma unroll
           for (int m = 0; m < kRuns; ++m) {
             lo[b][m] = *reinterpret_cast<const uint2*>(sp[b] + 32 * m + 8 * t);
-            hi[b][m] = *reinterpret_cast<const uint2*>(sp[b] + D / 2 + 32 * m + 8 * t);
+            if constexpr (!kPack) hi[b][m] = *reinterpret_cast<const uint2*>(sp[b] + D / 2 + 32 * m + 8 * t);
           }
           const CodeV cv = *reinterpret_cast<const CodeV*>(sp[b] + D + 16 + 4 * kWords * lane);
 #pragma unroll
           for (int i = 0; i < kWords; ++i) cw[b][i] = reinterpret_cast<const uint32_t*>(&cv)[i];
           rs[b] = *reinterpret_cast<const float*>(sp[b] + D);
         }
-        // Per k-step: the two blocks' codes products and one product of both blocks' base (A:
-        // block 0's lo in rows 0..7, block 1's in rows 8..15; a lone block leaves rows 8..15 zero).
-        float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}}, base[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if constexpr (kPack) {
 #pragma unroll
-        for (int ks = 0; ks < kSteps; ++ks) {
-          const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
-          uint32_t l0[2] = {0, 0}, l1[2] = {0, 0};
-#pragma unroll
-          for (int b = 0; b < 2; ++b) {
-            if (b == 1 && !two) break;
-            // B from the block's ranges: r = hi - lo of the k-step's nibble pairs, times the
-            // coefficients; lo (less 1024 + 8, 1024 + 128) for the base.
-            const NibblePairs L = nibble_pairs(lo[b][m], x, nh);
-            const RangeB br = range_fragment(qr[ks], L, nibble_pairs(hi[b][m], x, nh));
-            l0[b] = h2_bits(__hsub2(L.p0, __float2half2_rn(1032.0f)));
-            l1[b] = h2_bits(__hsub2(L.p1, __float2half2_rn(1152.0f)));
-            // A: the codes of keys g (word 2m) and g + 8 (word 2m + 1).
-            uint32_t af[4];
-            code_fragment(cw[b][2 * m], cw[b][2 * m + 1], x, nh, af);
-            mma16816<__half>(acc[b], af, br.b0, br.b1);
+          for (int m = 0; m < kRuns; ++m) {
+            hi[0][m] = *reinterpret_cast<const uint2*>((bsel ? sp[1] : sp[0]) + D / 2 + 32 * m + 8 * t);
           }
-          const uint32_t al[4] = {l0[0], l0[1], l1[0], l1[1]};
-          mma16816<__half>(base, al, ql[ks][0], ql[ks][1]);
-        }
-        // Per block and head (columns 2t + i): the lane's two keys (rows g, g + 8) as a running max
-        // and sum (tiles past the first, blocks over 16 keys, from global memory, folded in online).
-        float mrun[2][2], lrun[2][2];
+          // Per k-step: B from the ranges of the lane's column's block (lo selected from both
+          // blocks' nibble pairs, which the base's A takes too), one codes product per block with
+          // that same B, and the base product as unpacked.
+          float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}}, base[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          if (b == 1 && !two) {
-            mrun[1][0] = mrun[1][1] = -INFINITY;
-            lrun[1][0] = lrun[1][1] = 0.0f;
-            break;
+          for (int ks = 0; ks < kSteps; ++ks) {
+            const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
+            const NibblePairs L0 = nibble_pairs(lo[0][m], x, nh), L1 = nibble_pairs(lo[1][m], x, nh);
+            const RangeB br = range_fragment(qr[ks], bsel ? L1 : L0, nibble_pairs(hi[0][m], x, nh));
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+              uint32_t af[4];
+              code_fragment(cw[b][2 * m], cw[b][2 * m + 1], x, nh, af);
+              mma16816<__half>(acc[b], af, br.b0, br.b1);
+            }
+            const __half2 o0 = __float2half2_rn(1032.0f), o1 = __float2half2_rn(1152.0f);
+            const uint32_t al[4] = {h2_bits(__hsub2(L0.p0, o0)), h2_bits(__hsub2(L1.p0, o0)),
+                                    h2_bits(__hsub2(L0.p1, o1)), h2_bits(__hsub2(L1.p1, o1))};
+            mma16816<__half>(base, al, ql[ks][0], ql[ks][1]);
           }
-          const int jb = j + b;
-          const int n = jb == nb - 1 ? last_n : bs;
-          const float to_log2 = rs[b] * a.scale * 1.4426950408889634f / 3.0f;
-          float m2[2];
+          // The lane's C columns (heads 2 (t % 2) + i of block bb): its two keys (rows g, g + 8) as
+          // a running max and sum, then tiles past the first (every lane takes part in both
+          // blocks' products; the lanes of the block fold them in).
+          const bool have = bb == 0 || two;  // (warp-divergent)
+          const int n = !have ? 0 : j + bb == nb - 1 ? last_n : bs;
+          const float to_log2 = (bb ? rs[1] : rs[0]) * a.scale * 1.4426950408889634f / 3.0f;
+          float own[4], m2[2], mrun[2], lrun[2];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) own[i] = bb ? acc[1][i] : acc[0][i];
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             m2[i] = to_log2 * col_inv[i];
-            const float x0 = g < n ? (acc[b][i] + base[2 * b + i]) * m2[i] : -INFINITY;
-            const float x1 = g + 8 < n ? (acc[b][2 + i] + base[2 * b + i]) * m2[i] : -INFINITY;
-            mrun[b][i] = fmaxf(x0, x1);  // key 0 is always there: finite unless the scores are not
-            lrun[b][i] = exp2f(x0 - mrun[b][i]) + exp2f(x1 - mrun[b][i]);
+            const float bi = bb ? base[2 + i] : base[i];
+            own[i] += bi;
+            own[2 + i] += bi;
+            const float x0 = g < n ? own[i] * m2[i] : -INFINITY;
+            const float x1 = g + 8 < n ? own[2 + i] * m2[i] : -INFINITY;
+            mrun[i] = fmaxf(x0, x1);  // -inf (and lrun NaN, never read) only for a missing block
+            lrun[i] = exp2f(x0 - mrun[i]) + exp2f(x1 - mrun[i]);
           }
-          for (int u = 1; u < tiles && 16 * u < n; ++u) {
-            const uint8_t* row = summary_row<T>(a, summ, tab[jb], h, D);
-            const CodeV cv = *reinterpret_cast<const CodeV*>(row + D + 16 + 4 * D * u + 4 * kWords * lane);
-            uint32_t cu[kWords];
+          for (int b = 0; b < 2 && (b == 0 || two); ++b) {
+            const int jb = j + b, nk = jb == nb - 1 ? last_n : bs;
+            for (int u = 1; u < tiles && 16 * u < nk; ++u) {
+              uint2 lob[kRuns];  // the ranges of the lane's B column's block
 #pragma unroll
-            for (int i = 0; i < kWords; ++i) cu[i] = reinterpret_cast<const uint32_t*>(&cv)[i];
-            float au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              for (int m = 0; m < kRuns; ++m) lob[m] = bsel ? lo[1][m] : lo[0][m];
+              float au[4];
+              further_tile_product<D>(rows(tab[jb]), u, lane, qr, lob, hi[0], au);
+              if (b == bb) {
 #pragma unroll
-            for (int ks = 0; ks < kSteps; ++ks) {
-              const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
-              const RangeB br = range_fragment(qr[ks], nibble_pairs(lo[b][m], x, nh), nibble_pairs(hi[b][m], x, nh));
-              uint32_t af[4];
-              code_fragment(cu[2 * m], cu[2 * m + 1], x, nh, af);
-              mma16816<__half>(au, af, br.b0, br.b1);
-            }
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              const float x0 = 16 * u + g < n ? (au[i] + base[2 * b + i]) * m2[i] : -INFINITY;
-              const float x1 = 16 * u + g + 8 < n ? (au[2 + i] + base[2 * b + i]) * m2[i] : -INFINITY;
-              const float mnew = fmaxf(mrun[b][i], fmaxf(x0, x1));
-              if (mnew > -INFINITY) {
-                lrun[b][i] = lrun[b][i] * exp2f(mrun[b][i] - mnew) + exp2f(x0 - mnew) + exp2f(x1 - mnew);
-                mrun[b][i] = mnew;
+                for (int i = 0; i < 2; ++i) {
+                  const float bi = bb ? base[2 + i] : base[i];
+                  fold_keys(16 * u + g < n ? (au[i] + bi) * m2[i] : -INFINITY,
+                            16 * u + g + 8 < n ? (au[2 + i] + bi) * m2[i] : -INFINITY, mrun[i], lrun[i]);
+                }
               }
             }
           }
-        }
-        // The log-sum-exp of each of the pair's four columns over its 8 lanes (g). The shift needs
-        // only be near the maximum (the result is the same for any shift that keeps the sums in
-        // range), so the four maxima go as two fp16 pairs (clamped into fp16's range): 6 shuffles
-        // for the four. The sums are reduced transposed: each level keeps half of the values and
-        // sends the other half, so that lane bits 4 and 3 end with block b and column i (4
-        // shuffles for the four), and each lane has one log to take and one column to store.
-        __half2 hm[2];
+          // The log-sum-exps of the lane's two columns over its 8 lanes (g): the maxima as one fp16
+          // pair (3 shuffles), the sums transposed (lane bit 4 keeps column ii: 3 shuffles).
+          __half2 hm = __floats2half2_rn(fminf(fmaxf(mrun[0], -60000.0f), 60000.0f),
+                                         fminf(fmaxf(mrun[1], -60000.0f), 60000.0f));
 #pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          hm[b] = __floats2half2_rn(fminf(fmaxf(mrun[b][0], -60000.0f), 60000.0f),
-                                    fminf(fmaxf(mrun[b][1], -60000.0f), 60000.0f));
-        }
+          for (int o = 4; o < 32; o <<= 1) hm = __hmax2(hm, bits_h2(__shfl_xor_sync(0xffffffffu, h2_bits(hm), o)));
+          const float mx[2] = {__low2float(hm), __high2float(hm)};
+          float ls[2];
 #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
+          for (int i = 0; i < 2; ++i) ls[i] = mrun[i] > -INFINITY ? lrun[i] * exp2f(mrun[i] - mx[i]) : 0.0f;
+          float l = ii ? ls[1] : ls[0];
+          l += __shfl_xor_sync(0xffffffffu, ii ? ls[0] : ls[1], 16);
+          l += __shfl_xor_sync(0xffffffffu, l, 8);
+          l += __shfl_xor_sync(0xffffffffu, l, 4);
+          const float e = ((ii ? mx[1] : mx[0]) + log2f(l)) * 0.6931471805599453f;  // nats
+          if (stores && have) {
+            out[j] = e;
+            out[MB + j] = e;
+            run_max = max(run_max, order_bits(e));
+          }
+        } else {
+          // Per k-step: the two blocks' codes products and one product of both blocks' base (A:
+          // block 0's lo in rows 0..7, block 1's in rows 8..15). A lone last block's partner is
+          // computed too, from whatever its slot holds (every value passes a mask: finite), and
+          // left out below: a branch here put a warp sync before every product.
+          float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}}, base[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-          for (int b = 0; b < 2; ++b) hm[b] = __hmax2(hm[b], bits_h2(__shfl_xor_sync(0xffffffffu, h2_bits(hm[b]), o)));
-        }
-        float ls[2][2], mx[2][2];
+          for (int ks = 0; ks < kSteps; ++ks) {
+            const int m = ks / 4, x = (ks / 2) % 2, nh = ks % 2;
+            uint32_t l0[2], l1[2];
 #pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          mx[b][0] = __low2float(hm[b]);
-          mx[b][1] = __high2float(hm[b]);
-          // (A lane with no key of the block, g >= n, has mrun -inf and lrun NaN: its term is 0.)
-          ls[b][0] = mrun[b][0] > -INFINITY ? lrun[b][0] * exp2f(mrun[b][0] - mx[b][0]) : 0.0f;
-          ls[b][1] = mrun[b][1] > -INFINITY ? lrun[b][1] * exp2f(mrun[b][1] - mx[b][1]) : 0.0f;
-        }
-        const int bb = (lane >> 4) & 1, ii = (lane >> 3) & 1;
-        float k0 = bb ? ls[1][0] : ls[0][0], k1 = bb ? ls[1][1] : ls[0][1];
-        const float s0 = bb ? ls[0][0] : ls[1][0], s1 = bb ? ls[0][1] : ls[1][1];
-        k0 += __shfl_xor_sync(0xffffffffu, s0, 16);
-        k1 += __shfl_xor_sync(0xffffffffu, s1, 16);
-        float l = ii ? k1 : k0;
-        l += __shfl_xor_sync(0xffffffffu, ii ? k0 : k1, 8);
-        l += __shfl_xor_sync(0xffffffffu, l, 4);
-        const float mb0 = bb ? mx[1][0] : mx[0][0], mb1 = bb ? mx[1][1] : mx[0][1];
-        const float e = ((ii ? mb1 : mb0) + log2f(l)) * 0.6931471805599453f;  // nats
-        if (!(lane & 4) && (bb == 0 || two) && g0 + 2 * t + ii < group) {
-          raw[ii * 2 * MB + j + bb] = e;
-          raw[ii * 2 * MB + MB + j + bb] = e;
-          run_max = max(run_max, order_bits(e));
+            for (int b = 0; b < 2; ++b) {
+              // B from the block's ranges: r = hi - lo of the k-step's nibble pairs, times the
+              // coefficients; lo (less 1024 + 8, 1024 + 128) for the base.
+              const NibblePairs L = nibble_pairs(lo[b][m], x, nh);
+              const RangeB br = range_fragment(qr[ks], L, nibble_pairs(hi[b][m], x, nh));
+              l0[b] = h2_bits(__hsub2(L.p0, __float2half2_rn(1032.0f)));
+              l1[b] = h2_bits(__hsub2(L.p1, __float2half2_rn(1152.0f)));
+              // A: the codes of keys g (word 2m) and g + 8 (word 2m + 1).
+              uint32_t af[4];
+              code_fragment(cw[b][2 * m], cw[b][2 * m + 1], x, nh, af);
+              mma16816<__half>(acc[b], af, br.b0, br.b1);
+            }
+            const uint32_t al[4] = {l0[0], l0[1], l1[0], l1[1]};
+            mma16816<__half>(base, al, ql[ks][0], ql[ks][1]);
+          }
+          // Per block and head (columns 2t + i): the lane's two keys (rows g, g + 8) as a running max
+          // and sum (tiles past the first, blocks over 16 keys, from global memory, folded in online).
+          float mrun[2][2], lrun[2][2];
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            if (b == 1 && !two) {
+              mrun[1][0] = mrun[1][1] = -INFINITY;
+              lrun[1][0] = lrun[1][1] = 0.0f;
+              break;
+            }
+            const int jb = j + b;
+            const int n = jb == nb - 1 ? last_n : bs;
+            const float to_log2 = rs[b] * a.scale * 1.4426950408889634f / 3.0f;
+            float m2[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              m2[i] = to_log2 * col_inv[i];
+              const float x0 = g < n ? (acc[b][i] + base[2 * b + i]) * m2[i] : -INFINITY;
+              const float x1 = g + 8 < n ? (acc[b][2 + i] + base[2 * b + i]) * m2[i] : -INFINITY;
+              mrun[b][i] = fmaxf(x0, x1);  // key 0 is always there: finite unless the scores are not
+              lrun[b][i] = exp2f(x0 - mrun[b][i]) + exp2f(x1 - mrun[b][i]);
+            }
+            for (int u = 1; u < tiles && 16 * u < n; ++u) {
+              float au[4];
+              further_tile_product<D>(rows(tab[jb]), u, lane, qr, lo[b], hi[b], au);
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                fold_keys(16 * u + g < n ? (au[i] + base[2 * b + i]) * m2[i] : -INFINITY,
+                          16 * u + g + 8 < n ? (au[2 + i] + base[2 * b + i]) * m2[i] : -INFINITY, mrun[b][i],
+                          lrun[b][i]);
+              }
+            }
+          }
+          // The log-sum-exp of each of the pair's four columns over its 8 lanes (g). The shift needs
+          // only be near the maximum (the result is the same for any shift that keeps the sums in
+          // range), so the four maxima go as two fp16 pairs (clamped into fp16's range): 6 shuffles
+          // for the four. The sums are reduced transposed: each level keeps half of the values and
+          // sends the other half, so that lane bits 4 and 3 end with block b and column i (4
+          // shuffles for the four), and each lane has one log to take and one column to store.
+          __half2 hm[2];
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            hm[b] = __floats2half2_rn(fminf(fmaxf(mrun[b][0], -60000.0f), 60000.0f),
+                                      fminf(fmaxf(mrun[b][1], -60000.0f), 60000.0f));
+          }
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+              hm[b] = __hmax2(hm[b], bits_h2(__shfl_xor_sync(0xffffffffu, h2_bits(hm[b]), o)));
+            }
+          }
+          float ls[2][2], mx[2][2];
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            mx[b][0] = __low2float(hm[b]);
+            mx[b][1] = __high2float(hm[b]);
+            // (A lane with no key of the block, g >= n, has mrun -inf and lrun NaN: its term is 0.)
+            ls[b][0] = mrun[b][0] > -INFINITY ? lrun[b][0] * exp2f(mrun[b][0] - mx[b][0]) : 0.0f;
+            ls[b][1] = mrun[b][1] > -INFINITY ? lrun[b][1] * exp2f(mrun[b][1] - mx[b][1]) : 0.0f;
+          }
+          float k0 = bb ? ls[1][0] : ls[0][0], k1 = bb ? ls[1][1] : ls[0][1];
+          const float s0 = bb ? ls[0][0] : ls[1][0], s1 = bb ? ls[0][1] : ls[1][1];
+          k0 += __shfl_xor_sync(0xffffffffu, s0, 16);
+          k1 += __shfl_xor_sync(0xffffffffu, s1, 16);
+          float l = ii ? k1 : k0;
+          l += __shfl_xor_sync(0xffffffffu, ii ? k0 : k1, 8);
+          l += __shfl_xor_sync(0xffffffffu, l, 4);
+          const float mb0 = bb ? mx[1][0] : mx[0][0], mb1 = bb ? mx[1][1] : mx[0][1];
+          const float e = ((ii ? mb1 : mb0) + log2f(l)) * 0.6931471805599453f;  // nats
+          if (stores && (bb == 0 || two)) {
+            out[j] = e;
+            out[MB + j] = e;
+            run_max = max(run_max, order_bits(e));
+          }
         }
       }
       cp_async_wait<0>();  // (empty groups only: the loop waited for every copy it used)
       // Column ii's maximum over both blocks of the pairs (lanes 16 apart), from the lanes that stored.
-      run_max = max(run_max, __shfl_xor_sync(0xffffffffu, run_max, 16));
-      if ((lane & 20) == 0) {
-        const int ii = (lane >> 3) & 1, hq = h * group + g0 + 2 * t + ii;
+      // (Packed: a head's lanes of the two blocks are 2 apart; those with t < 2 hold head 2t + ii.)
+      run_max = max(run_max, __shfl_xor_sync(0xffffffffu, run_max, kPack ? 2 : 16));
+      if ((lane & (kPack ? 14 : 20)) == 0) {
+        const int hq = h * group + g0 + 2 * t + ii;
         if (g0 + 2 * t + ii < group) {
           atomicMax(&smax[2 * hq], run_max);
           atomicMax(&smax[2 * hq + 1], run_max);
@@ -1818,7 +1971,7 @@ void launch_select(const void* q, int64_t q_stride, const void* summaries, const
     static const bool mma = !env_is_zero("K25_SPARSE_SCORE_MMA");
     const bool aligned = reinterpret_cast<uintptr_t>(q) % 16 == 0 && q_stride % 8 == 0;
     if (a.code_tiles > 0) {
-      launch_score(codes_score_kernel<T, D>, 0, 16);
+      launch_score(a.num_heads / Hkv <= 4 ? codes_score_kernel<T, D, true> : codes_score_kernel<T, D, false>, 0, 16);
     } else if (mma && aligned) {
       launch_score(score_mma_kernel<T, D>, 0, 16);
     } else {

@@ -7,9 +7,10 @@ inside its own duration, so per-kernel times include that wait (count_kernel's 1
 is 7.6 us alone); K25_PDL=0 gives each kernel's time alone. On sm_90 the last three steps are one
 launch (choose_kernel); K25_SPARSE_FUSED=0 shows the three kernels instead:
 
-    python3 bench/gpu/profile_select.py [--brief] [--codes] [BxL ...]   (--brief: one line a case;
-        --codes: the key-code estimate, sparsity_score_rule="codes", instead of the bound; a case
-        may mix lengths: 1x131072+7x2048)
+    python3 bench/gpu/profile_select.py [--brief] [--codes] [--hq=N] [BxL ...]   (--brief: one line a
+        case; --codes: the key-code estimate, sparsity_score_rule="codes", instead of the bound;
+        --hq=N: N query heads over the 8 KV heads instead of 32, e.g. 64 for groups of 8 as
+        Llama-3-70B's; a case may mix lengths: 1x131072+7x2048)
     ncu --metrics gpu__time_duration.sum --kernel-name regex:"score|bin|count|table" \
         --launch-skip 4 --launch-count 4 python3 bench/gpu/profile_select.py --plain 1 32768
 """
@@ -41,7 +42,11 @@ def kernel_times(prof, n):
 
 
 def main():
+    global HQ
     args = sys.argv[1:]
+    for a in [a for a in args if a.startswith("--hq=")]:
+        HQ = int(a[len("--hq="):])
+        args.remove(a)
     brief = "--brief" in args
     codes = "--codes" in args
     args = [a for a in args if a not in ("--brief", "--codes")]
@@ -53,7 +58,7 @@ def main():
         cases = [batch_lengths(c) for c in args] or [[8192], [32768], [32768] * 8, [131072] * 8]
     for lengths in cases:
         B = len(lengths)
-        label = batch_label(lengths)
+        label = batch_label(lengths) + (f" (Hq {HQ})" if HQ != 32 else "")
         layout = (1, HKV, D, PAGE)
         nbs = [n // PAGE for n in lengths]
         nb = max(nbs)
