@@ -38,6 +38,15 @@ runs the same per-step path, so agreement and perplexity compare like with like.
               per-channel codes): what a channel-complete low-bit key copy would rank with
   skeysqB     the same relative to the 4-bit-coded summary's range (min / max rounded outward
               to codes of one scale per block and head, as CUDA stores them)
+  pkeysR      skeys (with its qB suffix: the codes' bits) on R of the channels, the centre of the
+              block's range on the rest: the channels in groups of 16 as CUDA's codes_score_kernel
+              takes them a k-step (c = 64m + 16t + 8x + 2nh + {0, 1, 4, 5}, t = 0..3), the R / 16
+              groups with the most summed |q| over the KV head's query group (a kernel could skip
+              the other k-steps: fewer codes converted and multiplied)
+  rkeysR      pkeysR with the groups weighed by summed |q| times the channel's mean range over
+              the blocks (what a per-head range statistic, kept beside the summaries, would give)
+  ckeysR      pkeysR with the groups weighed by summed |q| times the channel's key standard
+              deviation over the prefix (per layer and KV head, fixed: a calibration)
   lkeys       one bit a key and channel (above the block's channel mean or not), each side read
               back as the mean of its keys: two levels a channel instead of min / max
   slkeys      the same with the two levels as 4-bit codes of one scale a block and head
@@ -67,6 +76,16 @@ def qn(x, dims, bits=8):
     return torch.round(x / s) * s
 
 
+def kstep_groups(D):
+    """The channels of each k-step of codes_score_kernel, [D / 16, 16]: k-step 4m + 2x + nh takes
+    64m + 16t + 8x + 2nh + {0, 1, 4, 5} for t = 0..3."""
+    out = []
+    for ks in range(D // 16):
+        m, x, nh = ks // 4, (ks // 2) % 2, ks % 2
+        out.append([64 * m + 16 * t + 8 * x + 2 * nh + o for t in range(4) for o in (0, 1, 4, 5)])
+    return torch.tensor(out)
+
+
 def block_min_max(kb, valid):
     """Per-channel min and max of each block's valid keys: kb [Hkv, nb, BS, D] -> [Hkv, nb, D] each."""
     kv = torch.where(valid[None, :, :, None], kb, torch.nan)
@@ -82,7 +101,7 @@ def quest_bound(q, mn, mx, scale):
 class Rule:
     def __init__(self, name):
         self.name = name
-        m = re.fullmatch(r"(dense|oracle|questx|oraclex|quest|centre|gauss|moments|mix|estimate|gestimate|static|pca|keys|skeys|lkeys|slkeys)(\d*)(?:q(\d+))?", name)
+        m = re.fullmatch(r"(dense|oracle|questx|oraclex|quest|centre|gauss|moments|mix|estimate|gestimate|static|pca|keys|skeys|pkeys|rkeys|ckeys|lkeys|slkeys)(\d*)(?:q(\d+))?", name)
         if not m:
             raise SystemExit(f"unknown rule {name}")
         self.kind, self.r, self.quant = m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)
@@ -93,7 +112,9 @@ class Rule:
     def calibrate(self, layer, q, k):
         """q [Hq, P, D], k [Hkv, P, D] of the prefix, after RoPE."""
         Hkv, G = k.shape[0], q.shape[0] // k.shape[0]
-        if self.kind == "static":
+        if self.kind == "ckeys":
+            self.calib[layer] = k.std(1)  # [Hkv, D]
+        elif self.kind == "static":
             imp = q.abs().mean(1).view(Hkv, G, -1).sum(1) * k.std(1)  # [Hkv, D]
             self.calib[layer] = imp.topk(self.r, dim=-1).indices
         elif self.kind == "pca":
@@ -109,16 +130,28 @@ class Rule:
         vmask = valid[None, None]
         cnt = valid.sum(-1).float().log()[None, None]  # log token count per block, [1, 1, nb]
         mn, mx = block_min_max(kb, valid)
-        if self.kind in ("oracle", "keys", "skeys", "lkeys", "slkeys", "estimate", "gestimate", "static", "pca"):
+        if self.kind in ("oracle", "keys", "skeys", "pkeys", "rkeys", "ckeys", "lkeys", "slkeys", "estimate",
+                         "gestimate", "static", "pca"):
             if self.kind == "oracle":
                 s = torch.einsum("hgd,hjtd->hgjt", q, kb) * scale
-            elif self.kind in ("keys", "skeys"):
+            elif self.kind in ("keys", "skeys", "pkeys", "rkeys", "ckeys"):
                 levels = 2 ** self.quant - 1
-                if self.kind == "skeys":  # the summary's 4-bit range, rounded outward
+                if self.kind in ("skeys", "pkeys", "rkeys", "ckeys"):  # the summary's 4-bit range, rounded outward
                     sc = torch.maximum(mn.abs(), mx.abs()).amax(-1, keepdim=True).clamp_min(1e-12) / 7
                     mn, mx = torch.floor(mn / sc) * sc, torch.ceil(mx / sc) * sc
                 lo, step = mn[:, :, None], ((mx - mn) / levels).clamp_min(1e-12)[:, :, None]
                 kq = lo + torch.round((kb - lo) / step).clamp(0, levels) * step
+                if self.kind in ("pkeys", "rkeys", "ckeys"):  # codes on R channels (k-step groups), the centre elsewhere
+                    groups = kstep_groups(q.shape[-1])  # [D / 16, 16]
+                    w = q.abs().sum(1)  # [Hkv, D]
+                    if self.kind == "rkeys":
+                        w = w * (mx - mn).mean(1)
+                    elif self.kind == "ckeys":
+                        w = w * self.calib[layer]
+                    top = w[:, groups].sum(-1).topk(self.r // 16, -1).indices  # [Hkv, R / 16]
+                    chosen = torch.zeros(q.shape[0], q.shape[-1], dtype=torch.bool)
+                    chosen.scatter_(-1, groups[top].flatten(1), True)
+                    kq = torch.where(chosen[:, None, None], kq, ((mn + mx) / 2)[:, :, None])
                 s = torch.einsum("hgd,hjtd->hgjt", q, torch.where(valid[None, :, :, None], kq, 0.0)) * scale
             elif self.kind in ("lkeys", "slkeys"):
                 # One bit a key and channel: above the block's channel mean or not; each side read back
@@ -341,7 +374,7 @@ def main():
     STATE["prune"] = args.prune_stats
     a, b = args.layers.split(":")
     STATE["layers"] = (int(a or 0), int(b) if b else 1 << 30)
-    calibrated = [r for r in rules if r.kind in ("static", "pca")]
+    calibrated = [r for r in rules if r.kind in ("static", "pca", "ckeys")]
     if args.calib != "self":
         assert 2 * stride + ctx <= len(ids) - 2048
         if args.calib == "code":
