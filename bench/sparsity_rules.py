@@ -76,6 +76,9 @@ def qn(x, dims, bits=8):
     return torch.round(x / s) * s
 
 
+SUBSET_CODES = ("pkeys", "rkeys", "ckeys")  # skeys on a subset of the channels (the docstring)
+
+
 def kstep_groups(D):
     """The channels of each k-step of codes_score_kernel, [D / 16, 16]: k-step 4m + 2x + nh takes
     64m + 16t + 8x + 2nh + {0, 1, 4, 5} for t = 0..3."""
@@ -130,18 +133,18 @@ class Rule:
         vmask = valid[None, None]
         cnt = valid.sum(-1).float().log()[None, None]  # log token count per block, [1, 1, nb]
         mn, mx = block_min_max(kb, valid)
-        if self.kind in ("oracle", "keys", "skeys", "pkeys", "rkeys", "ckeys", "lkeys", "slkeys", "estimate",
-                         "gestimate", "static", "pca"):
+        if self.kind in ("oracle", "keys", "skeys", *SUBSET_CODES, "lkeys", "slkeys", "estimate", "gestimate",
+                         "static", "pca"):
             if self.kind == "oracle":
                 s = torch.einsum("hgd,hjtd->hgjt", q, kb) * scale
-            elif self.kind in ("keys", "skeys", "pkeys", "rkeys", "ckeys"):
+            elif self.kind in ("keys", "skeys", *SUBSET_CODES):
                 levels = 2 ** self.quant - 1
-                if self.kind in ("skeys", "pkeys", "rkeys", "ckeys"):  # the summary's 4-bit range, rounded outward
+                if self.kind in ("skeys", *SUBSET_CODES):  # the summary's 4-bit range, rounded outward
                     sc = torch.maximum(mn.abs(), mx.abs()).amax(-1, keepdim=True).clamp_min(1e-12) / 7
                     mn, mx = torch.floor(mn / sc) * sc, torch.ceil(mx / sc) * sc
                 lo, step = mn[:, :, None], ((mx - mn) / levels).clamp_min(1e-12)[:, :, None]
                 kq = lo + torch.round((kb - lo) / step).clamp(0, levels) * step
-                if self.kind in ("pkeys", "rkeys", "ckeys"):  # codes on R channels (k-step groups), the centre elsewhere
+                if self.kind in SUBSET_CODES:  # codes on R channels (k-step groups), the centre elsewhere
                     groups = kstep_groups(q.shape[-1])  # [D / 16, 16]
                     w = q.abs().sum(1)  # [Hkv, D]
                     if self.kind == "rkeys":

@@ -979,17 +979,13 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
           const bool have = bb == 0 || two;  // (warp-divergent)
           const int n = !have ? 0 : j + bb == nb - 1 ? last_n : bs;
           const float to_log2 = (bb ? rs[1] : rs[0]) * a.scale * 1.4426950408889634f / 3.0f;
-          float own[4], m2[2], mrun[2], lrun[2];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) own[i] = bb ? acc[1][i] : acc[0][i];
+          float bown[2], m2[2], mrun[2], lrun[2];  // bown: the base of the lane's block, per column
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             m2[i] = to_log2 * col_inv[i];
-            const float bi = bb ? base[2 + i] : base[i];
-            own[i] += bi;
-            own[2 + i] += bi;
-            const float x0 = g < n ? own[i] * m2[i] : -INFINITY;
-            const float x1 = g + 8 < n ? own[2 + i] * m2[i] : -INFINITY;
+            bown[i] = bb ? base[2 + i] : base[i];
+            const float x0 = g < n ? ((bb ? acc[1][i] : acc[0][i]) + bown[i]) * m2[i] : -INFINITY;
+            const float x1 = g + 8 < n ? ((bb ? acc[1][2 + i] : acc[0][2 + i]) + bown[i]) * m2[i] : -INFINITY;
             mrun[i] = fmaxf(x0, x1);  // -inf (and lrun NaN, never read) only for a missing block
             lrun[i] = exp2f(x0 - mrun[i]) + exp2f(x1 - mrun[i]);
           }
@@ -1004,9 +1000,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
               if (b == bb) {
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                  const float bi = bb ? base[2 + i] : base[i];
-                  fold_keys(16 * u + g < n ? (au[i] + bi) * m2[i] : -INFINITY,
-                            16 * u + g + 8 < n ? (au[2 + i] + bi) * m2[i] : -INFINITY, mrun[i], lrun[i]);
+                  fold_keys(16 * u + g < n ? (au[i] + bown[i]) * m2[i] : -INFINITY,
+                            16 * u + g + 8 < n ? (au[2 + i] + bown[i]) * m2[i] : -INFINITY, mrun[i], lrun[i]);
                 }
               }
             }
