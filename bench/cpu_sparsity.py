@@ -4,7 +4,8 @@ the same run, on the default model and real English text (pydoc_data).
     python bench/cpu_sparsity.py [--contexts 4096,8192] [--docs 3] [--decoded 128]
                                  [--caps 0.6,0.8] [--threads 2] [--compensation off|on|both]
                                  [--mass-targets 0.95,0.99] [--intervals 1,2] [--device cpu|cuda] [--dtype D]
-                                 [--topics path/to/pydoc_data/topics.py] [--accuracy-only] [--json out.json]
+                                 [--topics path/to/pydoc_data/topics.py] [--accuracy-only]
+                                 [--reference-dtype float32] [--json out.json]
 
 For each context length, --docs windows of the text are scored teacher-forced: the first
 ctx - decoded positions in prompt chunks (dense), the last `decoded` positions one token
@@ -14,6 +15,9 @@ agreement of sparse with dense, the sparsity reached, and decode-step time ratio
 accuracy of the GPU's rule (the Quest bound on 4-bit summaries) on the CPU's yardstick; its
 decode-time ratio there is one sequence of a small model, not the speed benchmark
 (bench/gpu/sparse_model_bench.py is).
+--reference-dtype D also scores the windows densely in dtype D (e.g. float32) and reports the
+top-1 agreement of the dense run and of each sparse run with it: how much of the sparse-vs-dense
+disagreement the compute dtype's rounding alone gives (near-ties of the top-2 logits flip).
 """
 import argparse
 import json
@@ -58,7 +62,9 @@ def run(cfg_kw, docs, decoded, timed=True):
             m.score(ids[:len(ids) - decoded])
             t_prefill = min(t_prefill, time.perf_counter() - t)
         t = time.perf_counter()
-        outs.append(m.score(ids, decode_from=len(ids) - decoded))
+        # Only the rows the scores read (the last decoded + 1), copied: a view would keep the
+        # whole [ctx, vocab] array alive (8 windows at 8K held ~25 GB and were killed).
+        outs.append(np.array(m.score(ids, decode_from=len(ids) - decoded)[-decoded - 1:]))
         decode_s += max(0.0, time.perf_counter() - t - t_prefill) if timed else 0.0
     ratio = m.get_current_sparsity_ratio()
     layers = m.stats()["sparsity_layers"]
@@ -90,6 +96,8 @@ def main():
                     "the text differs between Python versions (the GPU machine runs 3.12, this box 3.11)")
     ap.add_argument("--accuracy-only", action="store_true",
                     help="no decode timing (skips the two prompt-only passes a window that time it: ~3x faster)")
+    ap.add_argument("--reference-dtype", help="also score densely in this dtype and report each run's top-1 "
+                    "agreement with it (the rounding noise floor of the compute dtype)")
     ap.add_argument("--json")
     args = ap.parse_args()
     timed = not args.accuracy_only
@@ -110,6 +118,18 @@ def main():
         docs = [all_ids[i * stride:i * stride + ctx] for i in range(args.docs)]
         dense, dense_s, _, _ = run(base, docs, args.decoded, timed)
         d_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(dense, docs)])
+
+        def agreement(a, b):
+            return float(np.mean(np.concatenate(
+                [x[-args.decoded - 1:-1].argmax(1) == y[-args.decoded - 1:-1].argmax(1) for x, y in zip(a, b)])))
+
+        ref = None
+        if args.reference_dtype:
+            ref, _, _, _ = run(dict(base, dtype=args.reference_dtype), docs, args.decoded, False)
+            r_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(ref, docs)])
+            print(f"ctx {ctx} dense {base.get('dtype', 'float32')} against dense {args.reference_dtype}: top-1 agreement "
+                  f"{agreement(dense, ref):.4f}, ppl {float(np.exp(r_nll.mean())):.3f} -> {float(np.exp(d_nll.mean())):.3f}",
+                  flush=True)
         comps = {"off": [False], "on": [True], "both": [False, True]}[args.compensation]
         targets = [float(t) for t in args.mass_targets.split(",")]
         intervals = [int(n) for n in args.intervals.split(",")]
@@ -122,8 +142,7 @@ def main():
                                                        sparsity_selection_interval=every),
                                                   docs, args.decoded, timed)
             s_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(sparse, docs)])
-            agree = float(np.mean(np.concatenate(
-                [o[-args.decoded - 1:-1].argmax(1) == r[-args.decoded - 1:-1].argmax(1) for o, r in zip(sparse, dense)])))
+            agree = agreement(sparse, dense)
             row = {"context": ctx, "cap": cap, "compensation": comp, "mass_target": mt, "selection_interval": every,
                    "score_channels": args.score_channels, "score_rule": args.score_rule, "tokens": int(d_nll.size), "sparsity": ratio,
                    "ppl_dense": float(np.exp(d_nll.mean())), "ppl_sparse": float(np.exp(s_nll.mean())),
@@ -131,12 +150,18 @@ def main():
                    "decode_s_dense": dense_s, "decode_s_sparse": sparse_s,
                    "decode_speedup": dense_s / sparse_s if sparse_s > 0 else None,
                    "layer_ratios": [round(l["ratio"], 3) for l in layers]}
+            if ref is not None:
+                row["reference_dtype"] = args.reference_dtype
+                row["top1_agreement_dense_vs_reference"] = agreement(dense, ref)
+                row["top1_agreement_sparse_vs_reference"] = agreement(sparse, ref)
             results.append(row)
             print(f"ctx {ctx} cap {cap} mass {mt}{' +comp' if comp else ''}"
                   f"{f' every {every} steps' if every > 1 else ''}: sparsity {ratio:.3f}  ppl {row['ppl_dense']:.3f} -> {row['ppl_sparse']:.3f} "
                   f"({100 * (row['ppl_ratio'] - 1):+.2f}%)  top-1 agreement {agree:.4f} over {d_nll.size} tokens  "
                   f"decode steps {dense_s:.2f} s dense, {sparse_s:.2f} s sparse "
-                  f"({'%.2fx' % row['decode_speedup'] if row['decode_speedup'] else 'not timed' + ('' if not timed else ': shorter than the prefill pass it subtracts')})",
+                  f"({'%.2fx' % row['decode_speedup'] if row['decode_speedup'] else 'not timed' + ('' if not timed else ': shorter than the prefill pass it subtracts')})"
+                  + (f"; against {args.reference_dtype} dense: sparse {row['top1_agreement_sparse_vs_reference']:.4f}, "
+                     f"dense {row['top1_agreement_dense_vs_reference']:.4f}" if ref is not None else ""),
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:

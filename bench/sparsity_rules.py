@@ -47,6 +47,13 @@ runs the same per-step path, so agreement and perplexity compare like with like.
               the blocks (what a per-head range statistic, kept beside the summaries, would give)
   ckeysR      pkeysR with the groups weighed by summed |q| times the channel's key standard
               deviation over the prefix (per layer and KV head, fixed: a calibration)
+  vkeysqB     skeysqB with one code step a block for every channel, shaped by a per-(layer, KV
+              head) channel profile rho_d: step_d = s_j rho_d / (2^B - 1), s_j the smallest
+              scale that covers the block's every range (max_d (max_d - min_d) / rho_d); rho from
+              the prefix (--calib: the mean per-channel range of its blocks). Then the codes'
+              product is q.lo_j + s_j / (2^B - 1) sum_d (q_d rho_d) c_td: the matrix it multiplies
+              the codes with is the same for every block (a kernel builds it once)
+  ukeysqB     vkeys with rho_d = 1 (one range a block for all channels; no calibration)
   lkeys       one bit a key and channel (above the block's channel mean or not), each side read
               back as the mean of its keys: two levels a channel instead of min / max
   slkeys      the same with the two levels as 4-bit codes of one scale a block and head
@@ -104,7 +111,7 @@ def quest_bound(q, mn, mx, scale):
 class Rule:
     def __init__(self, name):
         self.name = name
-        m = re.fullmatch(r"(dense|oracle|questx|oraclex|quest|centre|gauss|moments|mix|estimate|gestimate|static|pca|keys|skeys|pkeys|rkeys|ckeys|lkeys|slkeys)(\d*)(?:q(\d+))?", name)
+        m = re.fullmatch(r"(dense|oracle|questx|oraclex|quest|centre|gauss|moments|mix|estimate|gestimate|static|pca|keys|skeys|vkeys|ukeys|pkeys|rkeys|ckeys|lkeys|slkeys)(\d*)(?:q(\d+))?", name)
         if not m:
             raise SystemExit(f"unknown rule {name}")
         self.kind, self.r, self.quant = m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)
@@ -117,6 +124,10 @@ class Rule:
         Hkv, G = k.shape[0], q.shape[0] // k.shape[0]
         if self.kind == "ckeys":
             self.calib[layer] = k.std(1)  # [Hkv, D]
+        elif self.kind == "vkeys":  # the mean per-channel range of the prefix's blocks
+            P = k.shape[1] // BS * BS
+            kb = k[:, :P].reshape(Hkv, P // BS, BS, -1)
+            self.calib[layer] = (kb.amax(2) - kb.amin(2)).mean(1).clamp_min(1e-6)  # [Hkv, D]
         elif self.kind == "static":
             imp = q.abs().mean(1).view(Hkv, G, -1).sum(1) * k.std(1)  # [Hkv, D]
             self.calib[layer] = imp.topk(self.r, dim=-1).indices
@@ -133,16 +144,20 @@ class Rule:
         vmask = valid[None, None]
         cnt = valid.sum(-1).float().log()[None, None]  # log token count per block, [1, 1, nb]
         mn, mx = block_min_max(kb, valid)
-        if self.kind in ("oracle", "keys", "skeys", *SUBSET_CODES, "lkeys", "slkeys", "estimate", "gestimate",
+        if self.kind in ("oracle", "keys", "skeys", "vkeys", "ukeys", *SUBSET_CODES, "lkeys", "slkeys", "estimate", "gestimate",
                          "static", "pca"):
             if self.kind == "oracle":
                 s = torch.einsum("hgd,hjtd->hgjt", q, kb) * scale
-            elif self.kind in ("keys", "skeys", *SUBSET_CODES):
+            elif self.kind in ("keys", "skeys", "vkeys", "ukeys", *SUBSET_CODES):
                 levels = 2 ** self.quant - 1
-                if self.kind in ("skeys", *SUBSET_CODES):  # the summary's 4-bit range, rounded outward
+                if self.kind in ("skeys", "vkeys", "ukeys", *SUBSET_CODES):  # the summary's 4-bit range, rounded outward
                     sc = torch.maximum(mn.abs(), mx.abs()).amax(-1, keepdim=True).clamp_min(1e-12) / 7
                     mn, mx = torch.floor(mn / sc) * sc, torch.ceil(mx / sc) * sc
-                lo, step = mn[:, :, None], ((mx - mn) / levels).clamp_min(1e-12)[:, :, None]
+                rng = mx - mn
+                if self.kind in ("vkeys", "ukeys"):  # one step scale a block, times the channel profile
+                    rho = self.calib[layer][:, None] if self.kind == "vkeys" else torch.ones_like(rng)
+                    rng = (rng / rho).amax(-1, keepdim=True) * rho
+                lo, step = mn[:, :, None], (rng / levels).clamp_min(1e-12)[:, :, None]
                 kq = lo + torch.round((kb - lo) / step).clamp(0, levels) * step
                 if self.kind in SUBSET_CODES:  # codes on R channels (k-step groups), the centre elsewhere
                     groups = kstep_groups(q.shape[-1])  # [D / 16, 16]
@@ -377,7 +392,7 @@ def main():
     STATE["prune"] = args.prune_stats
     a, b = args.layers.split(":")
     STATE["layers"] = (int(a or 0), int(b) if b else 1 << 30)
-    calibrated = [r for r in rules if r.kind in ("static", "pca", "ckeys")]
+    calibrated = [r for r in rules if r.kind in ("static", "pca", "ckeys", "vkeys")]
     if args.calib != "self":
         assert 2 * stride + ctx <= len(ids) - 2048
         if args.calib == "code":

@@ -399,33 +399,36 @@ def check_selection(call, buf, info, layout, kv, Hq, p, stats=None, planted=True
 
 
 @pytest.mark.parametrize("key_codes", [False, True])
-def test_reused_selection_keeps_its_blocks_and_those_written_since(key_codes):
+@pytest.mark.parametrize("long_row", [False, True])
+def test_reused_selection_keeps_its_blocks_and_those_written_since(key_codes, long_row):
     # Selection reuse on the device (SparseSelect::reuse): rows in "select and keep" mode select
     # as before (checked against the float64 rule) and leave each head's kept positions and their
     # count in their memory slot; rows in "use" mode are not scored and attend over the slot's
     # positions plus every block after the last of them (here kept lists made up to end before the
     # last blocks, as a selection made some steps earlier would), whatever the new query; a kept
     # count of 0 (a selection that stayed dense) gives a dense row, a row with no slot selects.
+    # long_row adds a row of 70,000 keys whose made-up list keeps nearly every block (over 4,096
+    # entries: more than one batch of the table step's loads a thread).
     dtype, Hkv, group, D, bs = torch.bfloat16, 2, 4, 128, 16
     Hq = Hkv * group
-    seqs = [(3000, 1), (1500, 1), (40, 1), (2000, 20), (2500, 1)]
+    seqs = [(3000, 1), (1500, 1), (40, 1), (2000, 20), (2500, 1)] + [(70000, 1)] * long_row
     call, buf, info, layout, kv = build(77, dtype, Hq, Hkv, D, bs, seqs)
     L = layout[0]
     width = max(len(s["table"]) for s in info)
-    slots = 4
+    slots = 5
     positions = torch.full((slots, L, Hkv, width + 3), -7, dtype=torch.int32, device="cuda")
     counts = torch.full((slots, L), -7, dtype=torch.int32, device="cuda")
     memory = (positions, counts)
-    store = torch.tensor([0, 2, 4, -1, 6], dtype=torch.int32, device="cuda")  # slots 0, 1, 2, none, 3
+    store = torch.tensor([0, 2, 4, -1, 6, 8][:len(seqs)], dtype=torch.int32, device="cuda")  # slots 0, 1, 2, none, 3, 4
     stats = torch.zeros(L, 5, dtype=torch.float64, device="cuda")
     p = PARAMS["capped"]
     tables, lens, heads = check_selection(call, buf, info, layout, kv, Hq, p, stats, key_codes=key_codes,
                                           reuse=store, memory=memory)
-    assert heads == 3 * Hkv and stats[1, 4].item() == 0
+    assert heads == (3 + long_row) * Hkv and stats[1, 4].item() == 0
     tables, lens, cnt, pos = tables.cpu(), lens.cpu(), counts.cpu(), positions.cpu()
     assert cnt[2, 1].item() == 0, "a row that did not select keeps a count of 0"
     assert (cnt[:, 0] == -7).all() and (pos[:, 0] == -7).all(), "layer 0's entries untouched"
-    for i, slot in ((0, 0), (1, 1), (4, 3)):
+    for i, slot in ((0, 0), (1, 1), (4, 3), (5, 4))[:3 + long_row]:
         s = info[i]
         nb = len(s["table"])
         keep = (lens[i].item() - (s["ctx"] - (nb - 1) * bs)) // bs + 1
@@ -433,11 +436,12 @@ def test_reused_selection_keeps_its_blocks_and_those_written_since(key_codes):
         for h in range(Hkv):
             assert [s["table"][j] for j in pos[slot, 1, h, :keep].tolist()] == tables[i, h, :keep].tolist()
     # Made-up kept lists for slots 0 and 3: each head's every third position up to 5 blocks
-    # before the end (heads differ); slot 1 with a count of 0; slot 2 untouched (count 0).
+    # before the end (heads differ); slot 1 with a count of 0; slot 2 untouched (count 0); the
+    # long row's (slot 4) every position but its head's first ones, up to 5 blocks before the end.
     made = {}
-    for i, slot in ((0, 0), (4, 3)):
+    for i, slot in ((0, 0), (4, 3), (5, 4))[:2 + long_row]:
         nb = len(info[i]["table"])
-        rows = [list(range(h, nb - 6, 3)) + [nb - 5] for h in range(Hkv)]
+        rows = [list(range(h, nb - 6, 3 if i < 5 else 1)) + [nb - 5] for h in range(Hkv)]
         rows = [r[:min(len(x) for x in rows)] for r in rows]  # one count for every head ...
         for h in range(Hkv):
             rows[h][-1] = nb - 5                                # ... ending at the same block
@@ -445,7 +449,7 @@ def test_reused_selection_keeps_its_blocks_and_those_written_since(key_codes):
         counts[slot, 1] = len(rows[0])
         made[i] = rows
     counts[1, 1] = 0
-    use = torch.tensor([1, 3, 5, -1, 7], dtype=torch.int32, device="cuda")
+    use = torch.tensor([1, 3, 5, -1, 7, 9][:len(seqs)], dtype=torch.int32, device="cuda")
     summ = summaries_of(info, layout, kv, Hq, key_codes)
     before = stats[1].clone()
     other = (torch.randn(buf.shape, generator=torch.Generator().manual_seed(3)) * 2).to(dtype).cuda()
@@ -453,7 +457,9 @@ def test_reused_selection_keeps_its_blocks_and_those_written_since(key_codes):
                                 memory=memory)
     t2, l2, reads = t2.cpu(), l2.cpu(), reads.cpu()
     st = (stats[1] - before).cpu()
-    assert st[4].item() == 2 * Hkv and st[2].item() == 0, "two rows reused, none selected"
+    assert st[4].item() == (2 + long_row) * Hkv and st[2].item() == 0, "rows reused, none selected"
+    if long_row:
+        assert len(made[5][0]) + 4 > 4096, "the long row's list spans more than one batch of loads"
     nb_sum = keep_sum = 0
     for i, s in enumerate(info):
         nb, ctx = len(s["table"]), s["ctx"]
