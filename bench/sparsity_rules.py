@@ -144,8 +144,8 @@ class Rule:
         vmask = valid[None, None]
         cnt = valid.sum(-1).float().log()[None, None]  # log token count per block, [1, 1, nb]
         mn, mx = block_min_max(kb, valid)
-        if self.kind in ("oracle", "keys", "skeys", "vkeys", "ukeys", *SUBSET_CODES, "lkeys", "slkeys", "estimate", "gestimate",
-                         "static", "pca"):
+        if self.kind in ("oracle", "keys", "skeys", "vkeys", "ukeys", *SUBSET_CODES, "lkeys", "slkeys", "estimate",
+                         "gestimate", "static", "pca"):
             if self.kind == "oracle":
                 s = torch.einsum("hgd,hjtd->hgjt", q, kb) * scale
             elif self.kind in ("keys", "skeys", "vkeys", "ukeys", *SUBSET_CODES):
