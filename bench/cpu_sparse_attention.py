@@ -129,6 +129,7 @@ def main():
                                                                HQ, scale, reuse=kept[-1], **kw)
                             assert again["blocks_kept"] == info["blocks_kept"] and again["selections"] == 0
                     r = 1 - kept_blocks / total_blocks
+                    sparse_at = len(fns)
                     fns.append(lambda kw=kw, sm=sm: _C.ops.sparse_attention(q, pool.view(-1), layout, next_layer(), qs,
                                                                             cl, tables, sm, HQ, scale, info=False, **kw))
                     reuse_at = None
@@ -141,7 +142,7 @@ def main():
                                                            scale, info=False, reuse=kept[layer], **kw)
 
                         fns.append(reusing)
-                    variants.append((ch, cap, r, len(fns) - (2 if intervals else 1), reuse_at))
+                    variants.append((ch, cap, r, sparse_at, reuse_at))
             times = timed_rounds(fns, reps, args.rounds)
             dense = times[0]
             for ch, cap, r, idx, reuse_at in variants:

@@ -48,6 +48,11 @@ def nll(logits, ids, n):
     return lse - lg[np.arange(n), tgt]
 
 
+def agreement(a, b, n):
+    """Top-1 agreement of two runs' logits over the n scored positions of every window."""
+    return float(np.mean(np.concatenate([x[-n - 1:-1].argmax(1) == y[-n - 1:-1].argmax(1) for x, y in zip(a, b)])))
+
+
 def run(cfg_kw, docs, decoded, timed=True):
     from k25 import K25Config, K25Model
     m = K25Model(K25Config(**cfg_kw))
@@ -118,17 +123,12 @@ def main():
         docs = [all_ids[i * stride:i * stride + ctx] for i in range(args.docs)]
         dense, dense_s, _, _ = run(base, docs, args.decoded, timed)
         d_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(dense, docs)])
-
-        def agreement(a, b):
-            return float(np.mean(np.concatenate(
-                [x[-args.decoded - 1:-1].argmax(1) == y[-args.decoded - 1:-1].argmax(1) for x, y in zip(a, b)])))
-
         ref = None
         if args.reference_dtype:
             ref, _, _, _ = run(dict(base, dtype=args.reference_dtype), docs, args.decoded, False)
             r_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(ref, docs)])
             print(f"ctx {ctx} dense {base.get('dtype', 'float32')} against dense {args.reference_dtype}: top-1 agreement "
-                  f"{agreement(dense, ref):.4f}, ppl {float(np.exp(r_nll.mean())):.3f} -> {float(np.exp(d_nll.mean())):.3f}",
+                  f"{agreement(dense, ref, args.decoded):.4f}, ppl {float(np.exp(r_nll.mean())):.3f} -> {float(np.exp(d_nll.mean())):.3f}",
                   flush=True)
         comps = {"off": [False], "on": [True], "both": [False, True]}[args.compensation]
         targets = [float(t) for t in args.mass_targets.split(",")]
@@ -142,7 +142,7 @@ def main():
                                                        sparsity_selection_interval=every),
                                                   docs, args.decoded, timed)
             s_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(sparse, docs)])
-            agree = agreement(sparse, dense)
+            agree = agreement(sparse, dense, args.decoded)
             row = {"context": ctx, "cap": cap, "compensation": comp, "mass_target": mt, "selection_interval": every,
                    "score_channels": args.score_channels, "score_rule": args.score_rule, "tokens": int(d_nll.size), "sparsity": ratio,
                    "ppl_dense": float(np.exp(d_nll.mean())), "ppl_sparse": float(np.exp(s_nll.mean())),
@@ -152,8 +152,8 @@ def main():
                    "layer_ratios": [round(l["ratio"], 3) for l in layers]}
             if ref is not None:
                 row["reference_dtype"] = args.reference_dtype
-                row["top1_agreement_dense_vs_reference"] = agreement(dense, ref)
-                row["top1_agreement_sparse_vs_reference"] = agreement(sparse, ref)
+                row["top1_agreement_dense_vs_reference"] = agreement(dense, ref, args.decoded)
+                row["top1_agreement_sparse_vs_reference"] = agreement(sparse, ref, args.decoded)
             results.append(row)
             print(f"ctx {ctx} cap {cap} mass {mt}{' +comp' if comp else ''}"
                   f"{f' every {every} steps' if every > 1 else ''}: sparsity {ratio:.3f}  ppl {row['ppl_dense']:.3f} -> {row['ppl_sparse']:.3f} "

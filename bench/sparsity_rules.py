@@ -84,6 +84,8 @@ def qn(x, dims, bits=8):
 
 
 SUBSET_CODES = ("pkeys", "rkeys", "ckeys")  # skeys on a subset of the channels (the docstring)
+# Key codes in the summary's 4-bit range, rounded outward (skeys and its variants).
+SUMMARY_CODES = ("skeys", "vkeys", "ukeys", *SUBSET_CODES)
 
 
 def kstep_groups(D):
@@ -144,13 +146,13 @@ class Rule:
         vmask = valid[None, None]
         cnt = valid.sum(-1).float().log()[None, None]  # log token count per block, [1, 1, nb]
         mn, mx = block_min_max(kb, valid)
-        if self.kind in ("oracle", "keys", "skeys", "vkeys", "ukeys", *SUBSET_CODES, "lkeys", "slkeys", "estimate",
-                         "gestimate", "static", "pca"):
+        if self.kind in ("oracle", "keys", *SUMMARY_CODES, "lkeys", "slkeys", "estimate", "gestimate", "static",
+                         "pca"):
             if self.kind == "oracle":
                 s = torch.einsum("hgd,hjtd->hgjt", q, kb) * scale
-            elif self.kind in ("keys", "skeys", "vkeys", "ukeys", *SUBSET_CODES):
+            elif self.kind in ("keys", *SUMMARY_CODES):
                 levels = 2 ** self.quant - 1
-                if self.kind in ("skeys", "vkeys", "ukeys", *SUBSET_CODES):  # the summary's 4-bit range, rounded outward
+                if self.kind in SUMMARY_CODES:  # the summary's 4-bit range, rounded outward
                     sc = torch.maximum(mn.abs(), mx.abs()).amax(-1, keepdim=True).clamp_min(1e-12) / 7
                     mn, mx = torch.floor(mn / sc) * sc, torch.ceil(mx / sc) * sc
                 rng = mx - mn
