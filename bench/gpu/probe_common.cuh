@@ -34,7 +34,13 @@ namespace probe {
 #ifndef K25_PROBE_PAGE
 #define K25_PROBE_PAGE 16  // tokens per page (block_size); -DK25_PROBE_PAGE=32 builds another
 #endif
+#ifndef K25_PROBE_LAYERS
+// Layers per pool block (the probe reads layer 0). The engine's pool holds every layer of a block
+// together (32 for the 8B shape: a page of one layer every 2 MB), the benches' pools one.
+#define K25_PROBE_LAYERS 1
+#endif
 constexpr int kHq = 32, kHkv = 8, kD = 128, kPage = K25_PROBE_PAGE;  // Llama-3.1-8B attention
+constexpr int kLayers = K25_PROBE_LAYERS;
 
 // Roughly normal values (sum of four uniforms, unit variance) from a counter hash: never zeros.
 __global__ void fill_random(__nv_bfloat16* x, int64_t n, uint64_t seed) {
@@ -50,7 +56,7 @@ __global__ void fill_random(__nv_bfloat16* x, int64_t n, uint64_t seed) {
   }
 }
 
-// A one-layer pool [pages][1][K, V][kHkv][kPage][kD] with every sequence's pages in shuffled
+// A pool [pages][kLayers][K, V][kHkv][kPage][kD] with every sequence's pages in shuffled
 // order, and its block table [seqs][max_blocks] (-1 past a sequence's pages).
 struct Pool {
   __nv_bfloat16* data = nullptr;
@@ -76,11 +82,11 @@ struct Pool {
     CHECK(cudaMalloc(&d_table, table.size() * sizeof(int)));
     CHECK(cudaMemcpy(d_table, table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice));
   }
-  int64_t elements() const { return static_cast<int64_t>(pages) * 2 * kHkv * kPage * kD; }
+  int64_t elements() const { return static_cast<int64_t>(pages) * kLayers * 2 * kHkv * kPage * kD; }
   k25::cuda::KVCache cache() const {
     k25::cuda::KVCache kv;
     kv.data = data;
-    kv.num_layers = 1;
+    kv.num_layers = kLayers;
     kv.num_kv_heads = kHkv;
     kv.head_dim = kD;
     kv.block_size = kPage;
@@ -111,9 +117,9 @@ __device__ __forceinline__ const __nv_bfloat16* pool_row(const __nv_bfloat16* po
                                                          int kv, int h) {
   const int64_t blk = table[key / kPage];
 #ifdef K25_PROBE_KV_ADJ  // with variants/decode_kv_adjacent.patch: a head's K and V pages side by side
-  return pool + (((blk * kHkv + h) * 2 + kv) * kPage + key % kPage) * kD;
+  return pool + (((blk * kLayers * kHkv + h) * 2 + kv) * kPage + key % kPage) * kD;
 #else
-  return pool + (((blk * 2 + kv) * kHkv + h) * kPage + key % kPage) * kD;
+  return pool + (((blk * kLayers * 2 + kv) * kHkv + h) * kPage + key % kPage) * kD;
 #endif
 }
 

@@ -269,10 +269,10 @@ def test_paged_attention_decode_long_context(window):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("bs", [16, 48, 5])
+@pytest.mark.parametrize("bs", [16, 48, 5, 128])
 def test_decode_tc_block_sizes_and_splits(dtype, group, D, bs):
     # The tensor-core decode kernel: key tiles (16 or 32 keys) that start anywhere in a
-    # block and span several (pages of 16, 48, 5), contexts shorter than a tile or than the
+    # block and span several (pages of 16, 48, 5; 128, README's choice for long dense decodes), contexts shorter than a tile or than the
     # four warps' first tiles, ragged ends, unsplit and split work lists, device-derived
     # splits, and a window that is no multiple of a tile.
     seqs = [(1, 1), (2, 1), (15, 1), (16, 1), (17, 1), (100, 1), (1000, 1), (3001, 1)]
@@ -300,7 +300,7 @@ def test_decode_tc_32k(dtype, group):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("bs", [16, 48])
+@pytest.mark.parametrize("bs", [16, 48, 128])
 @pytest.mark.parametrize("window", [0, 100])
 def test_paged_attention_long_prefill_chunks(dtype, group, D, bs, window):
     # The tensor-core path at length: a whole 1500-token prompt and a 300-token chunk at
@@ -319,7 +319,7 @@ SM90 = cu is not None and torch.cuda.is_available() and torch.cuda.get_device_ca
 @pytest.mark.skipif(not SM90, reason="the wgmma prefill kernel runs on compute capability 9.0 only")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 4, 6, 8])
-@pytest.mark.parametrize("bs", [16, 48])
+@pytest.mark.parametrize("bs", [16, 48, 128])
 @pytest.mark.parametrize("window", [0, 100])
 def test_prefill_sm90_matches_mma_and_float64(monkeypatch, dtype, group, bs, window):
     # A whole 1500-token prompt, chunks at offsets (the causal edge inside a tile, items whose

@@ -53,9 +53,11 @@ def prompt_for(model, n=200, seed=0):
     return torch.randint(3, min(vocab, 30000), (n,), generator=g).tolist()
 
 
-def test_float32_on_gpu_gives_the_cpu_tokens(model_dir):
+@pytest.mark.parametrize("block_size", [16, 128])  # 128: README's choice for long dense decodes
+def test_float32_on_gpu_gives_the_cpu_tokens(model_dir, block_size):
     cpu = K25Model(K25Config(model_path=model_dir, device="cpu", kv_cache_bytes=256 << 20))
-    gpu = K25Model(K25Config(model_path=model_dir, device="cuda", dtype="float32", kv_cache_bytes=1 << 30))
+    gpu = K25Model(K25Config(model_path=model_dir, device="cuda", dtype="float32", kv_cache_bytes=1 << 30,
+                             block_size=block_size))
     try:
         prompt = prompt_for(cpu)
         a, b = cpu.score(prompt), gpu.score(prompt)
