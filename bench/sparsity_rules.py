@@ -278,20 +278,20 @@ class Rule:
             prev = self.reuse.get(layer)
             self.reuse[layer] = (q, k)
             if prev is None or prev[1].shape[1] <= MIN_CTX:
-                mask = self._select(layer, q, k, scale, cap)
+                mask = self._select(layer, q, k, scale, cap)[0]
             else:
-                old = self._select(layer, prev[0], prev[1], scale, cap)
+                old = self._select(layer, prev[0], prev[1], scale, cap)[0]
                 mask = torch.cat([old, torch.ones(Hkv, L - old.shape[1], dtype=torch.bool)], 1)
             return mask
         old = self.reuse.get(layer)
         if old is not None and old[2] < STATE["reselect"]:
-            mask = torch.cat([old[0], torch.ones(Hkv, L - old[1], dtype=torch.bool)], 1)
-            self.reuse[layer] = (old[0], old[1], old[2] + 1)
+            mask = torch.cat([old[3], torch.ones(Hkv, L - old[1], dtype=torch.bool)], 1)
+            self.reuse[layer] = (old[0], old[1], old[2] + 1, old[3])
             self.kept += int(mask.sum()) / BS
             self.total += Hkv * L / BS
             return mask
-        mask = self._select(layer, q, k, scale, cap)
-        self.reuse[layer] = (mask, L, 1)
+        mask, wider = self._select(layer, q, k, scale, cap)
+        self.reuse[layer] = (mask, L, 1, wider)
         return mask
 
     def _select(self, layer, q, k, scale, cap):
@@ -325,15 +325,22 @@ class Rule:
         self.total += nb * Hkv
         mask = mand[None].repeat(Hkv, 1)
         others = torch.nonzero(~mand)[:, 0]
-        if keep > n_mand:
-            best = rank[:, others].topk(keep - n_mand, dim=-1).indices
-            if STATE["prune"] and self.kind == "estimate":
-                self.prune_stats(q.view(Hkv, G, D), kb, valid, scale, head_est, rank, others, best)
-            mask[torch.arange(Hkv)[:, None], others[best]] = True
-        return mask.repeat_interleave(BS, 1)[:, :L]
+        # --reuse-margin: the steps that reuse this selection also keep the next-ranked blocks
+        # (a fraction of all blocks), chosen now by this step's scores.
+        extra = min(len(others) - (keep - n_mand), math.ceil(nb * STATE["margin"] - 1e-9)) if STATE["reselect"] > 1 else 0
+        wider = mask.clone()
+        if keep + extra > n_mand:
+            ranked = rank[:, others].topk(keep + extra - n_mand, dim=-1).indices
+            best = ranked[:, :keep - n_mand]
+            if keep > n_mand:
+                if STATE["prune"] and self.kind == "estimate":
+                    self.prune_stats(q.view(Hkv, G, D), kb, valid, scale, head_est, rank, others, best)
+                mask[torch.arange(Hkv)[:, None], others[best]] = True
+            wider[torch.arange(Hkv)[:, None], others[ranked]] = True
+        return mask.repeat_interleave(BS, 1)[:, :L], wider.repeat_interleave(BS, 1)[:, :L]
 
 
-STATE = {"rule": None, "cap": 0.6, "calibrating": [], "fixed": False, "reselect": 1, "lag": False, "prune": False, "layers": (0, 1 << 30)}
+STATE = {"rule": None, "cap": 0.6, "calibrating": [], "fixed": False, "reselect": 1, "margin": 0.0, "lag": False, "prune": False, "layers": (0, 1 << 30)}
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -365,6 +372,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prune-stats", action="store_true", help="channel estimate: how many blocks the bound rules out")
     ap.add_argument("--reselect", type=int, default=1, help="a selection serves this many steps")
+    ap.add_argument("--reuse-margin", type=float, default=0.0,
+                    help="with --reselect N > 1: the reusing steps also keep this fraction of the blocks more, the "
+                         "next-ranked by the selecting step's scores")
     ap.add_argument("--lag", action="store_true", help="each step selects from the step before's query and keys")
     ap.add_argument("--layers", default="0:", help="a:b, the layers that select (the others attend densely; Quest leaves its first two dense: 2:)")
     ap.add_argument("--fixed", action="store_true", help="keep the cap's count (ranking alone compared)")
@@ -390,6 +400,7 @@ def main():
     stride = (len(ids) - ctx) // max(1, args.docs)
     rules = [Rule(r) for r in args.rules.split(",")]
     STATE["cap"], STATE["fixed"], STATE["reselect"] = args.cap, args.fixed, args.reselect
+    STATE["margin"] = args.reuse_margin
     STATE["lag"] = args.lag
     STATE["prune"] = args.prune_stats
     a, b = args.layers.split(":")

@@ -16,7 +16,7 @@ bytes per (block, KV head) = 1.76% of the block's K and V bytes, read by the sel
 --width N pads the block tables to N columns, as the engine's CUDA graphs size them; a case
 B1xL1+B2xL2 is one batch of rows of both lengths (e.g. 1x131072+7x2048).
 
-    python3 bench/gpu/sparse_attention_bench.py [--json out.json] [--cases 1x8192,...] [--width 8192]
+    python3 bench/gpu/sparse_attention_bench.py [--json out.json] [--cases 1x8192,...] [--width 8192] [--overlap 2,4]
 """
 import argparse
 import json
@@ -32,7 +32,72 @@ DT = torch.bfloat16
 cu = _C.cuda_ops
 
 
-def case(lengths, caps, results, width=0, rules=("bound",), intervals=(1,)):
+def graphed(fn):
+    """fn captured as a CUDA graph (as the engine runs decode; the host's launch cost is not
+    timed): its replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def overlap_columns(lengths, q, kv, layout, tables, scale, summ, params, call, groups):
+    """The batch's rows in G groups, each group its own selection and attention: timed one group
+    after another, and with the selections on a second stream, so that a group's selection
+    (issue-bound) runs beside the attention of the groups before it (DRAM-bound). The attention
+    of every group is checked against the whole batch's sparse output (the selection is per row,
+    so the kept blocks are the same)."""
+    B = len(lengths)
+    ref = call.run_sparse(q).float()
+    out = {}
+    for G in groups:
+        if B % G:
+            continue
+        rows = B // G
+        base = cu.decode_splits_for(q, D, HQ // HKV, rows, HKV)
+        for split_name, splits in (("wave", base), ("half wave", max(1, base // 2))):
+            parts = []
+            for g in range(G):
+                sl = slice(g * rows, (g + 1) * rows)
+                qg = q[sl].contiguous()
+                cg = cu.AttentionCall(kv, layout, 0, torch.arange(rows + 1, dtype=torch.int32),
+                                      torch.tensor(lengths[sl], dtype=torch.int32), tables[sl].contiguous(), HQ, scale,
+                                      0, 264, splits)
+                parts.append((cg, qg, torch.zeros(1, 4, dtype=torch.float64, device="cuda")))
+            for cg, qg, st in parts:
+                cg.select(qg, summ, st, **params)
+            got = torch.cat([cg.run_sparse(qg).float() for cg, qg, _ in parts])
+            err = ((got - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, f"groups of {rows} rows differ from the whole batch: {err}"
+            side = torch.cuda.Stream()
+
+            def serial():
+                for cg, qg, st in parts:
+                    cg.select(qg, summ, st, **params)
+                    cg.run_sparse(qg)
+
+            def overlapped():
+                main = torch.cuda.current_stream()
+                side.wait_stream(main)
+                for cg, qg, st in parts:
+                    with torch.cuda.stream(side):
+                        cg.select(qg, summ, st, **params)
+                        done = torch.cuda.Event()
+                        done.record(side)
+                    main.wait_event(done)
+                    cg.run_sparse(qg)
+                main.wait_stream(side)
+
+            out[f"{G} groups of {rows}, {split_name} ({splits} splits), one after another"] = time_ms(graphed(serial))
+            out[f"{G} groups of {rows}, {split_name} ({splits} splits), selections on a second stream"] = \
+                time_ms(graphed(overlapped))
+            del parts
+    return out
+
+
+def case(lengths, caps, results, width=0, rules=("bound",), intervals=(1,), groups=()):
     """One batch of decode rows with these context lengths (all alike: the usual BxL cases)."""
     B, L = len(lengths), max(lengths)
     layout = (1, HKV, D, PAGE)
@@ -64,15 +129,6 @@ def case(lengths, caps, results, width=0, rules=("bound",), intervals=(1,)):
     call = cu.AttentionCall(kv, layout, 0, qs, cl, tables, HQ, scale, 0, 264, splits)
     full = cu.AttentionCall(kv, layout, 0, torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32),
                             cl, tables, HQ, scale, 0, 264, 0)
-    # Timed as CUDA graphs (as the engine runs decode): the host's launch cost is not timed.
-    def graphed(fn):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay
-
     dense_ms = time_ms(graphed(lambda: call.run(q)))
     # The decode step's part from the QKV projection's output to the attention's: RoPE and the
     # cache write of the step's token (slot ctx - 1 of each row) first, in both paths, on a copy
@@ -165,6 +221,7 @@ def case(lengths, caps, results, width=0, rules=("bound",), intervals=(1,)):
                 avg_ms = (both_ms + (n - 1) * reuse_ms) / n
                 reuse["intervals"][n] = dict(avg_us=avg_ms * 1e3, speedup=dense_ms / avg_ms,
                                              of_bound=dense_ms / avg_ms / bound)
+        ov = overlap_columns(lengths, q, kv, layout, tables, scale, summ, params, call, groups) if groups else {}
         print(f"  {rule} cap {cap}: skipped {r:.3f} (kept keys a row {int(kl.min())}-{int(kl.max())}), select {select_ms * 1e3:.1f} us + attend {attend_ms * 1e3:.1f} us "
               f"= {both_ms * 1e3:.1f} us; speed-up {speedup:.2f}x of bound {bound:.2f}x = {speedup / bound:.2f}; "
               f"dense over as many keys {same_keys_ms * 1e3:.1f} us; with the summary update {step_ms * 1e3:.1f} us: "
@@ -172,6 +229,8 @@ def case(lengths, caps, results, width=0, rules=("bound",), intervals=(1,)):
               f"({'summaries fused into RoPE' if fused and not codes else 'summary_kernel'}) {rope_step_ms * 1e3:.1f} us against "
               f"{dense_rope_ms * 1e3:.1f}: {dense_rope_ms / rope_step_ms:.2f}x = "
               f"{dense_rope_ms / rope_step_ms / bound:.2f} of bound")
+        for key, v in ov.items():
+            print(f"    {key}: {v * 1e3:.1f} us, {dense_ms / v:.2f}x = {dense_ms / v / bound:.2f} of bound")
         if reuse:
             print(f"    a reusing step (select launch and attend) {reuse['reuse_step_us']:.1f} us; a selection every "
                   + "; ".join(f"{n} steps: average {v['avg_us']:.1f} us, {v['speedup']:.2f}x = {v['of_bound']:.2f} "
@@ -182,7 +241,8 @@ def case(lengths, caps, results, width=0, rules=("bound",), intervals=(1,)):
                             same_keys_us=same_keys_ms * 1e3, speedup=speedup, bound=bound, of_bound=speedup / bound,
                             step_us=step_ms * 1e3, step_speedup=dense_ms / step_ms, rope_step_us=rope_step_ms * 1e3,
                             dense_rope_us=dense_rope_ms * 1e3, rope_step_speedup=dense_rope_ms / rope_step_ms,
-                            fused_summaries=fused and not codes, **reuse))
+                            fused_summaries=fused and not codes, overlap_us={k: v * 1e3 for k, v in ov.items()},
+                            **reuse))
     del kv, summ, call, full, cos, sin
     torch.cuda.empty_cache()
 
@@ -200,12 +260,16 @@ def main():
     ap.add_argument("--interval", default="1",
                     help="comma list; N > 1: also time a step that reuses the selection (sparsity_selection_interval) "
                          "and report the average of one selecting step and N - 1 reusing ones")
+    ap.add_argument("--overlap", default="",
+                    help="comma list of group counts G: also time the rows in G groups, each its own selection and "
+                         "attention, one after another and with the selections on a second stream")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     results = []
     for c in args.cases.split(","):  # BxL, or a mixed batch: B1xL1+B2xL2 (e.g. 1x131072+7x2048)
         case(batch_lengths(c), [0.6, 0.8], results, args.width, tuple(args.rules.split(",")),
-             tuple(int(n) for n in args.interval.split(",")))
+             tuple(int(n) for n in args.interval.split(",")),
+             tuple(int(n) for n in args.overlap.split(",")) if args.overlap else ())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
