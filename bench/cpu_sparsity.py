@@ -48,6 +48,11 @@ def nll(logits, ids, n):
     return lse - lg[np.arange(n), tgt]
 
 
+def windows_nll(outs, docs, n):
+    """The per-token negative log-likelihoods of one run over the n scored positions of every window."""
+    return np.concatenate([nll(o, d, n) for o, d in zip(outs, docs)])
+
+
 def agreement(a, b, n):
     """Top-1 agreement of two runs' logits over the n scored positions of every window."""
     return float(np.mean(np.concatenate([x[-n - 1:-1].argmax(1) == y[-n - 1:-1].argmax(1) for x, y in zip(a, b)])))
@@ -122,11 +127,11 @@ def main():
         stride = (len(all_ids) - ctx) // max(1, args.docs)
         docs = [all_ids[i * stride:i * stride + ctx] for i in range(args.docs)]
         dense, dense_s, _, _ = run(base, docs, args.decoded, timed)
-        d_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(dense, docs)])
+        d_nll = windows_nll(dense, docs, args.decoded)
         ref = None
         if args.reference_dtype:
             ref, _, _, _ = run(dict(base, dtype=args.reference_dtype), docs, args.decoded, False)
-            r_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(ref, docs)])
+            r_nll = windows_nll(ref, docs, args.decoded)
             print(f"ctx {ctx} dense {base.get('dtype', 'float32')} against dense {args.reference_dtype}: top-1 agreement "
                   f"{agreement(dense, ref, args.decoded):.4f}, ppl {float(np.exp(r_nll.mean())):.3f} -> {float(np.exp(d_nll.mean())):.3f}",
                   flush=True)
@@ -141,7 +146,7 @@ def main():
                                                        sparsity_score_rule=args.score_rule,
                                                        sparsity_selection_interval=every),
                                                   docs, args.decoded, timed)
-            s_nll = np.concatenate([nll(o, d, args.decoded) for o, d in zip(sparse, docs)])
+            s_nll = windows_nll(sparse, docs, args.decoded)
             agree = agreement(sparse, dense, args.decoded)
             row = {"context": ctx, "cap": cap, "compensation": comp, "mass_target": mt, "selection_interval": every,
                    "score_channels": args.score_channels, "score_rule": args.score_rule, "tokens": int(d_nll.size), "sparsity": ratio,
