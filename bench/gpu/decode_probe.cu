@@ -7,6 +7,10 @@
 //   bash bench/gpu/build_probe.sh [name:"-DFLAGS"] ...   # here: probe/decode_probe_<name>
 //   probe/decode_probe_<name> B L [rounds [tables]]      # there (bench/gpu/probe_run.sh)
 //
+// -DK25_PROBE_TAIL_N=N [-DK25_PROBE_TAIL_PCT=P]: an explicit work list with a static tail of N
+// short ranges a (sequence, KV head) over its last 100 - P percent of keys (below; RESULTS,
+// 2026-12-07 session 45).
+//
 // Prints one line: variant, batch, length, splits, median and best us a call (rounds of 20
 // back-to-back calls), KV bytes read per second (median), relative error. Exits 2 when the
 // error is above 1e-2.
@@ -97,7 +101,65 @@ int main(int argc, char** argv) {
   used = std::min(used, std::max((splits + 1) / 2, (L + K25_PROBE_SPLIT_TARGET - 1) / K25_PROBE_SPLIT_TARGET));
 #endif
   const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
-  const int items = B * kHkv * splits;
+  int items = B * kHkv * splits;
+#ifdef K25_PROBE_TAIL_N
+  // An explicit work list (AttnBatch::work, merged in the kernel) instead of device-derived
+  // splits: each (sequence, KV head) keeps the derived rule's `used` ranges over the first
+  // K25_PROBE_TAIL_PCT percent of its keys and K25_PROBE_TAIL_N more, shorter ones over the
+  // rest; every pair's long ranges come first in the grid, so the short ones start as the wave's
+  // first CTAs finish (a static, deterministic tail; TAIL_N 0 and PCT 100: the derived rule's
+  // ranges as a list).
+  {
+#ifndef K25_PROBE_TAIL_PCT
+#define K25_PROBE_TAIL_PCT 100
+#endif
+    const int pairs = B * kHkv, n_long = used, n_short = K25_PROBE_TAIL_N, count = n_long + n_short;
+    const int long_keys = n_short > 0 ? static_cast<int>(static_cast<int64_t>(L) * K25_PROBE_TAIL_PCT / 100) : L;
+    std::vector<cuda::AttnWork> work;
+    std::vector<int> merges;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int s = 0; s < B; ++s) {  // (sequence, KV head) order, as the derived rule's equal spans
+        for (int h = 0; h < kHkv; ++h) {
+          const int pair = s * kHkv + h;
+          const int n = pass == 0 ? n_long : n_short;
+          const int begin = pass == 0 ? 0 : long_keys, span = pass == 0 ? long_keys : L - long_keys;
+          for (int i = 0; i < n; ++i) {
+            cuda::AttnWork w{};
+            w.seq = s;
+            w.kv_head = h;
+            w.q_begin = 0;
+            w.q_end = 1;
+            w.key_begin = begin + static_cast<int>(static_cast<int64_t>(span) * i / n);
+            w.key_end = begin + static_cast<int>(static_cast<int64_t>(span) * (i + 1) / n);
+            w.partial = count > 1 ? pair * count + (pass == 0 ? i : n_long + i) : -1;
+            w.merge = count > 1 ? pair : -1;
+            work.push_back(w);
+          }
+          if (pass == 0 && count > 1) merges.insert(merges.end(), {s, h, pair * count, count});
+        }
+      }
+    }
+    items = static_cast<int>(work.size());
+    cuda::AttnWork* d_work;
+    int* d_merge = nullptr;
+    CHECK(cudaMalloc(&d_work, work.size() * sizeof(cuda::AttnWork)));
+    CHECK(cudaMemcpy(d_work, work.data(), work.size() * sizeof(cuda::AttnWork), cudaMemcpyHostToDevice));
+    if (count > 1) {
+      CHECK(cudaFree(d_partials));
+      CHECK(cudaMalloc(&d_partials, static_cast<size_t>(pairs) * count * group * (kD + cuda::kPartialPad) * 4));
+      CHECK(cudaMalloc(&d_merge, merges.size() * sizeof(int)));
+      CHECK(cudaMemcpy(d_merge, merges.data(), merges.size() * sizeof(int), cudaMemcpyHostToDevice));
+    }
+    b.partials = d_partials;
+    b.decode_splits = 0;
+    b.work = d_work;
+    b.num_work = b.num_decode_work = items;
+    b.merge = d_merge;
+    b.num_merges = b.num_decode_merges = count > 1 ? pairs : 0;
+    b.split_counters = count > 1 ? d_counters : nullptr;
+    used = count;
+  }
+#endif
   // K25_PROBE_STREAM=1: the calls on a stream of their own (non-blocking) instead of the legacy
   // default stream, as the engine's steps run.
   cudaStream_t stream = nullptr;
