@@ -210,7 +210,8 @@ void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, c
     configured = true;
   }
   const int group = num_heads / kv.num_kv_heads;
-  const int num_items = b.decode_splits > 0 ? b.num_seqs * kv.num_kv_heads * b.decode_splits : b.num_work;
+  const int tail = b.decode_splits > 0 && b.decode_tail >= 2 ? b.decode_tail : 0;
+  const int num_items = b.decode_splits > 0 ? b.num_seqs * kv.num_kv_heads * (b.decode_splits + tail) : b.num_work;
   // Single-token items go to the decode kernel when it covers the group size.
   const int num_decode = group > kDecodeMaxGroup ? 0 : (b.decode_splits > 0 ? num_items : b.num_decode_work);
   const int num_merges =
@@ -223,7 +224,7 @@ void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, c
   const bool merge_launch_only = env != nullptr && std::strcmp(env, "kernel") == 0;
   int fused = 0;
   if (num_decode > 0 && b.split_counters != nullptr && !merge_launch_only) {
-    fused = b.decode_splits > 0 ? (b.decode_splits <= kMaxFusedSplits ? num_merges : 0)
+    fused = b.decode_splits > 0 ? (b.decode_splits + tail <= kMaxFusedSplits ? num_merges : 0)
                                 : std::min(b.num_decode_merges, num_merges);
   }
   if (num_decode > 0) {

@@ -86,89 +86,154 @@ __device__ __forceinline__ int derived_cap(int span, const AttnBatch& batch) {
 __device__ __forceinline__ int derived_count(int span, int c, const AttnBatch& batch) {
   return min(max(1, (span + c - 1) / c), derived_cap(span, batch));
 }
-// One derived item: seq < 0 when it has no work; first: the partial slot of its range 0.
+// Tail ranges (AttnBatch::decode_tail = N >= 2): a (sequence, KV head) whose keys take two or
+// more ranges gives its last tenth of them to shorter ranges (N with equal lengths; by keys,
+// like the long ones, otherwise), whose items follow every long range's in the grid, so they
+// start as the first wave's CTAs finish and even out its end (bench/RESULTS.md, 2026-12-07).
+// Only where the ranges average kTailMinRangeKeys keys or more (span / n_long, before the tail
+// is taken): over shorter ones the extra CTAs and partials cost more than the end gains (B8 @
+// 1K lost 27%, one 32K row beside seven 2K ones 1.4%). The tail keys of a span of n_long ranges:
+constexpr int kTailMinRangeKeys = 4096;
+__device__ __forceinline__ int derived_tail_keys(int span, int n_long) {
+  return n_long >= 2 && span / n_long >= kTailMinRangeKeys ? span / 10 : 0;
+}
+// One derived item: seq < 0 when it has no work. count ranges, long_count over the span's first
+// span - tail keys and the rest over its tail keys; split: this item's (< long_count: a long
+// one); first: the partial slot of range 0 (a (sequence, KV head)'s slots are contiguous).
 struct DerivedItem {
-  int seq = -1, kv_head = 0, split = 0, count = 0, first = 0;
+  int seq = -1, kv_head = 0, split = 0, count = 0, first = 0, long_count = 0, tail = 0;
 };
-// want_seq < 0: item `item` (of H KV heads); else (want_seq, want_head)'s count and first
+// want_seq < 0: item `item` (of H KV heads); else (want_seq, want_head)'s counts and first
 // slot (split 0). Called by whole warps (it shuffles over the sequences, 32 at a time);
-// every lane gets the same answer.
+// every lane gets the same answer. Items [0, H B S) are the long ranges as described above;
+// with tails, items H B S + [0, H B N) the tail ranges, shared out the same way over the
+// tail keys (in order, or by keys, KV head h's at h B N + ...), and a (sequence, KV head)'s
+// S + N slots (in order) or its ranges' slots (by keys: KV head h's from h B (S + N), each
+// sequence's long then tail ranges after the sequences before it) are contiguous.
 __device__ __forceinline__ DerivedItem derived_item(const AttnBatch& batch, int window, int H, int item, int want_seq,
                                                     int want_head) {
-  const int B = batch.num_seqs, S = batch.decode_splits;
+  const int B = batch.num_seqs, S = batch.decode_splits, N = batch.decode_tail >= 2 ? batch.decode_tail : 0;
+  const int long_items = H * B * S;
+  const bool tail_item = want_seq < 0 && item >= long_items;
   DerivedItem d;
-  // (sequence, KV head, range) order, S ranges per (sequence, KV head), count each.
-  auto in_order = [&](int count) {
+  if (tail_item && N == 0) return d;  // (a grid past the long items without tails: no work)
+  // Equal spans: (sequence, KV head, range) order, S long and N tail items per (sequence, KV
+  // head), count long and nt tail ranges each.
+  auto in_order = [&](int count, int span) {
+    const int tail = N > 0 ? derived_tail_keys(span, count) : 0;
+    const int nt = tail > 0 ? min(min(N, derived_cap(tail, batch)), kMaxFusedSplits - count) : 0;
     if (want_seq >= 0) {
       d.seq = want_seq;
       d.kv_head = want_head;
-    } else {
+    } else if (!tail_item) {
       d.seq = item / (H * S);
       d.kv_head = item / S - d.seq * H;
       d.split = item % S;
       if (d.split >= count) d.seq = -1;
+    } else {
+      const int t = item - long_items;
+      d.seq = t / (H * N);
+      d.kv_head = t / N - d.seq * H;
+      d.split = count + t % N;
+      if (t % N >= nt) d.seq = -1;
     }
-    d.count = count;
-    d.first = (d.seq * H + d.kv_head) * S;
+    d.count = count + nt;
+    d.long_count = count;
+    d.tail = nt > 0 ? tail : 0;
+    d.first = (d.seq * H + d.kv_head) * (S + N);
     return d;
   };
-  if (S == 1) return in_order(1);
-  if (B == 1) return in_order(min(S, derived_cap(derived_span(batch, 0, window), batch)));
+  if (S == 1) return in_order(1, 0);
+  if (B == 1) {
+    const int span0 = derived_span(batch, 0, window);
+    return in_order(min(S, derived_cap(span0, batch)), span0);
+  }
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x % 32;
   int span = lane < B ? derived_span(batch, lane, window) : 0;  // the first 32 rows' stay in registers
   if (B <= 32) {
     const int span0 = __shfl_sync(kAll, span, 0);
-    if (__all_sync(kAll, lane >= B || span == span0)) return in_order(min(S, derived_cap(span0, batch)));
+    if (__all_sync(kAll, lane >= B || span == span0)) return in_order(min(S, derived_cap(span0, batch)), span0);
   }
-  // Shares by keys, head-major.
-  const int per_head = B * S;
-  const int head = want_seq >= 0 ? want_head : item / per_head, j = item - head * per_head;
-  long long total = span;
-  for (int s = lane + 32; s < B; s += 32) total += derived_span(batch, s, window);
-  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kAll, total, o);
-  auto counts_at = [&](int c) {
-    int t = lane < B ? derived_count(span, c, batch) : 0;
-    for (int s = lane + 32; s < B; s += 32) t += derived_count(derived_span(batch, s, window), c, batch);
+  // Shares by keys, head-major: c keys at most a long range, ct a tail range.
+  const int per_head = B * S, per_head_t = B * N;
+  const int head = want_seq >= 0 ? want_head : tail_item ? (item - long_items) / per_head_t : item / per_head;
+  const int j = tail_item ? item - long_items - head * per_head_t : item - head * per_head;
+  auto sum_rows = [&](auto value) {  // sum over the rows of value(span, row)
+    long long t = lane < B ? value(span) : 0;
+    for (int s = lane + 32; s < B; s += 32) t += value(derived_span(batch, s, window));
     for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kAll, t, o);
     return t;
   };
   auto range_keys = [](long long keys, long long ranges) {
     return static_cast<int>(min((keys + ranges - 1) / ranges, static_cast<long long>(INT_MAX)));
   };
-  int c = max(1, range_keys(total, per_head));
-  for (int tries = 0;; ++tries) {
-    const int t = counts_at(c);
-    if (t <= per_head) break;
-    // Two tries scaled by the overshoot, then the length that always fits.
-    c = tries < 2 ? range_keys(static_cast<long long>(c) * t, per_head)
-                  : max(c, range_keys(total, per_head - B));
-    if (tries >= 2) break;
-  }
-  int base = 0;
+  // The range length whose counts (count(span, c) for each row, over its keys(span)) fit
+  // `ranges`: first ceil(total / ranges), then twice scaled by the overshoot, then the length
+  // that always fits (each of the `rows` that take ranges counts less than one over n / c).
+  auto fit = [&](auto keys, auto count, long long ranges, long long rows) {
+    const long long total = sum_rows([&](int sp) { return static_cast<long long>(keys(sp)); });
+    int c = max(1, range_keys(total, ranges));
+    for (int tries = 0;; ++tries) {
+      const long long t = sum_rows([&](int sp) { return static_cast<long long>(count(sp, c)); });
+      if (t <= ranges) break;
+      c = tries < 2 ? range_keys(static_cast<long long>(c) * t, ranges)
+                    : max(c, range_keys(total, max(1LL, ranges - rows)));
+      if (tries >= 2) break;
+    }
+    return c;
+  };
+  // (Every row takes a long range, an empty one too; only rows with tail keys take tail ranges.)
+  const int c = fit([](int sp) { return sp; }, [&](int sp, int cc) { return derived_count(sp, cc, batch); }, per_head, B);
+  // A row's tail keys (of its span and n long ranges) and tail ranges of at most cc keys (a merge
+  // takes at most kMaxFusedSplits ranges: a row with that many long ones has no tail).
+  auto tail_of = [&](int sp, int n) { return N > 0 ? derived_tail_keys(sp, n) : 0; };
+  auto tail_ranges = [&](int t, int n, int cc) {
+    return t > 0 ? min(derived_count(t, cc, batch), kMaxFusedSplits - n) : 0;
+  };
+  auto tail_keys = [&](int sp) { return tail_of(sp, derived_count(sp, c, batch)); };
+  auto tail_count = [&](int sp, int cc) {
+    const int n = derived_count(sp, c, batch);
+    return tail_ranges(tail_of(sp, n), n, cc);
+  };
+  // Rows with tail keys: none (short or one-range rows only) leaves the tail items no work.
+  const long long tail_rows = N > 0 ? sum_rows([&](int sp) { return tail_keys(sp) > 0 ? 1LL : 0LL; }) : 0;
+  if (tail_item && tail_rows == 0) return d;
+  const int ct = tail_rows > 0 ? fit(tail_keys, tail_count, per_head_t, tail_rows) : 1;
+  int base = 0, base_t = 0;
   for (int s0 = 0; s0 < B; s0 += 32) {
     const int s = s0 + lane;
     if (s0 > 0) span = s < B ? derived_span(batch, s, window) : 0;
     const int n = s < B ? derived_count(span, c, batch) : 0;
-    int incl = n;
+    const int tk = s < B ? tail_of(span, n) : 0;
+    const int nt = tail_ranges(tk, n, ct);
+    int incl = n, incl_t = nt;
     for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(kAll, incl, o);
-      if (lane >= o) incl += v;
+      const int v = __shfl_up_sync(kAll, incl, o), vt = __shfl_up_sync(kAll, incl_t, o);
+      if (lane >= o) {
+        incl += v;
+        incl_t += vt;
+      }
     }
-    const int excl = base + incl - n;
-    const bool mine = want_seq >= 0 ? s == want_seq : j >= excl && j < excl + n;
+    const int excl = base + incl - n, excl_t = base_t + incl_t - nt;
+    const bool mine = want_seq >= 0 ? s == want_seq
+                      : tail_item   ? j >= excl_t && j < excl_t + nt
+                                    : j >= excl && j < excl + n;
     const unsigned hit = __ballot_sync(kAll, s < B && mine);
     if (hit != 0) {
       const int src = __ffs(hit) - 1;
-      const int first = __shfl_sync(kAll, excl, src);
+      const int first = __shfl_sync(kAll, excl, src), first_t = __shfl_sync(kAll, excl_t, src);
       d.seq = s0 + src;
       d.kv_head = head;
-      d.count = __shfl_sync(kAll, n, src);
-      d.first = head * per_head + first;
-      d.split = want_seq >= 0 ? 0 : j - first;
+      d.long_count = __shfl_sync(kAll, n, src);
+      d.count = d.long_count + __shfl_sync(kAll, nt, src);
+      d.tail = d.count > d.long_count ? __shfl_sync(kAll, tk, src) : 0;
+      d.first = head * (per_head + per_head_t) + first + first_t;
+      d.split = want_seq >= 0 ? 0 : tail_item ? d.long_count + j - first_t : j - first;
       return d;
     }
     base += __shfl_sync(kAll, incl, 31);
+    base_t += __shfl_sync(kAll, incl_t, 31);
   }
   return d;
 }
@@ -213,9 +278,18 @@ __device__ __forceinline__ AttnWork attn_work(const AttnBatch& batch, int num_kv
   w.kv_head = d.kv_head;
   const int64_t span = derived_span(batch, w.seq, window);
   const int first = batch.context_lens[w.seq] - static_cast<int>(span);
-  w.key_begin = first + static_cast<int>(span * d.split / d.count);
-  w.key_end = first + static_cast<int>(span * (d.split + 1) / d.count);
-  w.partial = d.count > 1 ? item : -1;
+  // Long ranges over the span's first span - tail keys, tail ranges over the rest (without a
+  // tail: count ranges over the whole span).
+  const int64_t long_span = span - d.tail;
+  if (d.split < d.long_count) {
+    w.key_begin = first + static_cast<int>(long_span * d.split / d.long_count);
+    w.key_end = first + static_cast<int>(long_span * (d.split + 1) / d.long_count);
+  } else {
+    const int k = d.split - d.long_count, nt = d.count - d.long_count;
+    w.key_begin = first + static_cast<int>(long_span + static_cast<int64_t>(d.tail) * k / nt);
+    w.key_end = first + static_cast<int>(long_span + static_cast<int64_t>(d.tail) * (k + 1) / nt);
+  }
+  w.partial = d.count > 1 ? d.first + d.split : -1;
   if (merge != nullptr && batch.split_counters != nullptr && w.partial >= 0) {
     merge->counter = w.seq * num_kv_heads + w.kv_head;
     merge->first = d.first;

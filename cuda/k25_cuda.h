@@ -59,6 +59,14 @@ struct AttnBatch {
   // (CUDA graphs).
   int32_t decode_splits = 0;
   int32_t num_seqs = 0;
+  // With decode_splits: 0, or N >= 2: num_seqs x num_kv_heads x N more CTAs after the
+  // decode_splits ones, tail ranges: a (sequence, KV head) with two or more ranges of
+  // kTailMinRangeKeys keys or more on average gives its last tenth of keys to shorter ranges,
+  // which start as the first wave's CTAs finish (common.cuh, derived_tail_keys). Like the long
+  // ranges they are N a sequence with equal lengths and shared out by keys otherwise (a long
+  // row may take many more than N, each at least min_split_keys keys; a merge at most
+  // kMaxFusedSplits). Partials: decode_splits + decode_tail slots per (sequence, KV head).
+  int32_t decode_tail = 0;
   int32_t min_split_keys = 256;  // derived splits cover at least this many keys each
   // Split-KV merges done inside the decode kernel: one counter per merge, zero at rest.
   // Each CTA of a split decode, after writing its partial, counts itself on its merge's

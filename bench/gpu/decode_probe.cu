@@ -59,6 +59,14 @@ int main(int argc, char** argv) {
 #define K25_PROBE_WAVE_DIV 1  // 2: one CTA an SM instead of the wave's two (half the partials to merge)
 #endif
   const int splits = std::max(1, std::min(64, wave / K25_PROBE_WAVE_DIV / std::max(1, B * kHkv)));
+  // The engine's tail rule (cuda_glue::decode_tail_for); -DK25_PROBE_NO_TAIL: none.
+#ifdef K25_PROBE_NO_TAIL
+  const int tail = 0;
+#else
+  const int tail = splits >= 2 && B >= 2 && 4 * B * kHkv * splits >= 3 * wave
+                       ? std::max(2, std::min(64, wave / std::max(1, B * kHkv)))
+                       : 0;
+#endif
 
   __nv_bfloat16 *d_q, *d_out;
   int* d_counters;
@@ -68,7 +76,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&d_out, out_elems * 2));
   CHECK(cudaMalloc(&d_ref, out_elems * 4));
   CHECK(cudaMalloc(&d_counters, static_cast<size_t>(B) * kHkv * sizeof(int)));
-  CHECK(cudaMalloc(&d_partials, static_cast<size_t>(B) * kHkv * splits * group * (kD + cuda::kPartialPad) * 4));
+  CHECK(cudaMalloc(&d_partials, static_cast<size_t>(B) * kHkv * (splits + tail) * group * (kD + cuda::kPartialPad) * 4));
   CHECK(cudaMemset(d_counters, 0, static_cast<size_t>(B) * kHkv * sizeof(int)));  // zero at rest
   fill_random<<<1024, 256>>>(d_q, static_cast<int64_t>(B) * qkv_cols, 3);
 
@@ -76,6 +84,7 @@ int main(int argc, char** argv) {
   cuda::AttnBatch b = pool.batch(std::vector<int>(B, 1));
   b.partials = d_partials;
   b.decode_splits = splits;
+  b.decode_tail = tail;
   b.num_seqs = B;
   b.split_counters = splits > 1 ? d_counters : nullptr;
   int* d_head_tables = nullptr;
@@ -101,7 +110,7 @@ int main(int argc, char** argv) {
   used = std::min(used, std::max((splits + 1) / 2, (L + K25_PROBE_SPLIT_TARGET - 1) / K25_PROBE_SPLIT_TARGET));
 #endif
   const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
-  int items = B * kHkv * splits;
+  int items = B * kHkv * (splits + tail);
 #ifdef K25_PROBE_TAIL_N
   // An explicit work list (AttnBatch::work, merged in the kernel) instead of device-derived
   // splits: each (sequence, KV head) keeps the derived rule's `used` ranges over the first
@@ -214,8 +223,8 @@ int main(int argc, char** argv) {
   double med = 0, best = 0;
   time_calls(run, rounds, 20, &med, &best, stream);
   const double bytes = static_cast<double>(B) * L * kHkv * kD * 2 * 2;  // K and V, bf16
-  std::printf("%-24s B=%d L=%d splits=%d/%d tables=%d chain=%d  %.1f us (min %.1f)  %.2f TB/s  rel_err %.2e\n",
-              K25_PROBE_VARIANT, B, L, used, splits, table_mode, chain, med * 1e3, best * 1e3,
+  std::printf("%-24s B=%d L=%d splits=%d/%d+%d tables=%d chain=%d  %.1f us (min %.1f)  %.2f TB/s  rel_err %.2e\n",
+              K25_PROBE_VARIANT, B, L, used, splits, tail, table_mode, chain, med * 1e3, best * 1e3,
               bytes / (med * 1e-3) / 1e12, rel);
   return rel < 1e-2 ? 0 : 2;
 }

@@ -21,6 +21,10 @@ if [ "$(ls .devcache/smollm2.part* 2>/dev/null | wc -l)" -ge 2 ]; then
 elif [ -f /tmp/smollm2.gguf ]; then  # joined by an earlier call on this (still warm) machine
   export K25_DEFAULT_MODEL_PATH=/tmp/smollm2.gguf
 fi
+# transformers reads a GGUF only through the gguf package (the oracle of test_cuda_model's bf16 case).
+if [ -n "${K25_DEFAULT_MODEL_PATH:-}" ] && ! python3 -c "import gguf" 2>/dev/null; then
+  echo "WARNING: the default GGUF is here but gguf is not importable (carry .whl): transformers cannot load it"
+fi
 # The probes, carried packed (prepare_carry.sh): ~30 MB of binaries in ~1.5 MB.
 [ -f probe.tar.xz ] && tar xJf probe.tar.xz
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"

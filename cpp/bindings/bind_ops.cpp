@@ -98,7 +98,7 @@ void bind_cuda_ops(py::module_& m) {
   struct AttentionCall {
     at::Tensor kv;
     KVLayout layout;
-    int32_t layer = 0, num_heads = 0, window = 0, merges = 0;
+    int32_t layer = 0, num_heads = 0, window = 0, merges = 0, decode_tail = 0;
     double scale = 1.0;
     cuda_glue::DeviceBatch batch;
     // Dynamic block sparsity (select): the selection's buffers and the batch it returned.
@@ -114,7 +114,8 @@ void bind_cuda_ops(py::module_& m) {
   py::class_<AttentionCall>(cu, "AttentionCall")
       .def(py::init([](const at::Tensor& kv, py::tuple layout, int32_t layer, const at::Tensor& query_start,
                        const at::Tensor& context_lens, const at::Tensor& block_tables, int32_t num_heads,
-                       double scale, int32_t window, int32_t parallelism, int32_t decode_splits, int32_t wave) {
+                       double scale, int32_t window, int32_t parallelism, int32_t decode_splits, int32_t wave,
+                       int32_t decode_tail) {
              AttentionCall c;
              c.kv = kv;
              c.layout = layout_of(layout);
@@ -140,7 +141,17 @@ void bind_cuda_ops(py::module_& m) {
                db.max_blocks = static_cast<int32_t>(bt.size(1));
                db.decode_splits = decode_splits;
                db.num_seqs = num_seqs;
-               db.partials = at::empty({static_cast<int64_t>(num_seqs) * c.layout.num_kv_heads * decode_splits *
+               // decode_tail < 0: the engine's rule (cuda_glue::decode_tail_for); 1 is no tail (0).
+               if (decode_tail > 64) {
+                 throw Error(ErrorCode::kInvalidArgument, "decode_tail is at most 64 (or -1: the engine's rule)");
+               }
+               db.decode_tail = decode_tail < 0 ? cuda_glue::decode_tail_for(kv.scalar_type(), c.layout.head_dim, group,
+                                                                             num_seqs, c.layout.num_kv_heads,
+                                                                             decode_splits)
+                                                : (decode_tail >= 2 ? decode_tail : 0);
+               c.decode_tail = db.decode_tail;
+               db.partials = at::empty({static_cast<int64_t>(num_seqs) * c.layout.num_kv_heads *
+                                        (decode_splits + db.decode_tail) *
                                         group * cuda_glue::partial_row_floats(c.layout.head_dim)},
                                        at::TensorOptions().dtype(at::kFloat).device(dev));
                if (decode_splits > 1) {
@@ -164,9 +175,10 @@ void bind_cuda_ops(py::module_& m) {
            }),
            py::arg("kv"), py::arg("layout"), py::arg("layer"), py::arg("query_start"), py::arg("context_lens"),
            py::arg("block_tables"), py::arg("num_heads"), py::arg("scale"), py::arg("window"),
-           py::arg("parallelism"), py::arg("decode_splits") = 0, py::arg("wave") = 0)
+           py::arg("parallelism"), py::arg("decode_splits") = 0, py::arg("wave") = 0, py::arg("decode_tail") = -1)
       .def("run", &AttentionCall::run, py::arg("q"))
       .def_readonly("merges", &AttentionCall::merges)
+      .def_readonly("decode_tail", &AttentionCall::decode_tail)
       // Recomputes the summaries of every block the batch's query tokens wrote.
       .def("update_summaries",
            [](AttentionCall& c, at::Tensor& summaries, bool key_codes) {

@@ -1073,8 +1073,10 @@ class TorchExecutor : public ModelExecutor {
                                                    c.num_kv_heads);
     // K25_MIN_SPLIT_KEYS (a bench switch, read at capture): keys per derived split.
     if (const char* mk = std::getenv("K25_MIN_SPLIT_KEYS")) b.min_split_keys = std::max(16, std::atoi(mk));
+    b.decode_tail = cuda_glue::decode_tail_for(model_->dtype(), c.head_dim, c.num_heads / c.num_kv_heads, bucket,
+                                               c.num_kv_heads, b.decode_splits);
     if (b.decode_splits > 1) {
-      b.partials = at::empty({static_cast<int64_t>(bucket) * c.num_kv_heads * b.decode_splits *
+      b.partials = at::empty({static_cast<int64_t>(bucket) * c.num_kv_heads * (b.decode_splits + b.decode_tail) *
                               (c.num_heads / c.num_kv_heads) * cuda_glue::partial_row_floats(c.head_dim)},
                              at::TensorOptions().dtype(at::kFloat).device(dev));
       // Zero at rest: the decode kernel's merging CTAs set them back, so replays need no memset.

@@ -403,6 +403,7 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
   ab.num_merges = b.num_merges;
   ab.num_decode_work = b.num_decode_work;
   ab.decode_splits = b.decode_splits;
+  ab.decode_tail = b.decode_splits > 0 ? b.decode_tail : 0;
   ab.num_seqs = b.num_seqs;
   ab.min_split_keys = b.min_split_keys;
   if (b.split_counters.defined()) {
@@ -671,6 +672,23 @@ int32_t decode_splits_for(at::ScalarType dtype, int32_t head_dim, int32_t group,
                           int32_t num_kv_heads) {
   const int32_t per_split = std::max(1, num_seqs * num_kv_heads);
   return std::max(1, std::min(64, decode_wave(dtype, head_dim, group) / per_split));
+}
+
+int32_t decode_tail_for(at::ScalarType dtype, int32_t head_dim, int32_t group, int32_t num_seqs,
+                        int32_t num_kv_heads, int32_t splits) {
+  static const bool off = [] {
+    const char* env = std::getenv("K25_DECODE_TAIL");
+    return env != nullptr && std::string(env) == "0";
+  }();
+  if (off || splits < 2 || num_seqs < 2) return 0;
+  // H100, decode probe: a tail of ~a wave of CTAs evened out the end by 0.9-1.3% at B4-B16;
+  // a batch of one (too few tail CTAs to keep the memory busy) and unsplit rows (merges where
+  // there were none) lost (bench/RESULTS.md, 2026-12-07). The long ranges must fill three
+  // quarters of the wave or more (decode_splits_for's fill from two thirds to all of it), or the
+  // "tail" runs beside them from the start: B8 @ 32K with 2 splits (half a wave) lost 10%.
+  const int32_t pairs = std::max(1, num_seqs * num_kv_heads), wave = decode_wave(dtype, head_dim, group);
+  if (4LL * pairs * splits < 3LL * wave) return 0;
+  return std::max(2, std::min(64, wave / pairs));
 }
 
 void add_penalties(SampleSpec& spec, const std::vector<int32_t>& tokens, int32_t num_prompt_tokens,

@@ -65,6 +65,7 @@ struct DeviceBatch {
   int32_t num_decode_merges = 0;
   // > 0: decode-only, work derived on the device (see cuda::AttnBatch::decode_splits).
   int32_t decode_splits = 0, num_seqs = 0;
+  int32_t decode_tail = 0;  // tail ranges per (sequence, KV head) (cuda::AttnBatch::decode_tail)
   int32_t min_split_keys = 256;  // derived splits cover at least this many keys each
   // Dynamic block sparsity: int32 [S, num_kv_heads, max_blocks] of kept blocks, with
   // context_lens the kept keys (select_blocks); undefined: dense.
@@ -170,6 +171,11 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
 int32_t partial_row_floats(int32_t head_dim);
 int32_t decode_splits_for(at::ScalarType dtype, int32_t head_dim, int32_t group, int32_t num_seqs,
                           int32_t num_kv_heads);
+// Tail ranges per (sequence, KV head) for such a batch split `splits` ways
+// (cuda::AttnBatch::decode_tail): with two or more sequences and splits, about a wave of
+// tail CTAs (at least 2 a pair, at most 64); else 0. K25_DECODE_TAIL=0 (read once) turns them off.
+int32_t decode_tail_for(at::ScalarType dtype, int32_t head_dim, int32_t group, int32_t num_seqs,
+                        int32_t num_kv_heads, int32_t splits);
 int32_t decode_wave(at::ScalarType dtype, int32_t head_dim, int32_t group);
 // Query rows (tokens x GQA heads) per multi-token work item for the kernel that runs them
 // in this dtype: AttentionPlanParams::max_rows of a CUDA plan.

@@ -7,6 +7,7 @@ kernels: wgmma for prefill on compute capability 9.0 with head_dim 128, mma.sync
 block sizes that tiles do not align to, and NaN in every KV slot that must not be read.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -193,7 +194,7 @@ def ref_attention(q, k, v, positions, window):
     return torch.einsum("hnc,chd->nhd", torch.softmax(s, -1), vv)
 
 
-def build_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decode_splits=0, wave=0):
+def build_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decode_splits=0, wave=0, decode_tail=-1):
     """(call, q buffer, float64 reference) of one random paged-attention case."""
     g = torch.Generator().manual_seed(seed)
     L, layer = 2, 1
@@ -211,7 +212,7 @@ def build_case(seed, dtype, Hq, Hkv, D, bs, window, seqs, parallelism=264, decod
         cl.append(ctx)
     buf = query_buffer(qrows, Hkv, D, dtype)
     call = cu.AttentionCall(kv, layout, layer, torch.tensor(qs, dtype=torch.int32), torch.tensor(cl, dtype=torch.int32),
-                            tables, Hq, 1.0 / math.sqrt(D), window, parallelism, decode_splits, wave)
+                            tables, Hq, 1.0 / math.sqrt(D), window, parallelism, decode_splits, wave, decode_tail)
     return call, buf, torch.cat(refs).reshape(buf.shape[0], Hq * D)
 
 
@@ -385,6 +386,53 @@ def test_split_merge_in_decode_kernel_counters_reset(monkeypatch, dtype):
         monkeypatch.delenv("K25_SPLIT_MERGE")
         assert torch.equal(two_kernels, outs[0]), "the decode kernel's merge differs from merge_kernel"
         assert torch.equal(poisoned_run(call, buf, 32 * 128), outs[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lengths", ["equal", "mixed", "window", "many"])
+def test_derived_splits_with_tail_ranges(monkeypatch, dtype, lengths):
+    # Tail ranges (AttnBatch::decode_tail): a (sequence, KV head) with two or more ranges of
+    # 4,096 keys or more on average gives its last tenth of keys to up to N shorter ranges
+    # whose CTAs come after every long one; equal lengths take the in-order items, mixed ones
+    # the shares by keys (there the rows of 70000 and 33333 keys get tails, the rest none). Each
+    # tail count (the engine's rule, none, 2, 5, 64) against float64, against no tail (the
+    # same up to rounding), twice bit for bit, and merged by merge_kernel bit for bit as by
+    # the decode kernel. "many": 40 sequences, so the scan's second group of 32 rows (31 rows
+    # get tails, two of them past the first 32).
+    monkeypatch.delenv("K25_SPLIT_MERGE", raising=False)
+    Hq, Hkv, D = 32, 8, 128
+    seqs = {"equal": [(20000, 1)] * 8, "mixed": [(70000, 1), (9000, 1), (5000, 1), (2049, 1), (300, 1), (17, 1),
+                                                 (1, 1), (33333, 1)],
+            "many": [(8200 + i * 1777 % 4000, 1) for i in range(34)] + [(300, 1), (1, 1), (4000, 1), (17, 1),
+                                                                       (6000, 1), (2, 1)],
+            }.get(lengths, [(70000, 1), (3000, 1), (9000, 1)])
+    window = 40000 if lengths == "window" else 0
+    splits = 4 if lengths == "equal" else 2
+    wave = cu.decode_wave(torch.empty(1, dtype=dtype, device="cuda"), D, Hq // Hkv)
+    # The engine's rule: tails where the long ranges fill three quarters of a wave or more
+    # (here only the equal case's 4 a row; the others' 2 a row take explicit counts), unless
+    # K25_DECODE_TAIL=0 turned it off for this process.
+    pairs = len(seqs) * Hkv
+    rule = (0 if os.environ.get("K25_DECODE_TAIL") == "0" or 4 * pairs * splits < 3 * wave
+            else max(2, min(64, wave // pairs)))
+    plain = None
+    for tail in [0, -1, 2, 64] if lengths == "many" else [0, -1, 2, 5, 64]:
+        call, buf, ref = build_case(77 + splits, dtype, Hq, Hkv, D, 16, window, seqs, decode_splits=splits,
+                                    decode_tail=tail)
+        assert call.decode_tail == (rule if tail < 0 else tail)
+        out = poisoned_run(call, buf, Hq * D)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < TOL[dtype] / 2
+        assert torch.equal(poisoned_run(call, buf, Hq * D), out)
+        monkeypatch.setenv("K25_SPLIT_MERGE", "kernel")
+        assert torch.equal(poisoned_run(call, buf, Hq * D), out), "merge_kernel's merge differs"
+        monkeypatch.delenv("K25_SPLIT_MERGE")
+        if plain is None:
+            plain = out
+        else:
+            assert rel_err(out, plain) < TOL[dtype] / 2
+            if call.decode_tail > 0:
+                assert not torch.equal(out, plain), "the same rounding as without tails: were there any?"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
