@@ -121,10 +121,12 @@ def main():
                         total_blocks += info["blocks_total"]
                         if intervals:
                             # Each sequence's kept positions per KV head (cut at -1), as a reusing step gets
-                            # them; at the same context the reusing step keeps the same blocks.
+                            # them; at the same context the reusing step keeps the same blocks. As int32
+                            # tensors [Hkv, count]: the engine hands them over as they lie, and lists of
+                            # ints would time their conversion too (~12 us a call at B1 @ 4K).
                             pos = torch.tensor(info["positions"]).view(b, HKV, -1)
-                            kept.append([[[j for j in pos[i, h].tolist() if j >= 0] for h in range(HKV)]
-                                         for i in range(b)])
+                            kept.append([torch.tensor([[j for j in pos[i, h].tolist() if j >= 0] for h in range(HKV)],
+                                                      dtype=torch.int32) for i in range(b)])
                             _, again = _C.ops.sparse_attention(q, pool.view(-1), layout, layer, qs, cl, tables, sm,
                                                                HQ, scale, reuse=kept[-1], **kw)
                             assert again["blocks_kept"] == info["blocks_kept"] and again["selections"] == 0

@@ -288,6 +288,11 @@ def test_reused_selection_attends_over_its_kept_blocks_and_those_written_since(c
                                         reuse=[kept[0], kept[1], None, kept[3]], **kw)
     assert info["reused"] == [1, 1, 0, 1] and info["sparse"] == [1, 1, 0, 1]
     assert info["reused_selections"] == 3 * HKV and info["selections"] == 0
+    # The same rows as int32 tensors [Hkv, count] (the form a timing loop passes): the same call.
+    as_t = [None if r is None else torch.tensor(r, dtype=torch.int32) for r in (kept[0], kept[1], None, kept[3])]
+    out_t, info_t = _C.ops.sparse_attention(q2, pool.view(-1), LAYOUT, 0, qs, cl, bt, summ, Hq, scale, reuse=as_t,
+                                            **kw)
+    assert torch.equal(out_t, out) and info_t == info
     MB = bt.shape[1]
     heads = torch.tensor(info["head_tables"]).view(len(ctxs), HKV, MB)
     group = Hq // HKV
@@ -319,7 +324,10 @@ def test_reused_selection_attends_over_its_kept_blocks_and_those_written_since(c
                        ([[kept[0][0], kept[0][1][:-1]]] + rest, "one length"),
                        ([[r[::-1] for r in kept[0]]] + rest, "ascend"),
                        ([[r + [nb0 + 5] for r in kept[0]]] + rest, "fewer blocks|below"),
-                       ([[list(range(nb0)) for _ in range(HKV)]] + rest, "fewer blocks")]:
+                       ([[list(range(nb0)) for _ in range(HKV)]] + rest, "fewer blocks"),
+                       ([torch.tensor(kept[0], dtype=torch.int64)] + rest, "int32"),
+                       ([torch.tensor(kept[0][:1], dtype=torch.int32)] + rest, "int32 \\[num_kv_heads"),
+                       ([torch.tensor([r[::-1] for r in kept[0]], dtype=torch.int32)] + rest, "ascend")]:
         with pytest.raises(ValueError, match=match):
             call(bad)
 
