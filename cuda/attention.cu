@@ -210,7 +210,7 @@ void launch(const void* q, int64_t q_stride, void* out, KVCache kv, int layer, c
     configured = true;
   }
   const int group = num_heads / kv.num_kv_heads;
-  const int tail = b.decode_splits > 0 && b.decode_tail >= 2 ? b.decode_tail : 0;
+  const int tail = b.tail_items();
   const int num_items = b.decode_splits > 0 ? b.num_seqs * kv.num_kv_heads * (b.decode_splits + tail) : b.num_work;
   // Single-token items go to the decode kernel when it covers the group size.
   const int num_decode = group > kDecodeMaxGroup ? 0 : (b.decode_splits > 0 ? num_items : b.num_decode_work);

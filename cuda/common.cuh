@@ -112,7 +112,7 @@ struct DerivedItem {
 // sequence's long then tail ranges after the sequences before it) are contiguous.
 __device__ __forceinline__ DerivedItem derived_item(const AttnBatch& batch, int window, int H, int item, int want_seq,
                                                     int want_head) {
-  const int B = batch.num_seqs, S = batch.decode_splits, N = batch.decode_tail >= 2 ? batch.decode_tail : 0;
+  const int B = batch.num_seqs, S = batch.decode_splits, N = batch.tail_items();
   const int long_items = H * B * S;
   const bool tail_item = want_seq < 0 && item >= long_items;
   DerivedItem d;

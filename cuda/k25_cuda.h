@@ -67,6 +67,11 @@ struct AttnBatch {
   // row may take many more than N, each at least min_split_keys keys; a merge at most
   // kMaxFusedSplits). Partials: decode_splits + decode_tail slots per (sequence, KV head).
   int32_t decode_tail = 0;
+  // The tail ranges a (sequence, KV head) has in this launch: decode_tail with device-derived
+  // splits (below 2: none), else 0. Launch sizes, partial slots and derived_item all ask here.
+  __host__ __device__ int32_t tail_items() const {
+    return decode_splits > 0 && decode_tail >= 2 ? decode_tail : 0;
+  }
   int32_t min_split_keys = 256;  // derived splits cover at least this many keys each
   // Split-KV merges done inside the decode kernel: one counter per merge, zero at rest.
   // Each CTA of a split decode, after writing its partial, counts itself on its merge's

@@ -63,7 +63,7 @@ def main():
                          "evenly, so the rule keeps ~90%% of the blocks; a low target (0.05) makes the cap bind, "
                          "as real text at long contexts does")
     ap.add_argument("--rule", default=None, choices=["bound", "codes"], help="sparsity_score_rule (default: the "
-                                                                             "device's, the bound on CUDA)")
+                                                                             "config's: the codes on CUDA in bf16)")
     ap.add_argument("--intervals", default="1", help="sparsity_selection_interval values (comma list): one "
                                                      "selection serving that many decode steps")
     ap.add_argument("--new", type=int, default=128)

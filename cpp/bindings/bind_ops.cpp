@@ -564,6 +564,7 @@ void bind_ops(py::module_& m) {
           reused.resize(rl.size());
           for (size_t i = 0; i < rl.size(); ++i) {
             if (rl[i].is_none()) continue;
+            int32_t count = 0;  // kept positions per KV head
             if (THPVariable_Check(rl[i].ptr())) {
               // [Hkv, count] int32: the rows as they lie (no conversion of Python ints, which a
               // timing loop would otherwise count: ~12 us for 309 of them on this box).
@@ -575,20 +576,21 @@ void bind_ops(py::module_& m) {
               }
               const at::Tensor c = t.contiguous();
               reuse_rows[i].assign(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.numel());
-              reused[i] = ReusedSelection{reuse_rows[i].data(), static_cast<int32_t>(t.size(1))};
-              continue;
-            }
-            auto heads = rl[i].cast<std::vector<std::vector<int32_t>>>();
-            if (static_cast<int32_t>(heads.size()) != L.num_kv_heads || heads[0].empty()) {
-              throw Error(ErrorCode::kInvalidArgument, "a reused selection has one non-empty row per KV head");
-            }
-            for (const auto& h : heads) {
-              if (h.size() != heads[0].size()) {
-                throw Error(ErrorCode::kInvalidArgument, "a reused selection's rows have one length");
+              count = static_cast<int32_t>(t.size(1));
+            } else {
+              auto heads = rl[i].cast<std::vector<std::vector<int32_t>>>();
+              if (static_cast<int32_t>(heads.size()) != L.num_kv_heads || heads[0].empty()) {
+                throw Error(ErrorCode::kInvalidArgument, "a reused selection has one non-empty row per KV head");
               }
-              reuse_rows[i].insert(reuse_rows[i].end(), h.begin(), h.end());
+              for (const auto& h : heads) {
+                if (h.size() != heads[0].size()) {
+                  throw Error(ErrorCode::kInvalidArgument, "a reused selection's rows have one length");
+                }
+                reuse_rows[i].insert(reuse_rows[i].end(), h.begin(), h.end());
+              }
+              count = static_cast<int32_t>(heads[0].size());
             }
-            reused[i] = ReusedSelection{reuse_rows[i].data(), static_cast<int32_t>(heads[0].size())};
+            reused[i] = ReusedSelection{reuse_rows[i].data(), count};
           }
         }
         // info=False (timing): the selection's buffers persist across calls, as the engine's

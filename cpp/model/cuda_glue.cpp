@@ -403,7 +403,7 @@ void paged_attention(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& k
   ab.num_merges = b.num_merges;
   ab.num_decode_work = b.num_decode_work;
   ab.decode_splits = b.decode_splits;
-  ab.decode_tail = b.decode_splits > 0 ? b.decode_tail : 0;
+  ab.decode_tail = b.decode_tail;  // the kernels read it through AttnBatch::tail_items()
   ab.num_seqs = b.num_seqs;
   ab.min_split_keys = b.min_split_keys;
   if (b.split_counters.defined()) {

@@ -98,16 +98,17 @@ class K25Config:
              f"sparsity_score_rule must be None, 'channels', 'codes' or 'bound', got {self.sparsity_score_rule!r}")
         if self.enable_dynamic_sparsity is True and device.startswith("cuda"):
             if self.sparsity_score_rule == "channels":
-                raise ConfigError("sparsity_score_rule='channels': on CUDA the block selection ranks by the Quest "
-                                  "bound ('bound', the CUDA default) or the key codes ('codes'); the channel "
-                                  "estimate runs on the CPU backend")
+                raise ConfigError("sparsity_score_rule='channels': on CUDA the block selection ranks by the key "
+                                  "codes ('codes', the CUDA default with 16-bit KV) or the Quest bound ('bound'); "
+                                  "the channel estimate runs on the CPU backend")
             if self.sparsity_score_rule == "codes" and self.resolved_dtype() == "float32":
                 raise ConfigError("sparsity_score_rule='codes' on CUDA needs 16-bit KV (dtype 'bfloat16' or "
                                   "'float16'); with float32 the device selection ranks by the Quest bound")
             if self.sparsity_score_channels not in (None, 0):
                 raise ConfigError(f"sparsity_score_channels={self.sparsity_score_channels!r}: on CUDA the block "
-                                  "selection reads no key channels (0, the CUDA default: the Quest bound, or the "
-                                  "key codes); the channel estimate runs on the CPU backend")
+                                  "selection reads no key channels (None: the key codes with 16-bit KV, the Quest "
+                                  "bound with float32; 0: the Quest bound); the channel estimate runs on the CPU "
+                                  "backend")
             if self.sparsity_compensation is True:
                 raise ConfigError("sparsity_compensation=True runs on the CPU backend only (the CUDA selection "
                                   "keeps no key or value sums)")
@@ -244,11 +245,19 @@ class K25Config:
         return 0 if self.resolved_device().startswith("cuda") else 8
 
     def resolved_score_rule(self) -> str:
-        """"channels", "codes" or "bound": sparsity_score_rule, or with None what
-        sparsity_score_channels says (0: "bound"; None: "channels" on the CPU, "bound" on CUDA)."""
+        """"channels", "codes" or "bound": sparsity_score_rule, or with None what the device and
+        sparsity_score_channels say: 0 gives "bound"; None gives "channels" on the CPU and, on
+        CUDA, "codes" with 16-bit KV and "bound" with float32 KV (which the key codes do not take
+        there). The defaults are the rules that hold #5's accuracy target on each backend; the
+        bound is the fast one that does not (docs/sparsity.md "CUDA")."""
         if self.sparsity_score_rule is not None:
             return self.sparsity_score_rule
-        return "channels" if self.resolved_score_channels() > 0 else "bound"
+        if self.resolved_score_channels() > 0:
+            return "channels"
+        if (self.sparsity_score_channels is None and self.resolved_device().startswith("cuda")
+                and self.resolved_dtype() != "float32"):
+            return "codes"
+        return "bound"
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -143,29 +143,33 @@ def test_two_long_sequences_on_the_gpu_share_the_pool_by_preemption_and_cold_blo
 SPARSE = dict(enable_dynamic_sparsity=True, sparsity_min_context=256, sparsity_recent_blocks=4)
 
 
-def sparse_reference(model_dir, seed):
-    """A prompt of the checkpoint's vocabulary, its KV block bytes, and its greedy float32 output
-    and skipped share with SPARSE on a device pool that holds everything."""
-    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, "float32"), **SPARSE))
+def sparse_reference(model_dir, seed, dtype="float32"):
+    """A prompt of the checkpoint's vocabulary, its KV block bytes, and its greedy output (with
+    the top-2 logprobs) and skipped share with SPARSE on a device pool that holds everything."""
+    m0 = K25Model(K25Config(kv_cache_bytes=1 << 26, **common(model_dir, dtype), **SPARSE))
     try:
         prompt = prompt_for(m0, PROMPT, seed=seed)
-        want = m0.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
+        want = m0.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)[0]
         return prompt, m0.kv_block_bytes, want, m0.get_current_sparsity_ratio()
     finally:
         m0.close()
 
 
-def test_with_dynamic_sparsity_cold_blocks_are_ranked_by_the_summaries_they_left_with(model_dir):
+# float32 ranks by the Quest bound, bfloat16 by the key codes (each dtype's default rule on CUDA),
+# whose summary rows are 4-5x as wide (the 2-bit codes of every key): both travel with a block that goes cold.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_with_dynamic_sparsity_cold_blocks_are_ranked_by_the_summaries_they_left_with(model_dir, dtype):
     """Sparsity on in both runs (the device selection, from 256 tokens on, 4 recent blocks):
     a block that goes cold takes its key summaries to its L2 slot's rows, so the cold run
     ranks every block as the all-resident run does, reads the kept cold blocks in L2, and
-    gives the same tokens (float32) with the same share of blocks skipped. The predictor sees
-    the device selection's reads: as many as the selections kept, some of them in L2; and with
-    promotions allowed it brings the hottest cold blocks back, tokens unchanged."""
-    prompt, per_block, want, want_ratio = sparse_reference(model_dir, seed=10)
+    gives the same tokens (float32; bf16 up to a near-tie, see same_tokens) with the same share
+    of blocks skipped. The predictor sees the device selection's reads: as many as the
+    selections kept, some of them in L2; and with promotions allowed it brings the hottest cold
+    blocks back, tokens unchanged."""
+    prompt, per_block, want, want_ratio = sparse_reference(model_dir, seed=10, dtype=dtype)
     need = -(-(PROMPT + NEW_TOKENS) // BLOCK)
     for moves in (0, 2):
-        m = small_l1(model_dir, "float32", per_block, l1_blocks=12, l2_slots=need, predictor_max_moves=moves,
+        m = small_l1(model_dir, dtype, per_block, l1_blocks=12, l2_slots=need, predictor_max_moves=moves,
                      predictor_promote_heat=0.3, **SPARSE)
         try:
             got = m.generate([prompt], max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)[0]
@@ -174,7 +178,8 @@ def test_with_dynamic_sparsity_cold_blocks_are_ranked_by_the_summaries_they_left
         finally:
             m.close()
         assert want_ratio > 0.1  # the selection skipped blocks
-        assert got.token_ids == want.token_ids, f"max_moves {moves}"
+        same_tokens(got, want, dtype)
+        diverged = got.token_ids != want.token_ids
         assert s["cold_demotes"] >= need - 12 and s["preemptions"] == 0
         p = s["predictor"]
         # Every decode step's selection kept fewer than all blocks (the ratio is clamped to
@@ -189,7 +194,8 @@ def test_with_dynamic_sparsity_cold_blocks_are_ranked_by_the_summaries_they_left
         # predictor saw each one's reads when it was collected, from that step's own buffer.
         assert s["pipelined_steps"] == NEW_TOKENS - 1
         if moves == 0:
-            assert ratio == pytest.approx(want_ratio)
+            # (After a bf16 near-tie the decodes differ, and so may their selections.)
+            assert ratio == (pytest.approx(want_ratio, abs=0.02) if diverged else pytest.approx(want_ratio))
             assert p["promotions"] == 0
         else:
             assert p["promotions"] > 0, "hot cold blocks came back"

@@ -4,8 +4,9 @@ On the default model (bf16): sparse against dense on the same GPU over real text
 (teacher-forced decode steps through the eager path), and generation through the
 CUDA-graph path with its statistics, for both device rules (docs/sparsity.md "CUDA"): the
 Quest bound, whose accuracy on this model is below the channel estimate's (bench/RESULTS.md),
-and the key codes, held to the CPU test's bounds. On a random-weight checkpoint: tiered KV with
-sparsity, whose fetched blocks need their summaries recomputed on the device.
+and the key codes (the default with 16-bit KV), held to the CPU test's bounds. On a
+random-weight checkpoint: tiered KV with sparsity, whose fetched blocks need their summaries
+recomputed on the device, with either rule.
 """
 import numpy as np
 import pytest
@@ -136,16 +137,40 @@ def test_selection_reuse_on_gpu(model_path):
         assert l["reused_selections"] - e["reused_selections"] == (len(gen) - g_fresh) * hkv
 
 
-def test_tiered_kv_with_sparsity_on_gpu(tmp_path):
+def test_default_rule_on_gpu_is_the_key_codes(model_path):
+    """No rule named, 16-bit KV: the device selection ranks by the key codes (the configuration's
+    default, tests/python/test_sparsity.py), so its sparse decode rows equal those of
+    sparsity_score_rule="codes" bit for bit and differ from the Quest bound's."""
+    ctx, decoded = 2600, 32
+    rows = {}
+    for rule in (None, "codes", "bound"):
+        m = gpu_model(model_path, enable_dynamic_sparsity=True,
+                      **({} if rule is None else dict(sparsity_score_rule=rule)))
+        try:
+            ids = pydoc_ids(m, ctx, 100)
+            rows[rule] = m.score(ids, decode_from=ctx - decoded)[-decoded:]
+            assert m.get_current_sparsity_ratio() > 0.1
+        finally:
+            m.close()
+    assert np.array_equal(rows[None], rows["codes"])
+    assert not np.array_equal(rows[None], rows["bound"])
+
+
+# float32 KV ranks by the Quest bound (the key codes take 16-bit KV on CUDA); bfloat16 by the
+# default there, the key codes.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiered_kv_with_sparsity_on_gpu(tmp_path, dtype):
     """Swapping sequences out to L2 and back must not change a sparse run: fetched blocks
     land in other L1 blocks, whose summaries the engine recomputes on the device
-    (refresh_fetched_kv). Tokens equal a never-swapping sparse run's."""
+    (refresh_fetched_kv). Tokens equal a never-swapping sparse run's with the same scheduling
+    limits (so the same prompt chunks: bf16 results depend on them)."""
     d = tmp_path / "llama3"
     write_random_checkpoint(d, "llama3", hidden_size=512, num_attention_heads=8, intermediate_size=1024,
                             head_dim=64, initializer_range=0.15)
-    sparse = dict(enable_dynamic_sparsity=True, sparsity_min_context=64, sparsity_recent_blocks=2)
+    sparse = dict(enable_dynamic_sparsity=True, sparsity_min_context=64, sparsity_recent_blocks=2, dtype=dtype,
+                  max_batch_size=4, prefill_chunk_size=64, max_num_batched_tokens=96)
     gen = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    plain = K25Model(K25Config(model_path=str(d), device="cuda", dtype="float32", kv_cache_bytes=1 << 30, **sparse))
+    plain = K25Model(K25Config(model_path=str(d), device="cuda", kv_cache_bytes=1 << 30, **sparse))
     try:
         prompts = [prompt_for(plain, n, seed=n) for n in (150, 90, 200, 120)]
         want = [o.token_ids for o in plain.generate(prompts, **gen)]
@@ -155,9 +180,8 @@ def test_tiered_kv_with_sparsity_on_gpu(tmp_path):
         plain.close()
     from k25 import _C
     page = _C.kv_page_bytes(per_block)
-    m = K25Model(K25Config(model_path=str(d), device="cuda", dtype="float32", kv_cache_bytes=26 * per_block,
-                           cache_mode="hierarchical", enable_async_offload=True, l2_bytes=256 * page,
-                           max_batch_size=4, prefill_chunk_size=64, max_num_batched_tokens=96, **sparse))
+    m = K25Model(K25Config(model_path=str(d), device="cuda", kv_cache_bytes=26 * per_block,
+                           cache_mode="hierarchical", enable_async_offload=True, l2_bytes=256 * page, **sparse))
     try:
         got = [o.token_ids for o in m.generate(prompts, **gen)]
         s = m.stats()

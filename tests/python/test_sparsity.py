@@ -674,6 +674,23 @@ def test_engine_sparsity_switches_and_statistics(tmp_path):
             K25Config(device="cuda", enable_dynamic_sparsity=True, sparsity_score_rule="codes")
 
 
+def test_default_score_rule_is_the_accurate_one_per_backend(monkeypatch):
+    """sparsity_score_rule=None: the channel estimate on the CPU; on CUDA the key codes with 16-bit
+    KV, and the Quest bound with float32 KV (the codes need 16-bit KV there) or with
+    sparsity_score_channels=0. The CUDA half checks the configuration's resolution with a device
+    pretended; tests/cuda/test_cuda_sparse_model.py checks that the engine runs what it names."""
+    on = dict(enable_dynamic_sparsity=True)
+    assert K25Config(device="cpu", **on).resolved_score_rule() == "channels"
+    monkeypatch.setattr(_C, "cuda_available", lambda: True)
+    for dtype, rule in (("auto", "codes"), ("bfloat16", "codes"), ("float16", "codes"), ("float32", "bound")):
+        cfg = K25Config(device="cuda", dtype=dtype, **on)
+        assert (cfg.resolved_score_rule(), cfg.resolved_score_channels()) == (rule, 0), dtype
+    assert K25Config(device="cuda", sparsity_score_channels=0, **on).resolved_score_rule() == "bound"
+    assert K25Config(device="cuda", sparsity_score_rule="bound", **on).resolved_score_rule() == "bound"
+    assert K25Config(device="auto", **on).resolved_score_rule() == "codes"
+    assert K25Config(device="cpu", **on).resolved_score_rule() == "channels"  # the device decides, not the build
+
+
 def pydoc_ids(model, n, offset):
     from pydoc_data import topics
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
