@@ -42,12 +42,13 @@ class K25Config:
     sparsity_mass_target: float = 0.95  # estimated softmax mass the kept blocks must reach
     sparsity_compensation: bool = False
     # channels of the block mass estimate; 0: Quest bound; None: 8 on the CPU, 0 on CUDA
-    # (the device selection ranks by the bound only; docs/sparsity.md)
+    # (the device selection reads no key channels: the key codes or the bound; docs/sparsity.md)
     sparsity_score_channels: Optional[int] = None
     # the rule that ranks and sizes: "channels" (the channel estimate on sparsity_score_channels
     # channels; CPU only), "codes" (the key-code estimate: 2-bit codes of every key kept in the block
-    # summaries; on CUDA with 16-bit KV), "bound" (Quest bound); None: from sparsity_score_channels
-    # (docs/sparsity.md)
+    # summaries; on CUDA with 16-bit KV), "bound" (Quest bound); None: each backend's accurate rule,
+    # "channels" on the CPU, "codes" on CUDA with 16-bit KV, else "bound" (resolved_score_rule;
+    # docs/sparsity.md "Which rule by default")
     sparsity_score_rule: Optional[str] = None
     # decode steps one selection of a sequence serves (1: select every step; N: steps at context
     # lengths that are multiples of N select, the others reuse the latest kept blocks plus those
