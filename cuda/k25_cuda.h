@@ -68,7 +68,9 @@ struct AttnBatch {
   // kMaxFusedSplits). Partials: decode_splits + decode_tail slots per (sequence, KV head).
   int32_t decode_tail = 0;
   // The tail ranges a (sequence, KV head) has in this launch: decode_tail with device-derived
-  // splits (below 2: none), else 0. Launch sizes, partial slots and derived_item all ask here.
+  // splits (below 2: none), else 0. The launch's item count and derived_item's items and partial
+  // slots ask here; the hosts that size the partials pass decode_tail as 0 or >= 2 (glue's
+  // decode_tail_for, AttentionCall), so their S + decode_tail slots are the same count.
   __host__ __device__ int32_t tail_items() const {
     return decode_splits > 0 && decode_tail >= 2 ? decode_tail : 0;
   }
