@@ -150,10 +150,8 @@ void bind_cuda_ops(py::module_& m) {
                                                                              decode_splits)
                                                 : (decode_tail >= 2 ? decode_tail : 0);
                c.decode_tail = db.decode_tail;
-               db.partials = at::empty({static_cast<int64_t>(num_seqs) * c.layout.num_kv_heads *
-                                        (decode_splits + db.decode_tail) *
-                                        group * cuda_glue::partial_row_floats(c.layout.head_dim)},
-                                       at::TensorOptions().dtype(at::kFloat).device(dev));
+               db.partials = cuda_glue::derived_partials(num_seqs, c.layout.num_kv_heads, decode_splits, db.decode_tail,
+                                                         group, c.layout.head_dim, dev);
                if (decode_splits > 1) {
                  db.split_counters = cuda_glue::derived_split_counters(num_seqs, c.layout.num_kv_heads, dev);
                }

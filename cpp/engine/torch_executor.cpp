@@ -1076,9 +1076,8 @@ class TorchExecutor : public ModelExecutor {
     b.decode_tail = cuda_glue::decode_tail_for(model_->dtype(), c.head_dim, c.num_heads / c.num_kv_heads, bucket,
                                                c.num_kv_heads, b.decode_splits);
     if (b.decode_splits > 1) {
-      b.partials = at::empty({static_cast<int64_t>(bucket) * c.num_kv_heads * (b.decode_splits + b.decode_tail) *
-                              (c.num_heads / c.num_kv_heads) * cuda_glue::partial_row_floats(c.head_dim)},
-                             at::TensorOptions().dtype(at::kFloat).device(dev));
+      b.partials = cuda_glue::derived_partials(bucket, c.num_kv_heads, b.decode_splits, b.decode_tail,
+                                               c.num_heads / c.num_kv_heads, c.head_dim, dev);
       // Zero at rest: the decode kernel's merging CTAs set them back, so replays need no memset.
       b.split_counters = cuda_glue::derived_split_counters(bucket, c.num_kv_heads, dev);
     }

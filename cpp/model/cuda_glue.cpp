@@ -305,6 +305,13 @@ at::Tensor derived_split_counters(int32_t num_seqs, int32_t num_kv_heads, const 
                    at::TensorOptions().dtype(at::kInt).device(device));
 }
 
+at::Tensor derived_partials(int32_t num_seqs, int32_t num_kv_heads, int32_t splits, int32_t tail, int32_t group,
+                            int32_t head_dim, const at::Device& device) {
+  return at::empty({static_cast<int64_t>(num_seqs) * num_kv_heads * (splits + tail) * group *
+                    partial_row_floats(head_dim)},
+                   at::TensorOptions().dtype(at::kFloat).device(device));
+}
+
 void rms_norm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
   need(x.dim() == 2 && x.stride(1) == 1 && out.is_contiguous() && w.is_contiguous(), "rms_norm layouts");
   cuda::rms_norm(dtype_of(x), x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0), x.size(0),

@@ -86,6 +86,10 @@ DeviceBatch make_batch(const at::Tensor& query_start, const at::Tensor& context_
 // The counters of a device-derived decode batch (decode_splits > 1) of num_seqs sequences:
 // zeroed, one per (sequence, KV head); allocate them with the partials, once per batch shape.
 at::Tensor derived_split_counters(int32_t num_seqs, int32_t num_kv_heads, const at::Device& device);
+// Its partials: splits + tail slots per (sequence, KV head) (tail: decode_tail_for's 0 or >= 2),
+// each `group` rows of partial_row_floats(head_dim).
+at::Tensor derived_partials(int32_t num_seqs, int32_t num_kv_heads, int32_t splits, int32_t tail, int32_t group,
+                            int32_t head_dim, const at::Device& device);
 
 // Dynamic block sparsity on the device (cuda/block_sparsity.cu, docs/sparsity.md "CUDA").
 // Key summaries of every block: bytes (uint8), a row of cuda::summary_row_bytes per (block,
