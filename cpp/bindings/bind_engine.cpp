@@ -130,6 +130,8 @@ void bind_engine(py::module_& m) {
   m.def("kv_bytes_per_token", [](const std::string& path, const std::string& dtype) {
           return kv_block_bytes(read_model_config(path), 1, dtype_bytes(dtype));
         }, py::arg("path"), py::arg("dtype") = "float32", "KV bytes one token takes (all layers, K and V).");
+  // The context a model gets when max_seq_len is not given: min(this, its trained context).
+  m.attr("DEFAULT_MAX_POSITIONS") = kDefaultMaxPositions;
   m.def("cuda_available", &cuda_available, "Built with CUDA and a device is visible.");
   m.def("cuda_memory", [](int device) {
           int64_t f = 0, t = 0;

@@ -315,6 +315,11 @@ void bind_cuda_ops(py::module_& m) {
 }  // namespace
 
 void bind_ops(py::module_& m) {
+  // Host bytes of one block's key summaries on the CPU backend (the float32 rows of
+  // SummaryLayout: bounds, key codes, sums for compensation), for the memory calculator.
+  m.def("cpu_summary_bytes", [](py::tuple layout, bool key_codes, bool sums) {
+    return SummaryLayout::of(layout_of(layout), key_codes, sums).block_elems() * static_cast<int64_t>(sizeof(float));
+  }, py::arg("layout"), py::arg("key_codes"), py::arg("sums"));
 #ifdef K25_WITH_CUDA
   bind_cuda_ops(m);
   // Device bytes of dynamic sparsity for the pool's sizing (K25Model, gpu_memory_utilization):

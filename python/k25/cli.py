@@ -1,10 +1,12 @@
-"""The k25 command line: generate, chat, info, serve, batch.
+"""The k25 command line: generate, chat, info, mem, serve, batch, bench.
 
     k25 generate "Write a haiku about the sea."   # streams to the terminal
     k25 chat                                        # multi-turn, with the chat template
     k25 info [MODEL]                                # architecture, sizes, dtypes
+    k25 mem [MODEL] --batch 8 --max-seq-len 4096    # memory calculator, with a safety margin
     k25 serve [--model M] [--port 8000]             # OpenAI-compatible server
     k25 batch input.jsonl output.jsonl              # OpenAI batch file, resumable
+    k25 bench [--url URL] --input-len 512           # serving benchmark: TTFT, TPOT, goodput
 
 `generate` applies the model's chat template when it has one (instruct models answer
 a bare prompt poorly); pass --raw to send the prompt as plain text.
@@ -160,6 +162,19 @@ def cmd_info(a) -> int:
     return 0
 
 
+def cmd_mem(a) -> int:
+    from . import memory
+    avail = memory.parse_bytes(a.memory) if a.memory is not None else memory.available_memory(
+        a.device, a.gpu_memory_utilization)
+    plan = memory.memory_plan(a.model_path or a.model, device=a.device, dtype=a.dtype, batch=a.batch,
+                              max_seq_len=a.max_seq_len, block_size=a.block_size,
+                              max_num_batched_tokens=a.max_num_batched_tokens, sparsity=a.sparsity,
+                              score_rule=a.score_rule, selection_interval=a.selection_interval,
+                              cache_mode=a.cache_mode, margin=a.safety_margin, available_bytes=avail)
+    print(json.dumps(plan.as_dict(), indent=1) if a.json else memory.format_plan(plan))
+    return 0 if plan.fits is not False else 1
+
+
 def cmd_serve(a) -> int:
     from .server.run import serve
     return serve(a)
@@ -169,6 +184,11 @@ def cmd_batch(a) -> int:
     from .batch import run_batch
     run_batch(a.input, a.output, lambda: _load(a), concurrency=a.concurrency, model_name=a.served_model_name)
     return 0
+
+
+def cmd_bench(a) -> int:
+    from .serving_bench import main as bench_main
+    return bench_main(a)
 
 
 def main(argv=None) -> int:
@@ -191,6 +211,28 @@ def main(argv=None) -> int:
     i.add_argument("--model", default=None)
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_info)
+    m = sub.add_parser("mem", help="memory calculator: weights, KV cache, workspace, with a safety margin",
+                       description="What a model takes in memory for BATCH sequences of MAX_SEQ_LEN tokens, from "
+                                   "the rules the engine sizes by (docs/tools.md). Exits 1 when it does not fit.")
+    m.add_argument("model_path", nargs="?", default=None)
+    m.add_argument("--model", default=None)
+    m.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    m.add_argument("--dtype", default="auto", help="compute dtype (auto: float32 on cpu, bfloat16 on cuda)")
+    m.add_argument("--batch", type=int, default=1, help="sequences of max-seq-len at once (default: 1)")
+    m.add_argument("--max-seq-len", type=int, default=None, help="default: min(8192, the model's context)")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    m.add_argument("--sparsity", action="store_true", help="with dynamic sparsity's block summaries")
+    m.add_argument("--score-rule", choices=("channels", "codes", "bound"), default=None)
+    m.add_argument("--selection-interval", type=int, default=1)
+    m.add_argument("--cache-mode", choices=("standard", "hierarchical"), default="standard")
+    m.add_argument("--memory", default=None,
+                   help="memory to plan against, e.g. 80GiB (default: MemAvailable on cpu; on cuda the device's "
+                        "total x --gpu-memory-utilization less what others use, when one is here)")
+    m.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    m.add_argument("--safety-margin", type=float, default=0.10, help="fraction added to the total (default: 0.10)")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=cmd_mem)
     from .server.cli_args import add_arguments as serve_arguments
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve_arguments(sv)
@@ -203,6 +245,13 @@ def main(argv=None) -> int:
     b.add_argument("--served-model-name", default=None,
                    help="the model name requests give (default: as `k25 serve` names the model)")
     b.set_defaults(fn=cmd_batch)
+    from .serving_bench import add_arguments as bench_arguments
+    be = sub.add_parser("bench", help="serving benchmark against an OpenAI-compatible server (TTFT, TPOT, "
+                                      "percentiles, throughput, goodput)",
+                        description="Streams requests to /v1/completions or /v1/chat/completions and reports "
+                                    "latency percentiles, throughput and goodput (docs/tools.md).")
+    bench_arguments(be)
+    be.set_defaults(fn=cmd_bench)
     a = ap.parse_args(argv)
     try:
         return a.fn(a)

@@ -57,6 +57,11 @@ class EngineError(K25Error):
     """An internal failure of the engine (a bug); the request that hit it is failed."""
 
 
+class BenchError(K25Error):
+    """A serving benchmark (`k25 bench`) that cannot run: a bad workload or dataset, a server
+    that cannot be reached or started."""
+
+
 # C++ k25::ErrorCode name -> Python class (used by the bindings' exception translator).
 BY_CODE = {
     "InvalidArgument": InvalidArgumentError,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Union
 
-from . import _C
+from . import _C, memory
 from .config import DEFAULT_MODEL, K25Config
 from .errors import (ConfigError, EngineError, ModelNotFoundError, PromptTooLongError,
                      RequestError)
@@ -267,16 +267,7 @@ class K25Model:
 
     # ---- setup ---------------------------------------------------------------------
     def _load_tokenizer(self) -> Optional[Tokenizer]:
-        path = self.model_path
-        if self._handle.format == "gguf":
-            meta = _C.read_gguf(str(path))["metadata"]
-            if "tokenizer.ggml.model" not in meta:
-                return None  # a GGUF without a vocabulary: token ids only
-            return Tokenizer.from_gguf_metadata(meta)
-        d = path if path.is_dir() else path.parent
-        if (d / "tokenizer.json").is_file():
-            return Tokenizer.from_hf_dir(str(d))
-        return None  # token ids only; text calls raise a clear error
+        return load_tokenizer(self.model_path, self._handle.format)
 
     def _kv_blocks(self, config: K25Config) -> int:
         per_block = self.kv_block_bytes
@@ -304,29 +295,17 @@ class K25Model:
         free, total = _C.cuda_memory(index)
         c = self.model_config
         elem = 4 if self.dtype == "float32" else 2
-        qkv = (c["num_heads"] + 2 * c["num_kv_heads"]) * c["head_dim"]
-        per_token = (4 * c["hidden_size"] + qkv + 3 * c["intermediate_size"]) * elem
-        workspace = (config.max_num_batched_tokens * per_token * 2
-                     + config.max_batch_size * c["vocab_size"] * 4 * 3 + (512 << 20))
-        if config.cache_mode == "hierarchical" and not config.enable_dynamic_sparsity:
-            # Two device buffers that cold blocks are gathered into a layer ahead (docs/offload.md
-            # "Cold blocks on CUDA"; at most 32 MiB in all).
-            workspace += 32 << 20
+        # The sizes k25 mem plans with (memory.py), so its plans are what this allocates.
+        workspace = memory.cuda_workspace_bytes(
+            c, elem, config.max_num_batched_tokens, config.max_batch_size,
+            config.cache_mode == "hierarchical" and not config.enable_dynamic_sparsity)
         if config.enable_dynamic_sparsity:
-            # Block summaries (the keys' min and max: 4-bit codes and a scale for 16-bit KV,
-            # floats for float32) for every block, and the selection's scratch for
-            # max_batch_size (at least the largest CUDA-graph bucket's) sequences of
-            # max_seq_len, with the read counts when tiers are on (docs/sparsity.md "CUDA"):
-            # the sizes the engine allocates, from the engine.
-            seqs = max(config.max_batch_size, 1 << (min(config.max_batch_size, 128) - 1).bit_length())
-            layout = (c["num_layers"], c["num_kv_heads"], c["head_dim"], config.block_size)
-            summary, scratch = _C.cuda_sparsity_bytes(layout, self.dtype, c["num_heads"], seqs, seq_blocks,
-                                                      config.cache_mode == "hierarchical",
-                                                      config.resolved_score_rule() == "codes")
+            summary, scratch = memory.cuda_sparsity_bytes(
+                c, self.dtype, config.block_size, config.max_batch_size, seq_blocks,
+                config.cache_mode == "hierarchical", config.resolved_score_rule() == "codes",
+                config.sparsity_selection_interval)
             per_block += summary
             workspace += scratch
-            if config.sparsity_selection_interval > 1:  # the kept selections, a slot per row
-                workspace += _C.cuda_sparse_memory_bytes(layout, seqs, seq_blocks)
         budget = int(total * util) - (total - free) - workspace
         blocks = budget // per_block
         if blocks < seq_blocks:
@@ -678,6 +657,23 @@ def _stop_prefix_len(text: str, stops: List[str]) -> int:
                 hold = k
                 break
     return hold
+
+
+def load_tokenizer(path: Union[str, Path], fmt: Optional[str] = None) -> Optional[Tokenizer]:
+    """The tokenizer of a model file or directory (`fmt`: "gguf" or "safetensors", read from the
+    file when not given), or None when it has none (token ids only)."""
+    path = Path(path)
+    if fmt is None:
+        fmt = _C.read_model_config(str(path))["source_format"]
+    if fmt == "gguf":
+        meta = _C.read_gguf(str(path))["metadata"]
+        if "tokenizer.ggml.model" not in meta:
+            return None  # a GGUF without a vocabulary: token ids only
+        return Tokenizer.from_gguf_metadata(meta)
+    d = path if path.is_dir() else path.parent
+    if (d / "tokenizer.json").is_file():
+        return Tokenizer.from_hf_dir(str(d))
+    return None  # token ids only; text calls raise a clear error
 
 
 def _available_memory_bytes() -> int:

@@ -152,6 +152,28 @@ def test_gpu_memory_usage_is_real(model_dir):
         m.close()
 
 
+@pytest.mark.parametrize("sparsity", [False, True])
+def test_memory_plan_matches_the_gpu_model(model_dir, sparsity):
+    # `k25 mem`'s plan, made before the load, against the pool K25Model sizes from
+    # gpu_memory_utilization after it: the same weights, block and workspace bytes, and as many
+    # blocks up to what the allocator rounds the weights' segments to.
+    from k25 import memory
+    util = 0.25
+    plan = memory.memory_plan(model_dir, device="cuda", batch=8, max_seq_len=2048, sparsity=sparsity, margin=0.0,
+                              available_bytes=memory.available_memory("cuda", util))
+    m = K25Model(K25Config(model_path=model_dir, device="cuda", max_seq_len=2048, max_batch_size=8,
+                           gpu_memory_utilization=util, enable_dynamic_sparsity=sparsity))
+    try:
+        s = m.stats()
+        assert s["weight_bytes"] == plan.weight_bytes and m.kv_block_bytes == plan.kv_block_bytes
+        planned = (plan.available_bytes - plan.weight_bytes - plan.workspace_bytes) // (
+            plan.kv_block_bytes + plan.summary_block_bytes)
+        got = s["kv_cache_bytes"] // m.kv_block_bytes
+        assert planned * 0.98 <= got <= planned
+    finally:
+        m.close()
+
+
 def _decode_runs(model_dir, dtype, graphs, monkeypatch):
     monkeypatch.setenv("K25_DISABLE_CUDA_GRAPHS", "0" if graphs else "1")
     m = K25Model(K25Config(model_path=model_dir, device="cuda", dtype=dtype, kv_cache_bytes=1 << 30))

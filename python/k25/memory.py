@@ -1,0 +1,281 @@
+"""The memory a model takes in k25, worked out before loading it (`k25 mem`).
+
+    plan = memory_plan("smollm2-135m-instruct", device="cpu", batch=8, max_seq_len=4096)
+    plan.total_bytes, plan.required_bytes, plan.fits, plan.max_batch, plan.kv_cache_bytes
+
+Each part comes from the rule the engine itself sizes it by, so a plan is what a K25Model
+with the same settings allocates:
+- weights: every tensor the model keeps, in the compute dtype (GGUF quantized weights are
+  dequantized at load today: float32 on the CPU, bfloat16 / float16 on CUDA);
+- KV pool: blocks of `block_size` tokens, K and V of every layer (`kv_block_bytes`), a
+  sequence of max_seq_len taking ceil(max_seq_len / block_size) of them;
+- with dynamic sparsity, each block's key summaries (the same rows the engine allocates,
+  from the engine: `_C.cpu_summary_bytes`, `_C.cuda_sparsity_bytes`) and on CUDA the
+  selection's scratch;
+- a step's workspace: on CUDA the reserve K25Model leaves when it sizes the pool from
+  gpu_memory_utilization (`cuda_workspace_bytes`, used by both); on the CPU an estimate of
+  one step's activations by the same per-token count (the CPU allocator has no reserve).
+What it leaves out (CUDA graphs' pools, the CUDA context, allocator fragmentation, the
+Python process itself) is what the safety margin is for: `required_bytes` is the total
+times (1 + margin), 10% unless told.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional
+
+from . import _C
+from .errors import ConfigError
+
+DEFAULT_MARGIN = 0.10
+
+
+def weight_bytes(c: Dict[str, Any], elem: int) -> int:
+    """Bytes of the weights LlamaModel keeps for config `c` at `elem` bytes an element."""
+    H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_layers"], c["vocab_size"]
+    D, Hq, Hkv = c["head_dim"], c["num_heads"], c["num_kv_heads"]
+    qkv = (Hq + 2 * Hkv) * D
+    layer = (H + qkv * H + (qkv if c["qkv_bias"] else 0) + Hq * D * H + (H if c["o_bias"] else 0)
+             + H + 2 * I * H + H * I)
+    n = V * H + H + (0 if c["tie_word_embeddings"] else V * H) + L * layer
+    return n * elem
+
+
+def step_bytes(c: Dict[str, Any], elem: int, max_num_batched_tokens: int, max_batch_size: int) -> int:
+    """One step's activations: two sets of a token's hidden, QKV and MLP rows for every token
+    of the step's budget, and three float rows of logits for each sequence."""
+    qkv = (c["num_heads"] + 2 * c["num_kv_heads"]) * c["head_dim"]
+    per_token = (4 * c["hidden_size"] + qkv + 3 * c["intermediate_size"]) * elem
+    return max_num_batched_tokens * per_token * 2 + max_batch_size * c["vocab_size"] * 4 * 3
+
+
+def cuda_workspace_bytes(c: Dict[str, Any], elem: int, max_num_batched_tokens: int, max_batch_size: int,
+                         cold_gather: bool) -> int:
+    """What K25Model leaves free on the GPU beside weights and KV pool: a step's activations, 512
+    MiB for cuBLAS, graphs and the allocator, and with tiers but no sparsity the two buffers cold
+    blocks are gathered into (docs/offload.md "Cold blocks on CUDA", at most 32 MiB)."""
+    return step_bytes(c, elem, max_num_batched_tokens, max_batch_size) + (512 << 20) + ((32 << 20) if cold_gather else 0)
+
+
+def cuda_sparsity_bytes(c: Dict[str, Any], dtype: str, block_size: int, max_batch_size: int, seq_blocks: int,
+                        hierarchical: bool, key_codes: bool, selection_interval: int) -> "tuple[int, int]":
+    """(bytes a KV block's summaries take, the selection's scratch) on CUDA, from the engine's
+    own allocation sizes: summaries for every block, scratch for max_batch_size sequences (at
+    least the largest CUDA-graph bucket's) of seq_blocks blocks, and with a selection interval
+    over 1 the kept selections (docs/sparsity.md "CUDA")."""
+    if not hasattr(_C, "cuda_sparsity_bytes"):
+        raise ConfigError("sizing dynamic sparsity on CUDA needs a CUDA build of k25 (the summaries' and the "
+                          "selection's sizes come from its kernels); plan it on the GPU machine, or without "
+                          "sparsity")
+    seqs = max(max_batch_size, 1 << (min(max_batch_size, 128) - 1).bit_length())
+    layout = (c["num_layers"], c["num_kv_heads"], c["head_dim"], block_size)
+    summary, scratch = _C.cuda_sparsity_bytes(layout, dtype, c["num_heads"], seqs, seq_blocks, hierarchical,
+                                              key_codes)
+    if selection_interval > 1:
+        scratch += _C.cuda_sparse_memory_bytes(layout, seqs, seq_blocks)
+    return int(summary), int(scratch)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '80 GB', '1.5g', '123456' -> bytes (decimal units for k/m/g/t and kb/..., binary
+    for kib/...)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"not a size: {text!r} (examples: 24GiB, 80GB, 512MiB, 1000000)")
+    n = float(m.group(1)) * _UNITS[unit]
+    if n <= 0:
+        raise ConfigError(f"a size must be positive, got {text!r}")
+    return int(n)
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    device: str                 # "cpu" or "cuda"
+    dtype: str                  # compute dtype (weights and KV)
+    block_size: int
+    max_seq_len: int
+    model_context: int          # the model's trained context length
+    batch: int                  # sequences of max_seq_len at once
+    weight_bytes: int
+    kv_block_bytes: int         # the KV pool's bytes a block (K and V, every layer)
+    summary_block_bytes: int    # sparsity summaries a block (0 without sparsity)
+    blocks_per_seq: int
+    workspace_bytes: int        # CUDA: K25Model's reserve; CPU: one step's activations (estimate)
+    margin: float
+    available_bytes: Optional[int]  # None: not known (no --memory, no such device here)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The `kv_cache_bytes` that holds `batch` sequences of max_seq_len."""
+        return self.batch * self.blocks_per_seq * self.kv_block_bytes
+
+    @property
+    def summary_bytes(self) -> int:
+        return self.batch * self.blocks_per_seq * self.summary_block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_cache_bytes + self.summary_bytes + self.workspace_bytes
+
+    @property
+    def required_bytes(self) -> int:
+        return int(math.ceil(self.total_bytes * (1.0 + self.margin)))
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.available_bytes is None else self.required_bytes <= self.available_bytes
+
+    def _kv_budget(self) -> Optional[int]:
+        if self.available_bytes is None:
+            return None
+        return int(self.available_bytes / (1.0 + self.margin)) - self.weight_bytes - self.workspace_bytes
+
+    @property
+    def max_batch(self) -> Optional[int]:
+        """Sequences of max_seq_len that fit the available memory with the margin."""
+        budget = self._kv_budget()
+        per_seq = self.blocks_per_seq * (self.kv_block_bytes + self.summary_block_bytes)
+        return None if budget is None else max(0, budget // per_seq)
+
+    @property
+    def max_context(self) -> Optional[int]:
+        """Tokens each of `batch` sequences can hold in the available memory with the margin (not
+        capped by the model's context length)."""
+        budget = self._kv_budget()
+        if budget is None:
+            return None
+        blocks = max(0, budget // (self.batch * (self.kv_block_bytes + self.summary_block_bytes)))
+        return blocks * self.block_size
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        for k in ("kv_cache_bytes", "summary_bytes", "total_bytes", "required_bytes", "fits", "max_batch",
+                  "max_context"):
+            d[k] = getattr(self, k)
+        return d
+
+
+def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str = "auto", batch: int = 1,
+                max_seq_len: Optional[int] = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
+                sparsity: bool = False, score_rule: Optional[str] = None, compensation: bool = False,
+                selection_interval: int = 1, cache_mode: str = "standard", margin: float = DEFAULT_MARGIN,
+                available_bytes: Optional[int] = None) -> MemoryPlan:
+    """The memory `batch` sequences of max_seq_len take on `device` ("cpu" or "cuda"), without
+    loading the weights (only the model's header). Options mean what K25Config's do."""
+    from .model import resolve_model_path
+
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    if device == "cpu" and dtype != "float32":
+        raise ConfigError(f"dtype={dtype!r} needs the CUDA backend; the CPU backend computes in float32")
+    for name, v in (("batch", batch), ("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
+                    ("selection_interval", selection_interval)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    if block_size > 256:
+        raise ConfigError(f"block_size must be at most 256, got {block_size}")
+    if not (isinstance(margin, (int, float)) and 0.0 <= margin <= 10.0):
+        raise ConfigError(f"the safety margin must be a fraction in [0, 10], got {margin!r}")
+    if score_rule not in (None, "channels", "codes", "bound"):
+        raise ConfigError(f"score_rule must be None, 'channels', 'codes' or 'bound', got {score_rule!r}")
+    if cache_mode not in ("standard", "hierarchical"):
+        raise ConfigError(f"cache_mode must be 'standard' or 'hierarchical', got {cache_mode!r}")
+    path = resolve_model_path(model)
+    c = dict(_C.read_model_config(str(path)))
+    context = int(c["max_position_embeddings"])
+    if max_seq_len is None:
+        max_seq_len = min(int(_C.DEFAULT_MAX_POSITIONS), context)
+    if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1:
+        raise ConfigError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+    if max_seq_len > context:
+        raise ConfigError(f"max_seq_len={max_seq_len} exceeds the model's context length ({context})")
+    elem = 4 if dtype == "float32" else 2
+    seq_blocks = -(-max_seq_len // block_size)
+    kv_block = int(_C.kv_bytes_per_token(str(path), dtype)) * block_size
+    summary_block = 0
+    if device == "cpu":
+        workspace = step_bytes(c, elem, max_num_batched_tokens, batch)
+        if sparsity:
+            layout = (c["num_layers"], c["num_kv_heads"], c["head_dim"], block_size)
+            summary_block = int(_C.cpu_summary_bytes(layout, score_rule == "codes", bool(compensation)))
+    else:
+        workspace = cuda_workspace_bytes(c, elem, max_num_batched_tokens, batch,
+                                         cache_mode == "hierarchical" and not sparsity)
+        if sparsity:
+            if score_rule == "channels" or compensation:
+                raise ConfigError("on CUDA, dynamic sparsity ranks by the key codes or the Quest bound, without "
+                                  "compensation (K25Config says the same)")
+            rule = score_rule or ("bound" if dtype == "float32" else "codes")
+            summary_block, scratch = cuda_sparsity_bytes(c, dtype, block_size, batch, seq_blocks,
+                                                         cache_mode == "hierarchical", rule == "codes",
+                                                         selection_interval)
+            workspace += scratch
+    return MemoryPlan(model=str(path), device=device, dtype=dtype, block_size=block_size, max_seq_len=max_seq_len,
+                      model_context=context, batch=batch, weight_bytes=weight_bytes(c, elem), kv_block_bytes=kv_block,
+                      summary_block_bytes=summary_block, blocks_per_seq=seq_blocks, workspace_bytes=workspace,
+                      margin=float(margin), available_bytes=available_bytes)
+
+
+def available_memory(device: str, gpu_memory_utilization: float = 0.9) -> Optional[int]:
+    """Memory this process could plan with now: on the CPU MemAvailable; on CUDA the device's
+    total times gpu_memory_utilization less what others use (K25Model's rule); None when this
+    machine has no such device."""
+    from .model import _available_memory_bytes
+
+    if device == "cpu":
+        return _available_memory_bytes()
+    if not _C.cuda_available():
+        return None
+    free, total = _C.cuda_memory(0)
+    return int(total * gpu_memory_utilization) - (total - free)
+
+
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= div:
+            return f"{n / div:,.2f} {unit}"
+    return f"{n} B"
+
+
+def format_plan(p: MemoryPlan) -> str:
+    """The plan as `k25 mem` prints it."""
+    lines = [
+        f"model:        {p.model}",
+        f"device:       {p.device} ({p.dtype}), block_size {p.block_size}",
+        f"weights:      {_size(p.weight_bytes)}",
+        f"KV cache:     {_size(p.kv_block_bytes // p.block_size)} a token, {_size(p.kv_block_bytes)} a block, "
+        f"{_size(p.blocks_per_seq * p.kv_block_bytes)} a sequence of {p.max_seq_len}",
+        f"              x {p.batch} sequences = {_size(p.kv_cache_bytes)} (kv_cache_bytes={p.kv_cache_bytes})",
+    ]
+    if p.summary_block_bytes:
+        lines.append(f"summaries:    {_size(p.summary_block_bytes)} a block = {_size(p.summary_bytes)} (dynamic sparsity)")
+    what = "reserve for a step, cuBLAS and graphs" if p.device == "cuda" else "one step's activations (estimate)"
+    lines += [
+        f"workspace:    {_size(p.workspace_bytes)} ({what})",
+        f"total:        {_size(p.total_bytes)}",
+        f"with margin:  {_size(p.required_bytes)} (+{p.margin:.0%})",
+    ]
+    if p.available_bytes is None:
+        lines.append("available:    unknown here (give --memory)")
+    else:
+        beyond = f" (past the model's context, {p.model_context})" if p.max_context > p.model_context else ""
+        lines += [
+            f"available:    {_size(p.available_bytes)} -> {'fits' if p.fits else 'does NOT fit'}",
+            f"              at most {p.max_batch} sequences of {p.max_seq_len} tokens, or {p.batch} of "
+            f"{p.max_context} tokens{beyond}",
+        ]
+    return "\n".join(lines)
