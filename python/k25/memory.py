@@ -22,6 +22,7 @@ times (1 + margin), 10% unless told.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
@@ -78,6 +79,18 @@ def cuda_sparsity_bytes(c: Dict[str, Any], dtype: str, block_size: int, max_batc
     return int(summary), int(scratch)
 
 
+def default_l2_bytes(num_kv_blocks: int, kv_block_bytes: int, device: str) -> int:
+    """K25Model's L2 host pool when l2_bytes is not given (cache_mode="hierarchical"): a slot for
+    every block of the primary pool plus the two staging slots L3 transfers borrow; on CUDA,
+    where it is pinned, at most a quarter of the host's memory."""
+    page = int(_C.kv_page_bytes(kv_block_bytes))  # an L2 slot / L3 page: the block and its trailer
+    n = (num_kv_blocks + 2) * page
+    if device.startswith("cuda"):
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        n = max(page, min(n, host // 4 // page * page))
+    return n
+
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
           "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -109,6 +122,7 @@ class MemoryPlan:
     summary_block_bytes: int    # sparsity summaries a block (0 without sparsity)
     blocks_per_seq: int
     workspace_bytes: int        # CUDA: K25Model's reserve; CPU: one step's activations (estimate)
+    l2_bytes: int               # the tiered cache's L2 host pool (cache_mode="hierarchical"), else 0
     margin: float
     available_bytes: Optional[int]  # None: not known (no --memory, no such device here)
 
@@ -123,7 +137,9 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_cache_bytes + self.summary_bytes + self.workspace_bytes
+        """Bytes of the device's memory: on the CPU the L2 pool is in it, on CUDA it is host memory."""
+        l2 = self.l2_bytes if self.device == "cpu" else 0
+        return self.weight_bytes + self.kv_cache_bytes + self.summary_bytes + self.workspace_bytes + l2
 
     @property
     def required_bytes(self) -> int:
@@ -134,15 +150,23 @@ class MemoryPlan:
         return None if self.available_bytes is None else self.required_bytes <= self.available_bytes
 
     def _kv_budget(self) -> Optional[int]:
+        """Bytes left for the KV pool and its summaries (on the CPU an L2 pool of the default size
+        grows with the pool: counted per block below)."""
         if self.available_bytes is None:
             return None
         return int(self.available_bytes / (1.0 + self.margin)) - self.weight_bytes - self.workspace_bytes
+
+    def _per_block(self) -> int:
+        n = self.kv_block_bytes + self.summary_block_bytes
+        if self.device == "cpu" and self.l2_bytes:
+            n += int(_C.kv_page_bytes(self.kv_block_bytes))
+        return n
 
     @property
     def max_batch(self) -> Optional[int]:
         """Sequences of max_seq_len that fit the available memory with the margin."""
         budget = self._kv_budget()
-        per_seq = self.blocks_per_seq * (self.kv_block_bytes + self.summary_block_bytes)
+        per_seq = self.blocks_per_seq * self._per_block()
         return None if budget is None else max(0, budget // per_seq)
 
     @property
@@ -152,7 +176,7 @@ class MemoryPlan:
         budget = self._kv_budget()
         if budget is None:
             return None
-        blocks = max(0, budget // (self.batch * (self.kv_block_bytes + self.summary_block_bytes)))
+        blocks = max(0, budget // (self.batch * self._per_block()))
         return blocks * self.block_size
 
     def as_dict(self) -> Dict[str, Any]:
@@ -222,9 +246,11 @@ def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str 
                                                          cache_mode == "hierarchical", rule == "codes",
                                                          selection_interval)
             workspace += scratch
+    l2 = default_l2_bytes(batch * seq_blocks, kv_block, device) if cache_mode == "hierarchical" else 0
     return MemoryPlan(model=str(path), device=device, dtype=dtype, block_size=block_size, max_seq_len=max_seq_len,
                       model_context=context, batch=batch, weight_bytes=weight_bytes(c, elem), kv_block_bytes=kv_block,
                       summary_block_bytes=summary_block, blocks_per_seq=seq_blocks, workspace_bytes=workspace,
+                      l2_bytes=l2,
                       margin=float(margin), available_bytes=available_bytes)
 
 
@@ -264,6 +290,9 @@ def format_plan(p: MemoryPlan) -> str:
     if p.summary_block_bytes:
         lines.append(f"summaries:    {_size(p.summary_block_bytes)} a block = {_size(p.summary_bytes)} (dynamic sparsity)")
     what = "reserve for a step, cuBLAS and graphs" if p.device == "cuda" else "one step's activations (estimate)"
+    if p.l2_bytes:
+        where = "pinned host memory, not in the GPU total" if p.device == "cuda" else "host memory"
+        lines.append(f"L2 tier:      {_size(p.l2_bytes)} (cache_mode hierarchical, default size: {where})")
     lines += [
         f"workspace:    {_size(p.workspace_bytes)} ({what})",
         f"total:        {_size(p.total_bytes)}",

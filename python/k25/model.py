@@ -233,13 +233,8 @@ class K25Model:
         if config.cache_mode == "hierarchical":
             ec.swap_preempted = True
             page = _C.kv_page_bytes(self.kv_block_bytes)  # an L2 slot / L3 page
-            # Default L2: as many slots as the primary pool has blocks (plus the staging
-            # slots L3 transfers borrow); on CUDA, where it is pinned host memory, at most a
-            # quarter of the host's memory.
-            ec.l2_bytes = config.l2_bytes if config.l2_bytes is not None else (ec.num_kv_blocks + 2) * page
-            if config.l2_bytes is None and self.device.startswith("cuda"):
-                host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                ec.l2_bytes = max(page, min(ec.l2_bytes, host // 4 // page * page))
+            ec.l2_bytes = (config.l2_bytes if config.l2_bytes is not None
+                           else memory.default_l2_bytes(ec.num_kv_blocks, self.kv_block_bytes, self.device))
             if ec.l2_bytes < page:
                 raise ConfigError(f"l2_bytes={ec.l2_bytes} holds no L2 slot; one slot (a KV block of "
                                   f"{self.kv_block_bytes} bytes and its page trailer) takes {page} bytes")

@@ -477,16 +477,21 @@ class OwnServer:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while True:
+            failure = None
             if self.proc.poll() is not None:
-                raise BenchError(f"`{' '.join(cmd[1:])}` exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise BenchError(f"the server did not answer /healthz within {timeout:.0f} s:\n{self.tail()}")
+                failure = f"`{' '.join(cmd[1:])}` exited with {self.proc.returncode}"
+            else:
+                try:
+                    if httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    failure = f"the server did not answer /healthz within {timeout:.0f} s"
+            if failure is not None:
+                log = self.tail()
+                self.stop()  # the process (if still up) and its log file
+                raise BenchError(f"{failure}:\n{log}")
             time.sleep(0.1)
 
     def tail(self, n: int = 20) -> str:

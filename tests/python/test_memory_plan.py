@@ -135,3 +135,19 @@ def test_cli_prints_the_plan_and_exits_1_when_it_does_not_fit():
     assert small.returncode == 1 and "does NOT fit" in small.stdout
     bad = k25("mem", "--memory", "plenty")
     assert bad.returncode == 2 and "not a size" in bad.stderr
+
+
+def test_the_l2_tier_is_sized_as_the_engine_sizes_it():
+    plan = memory.memory_plan(None, batch=2, max_seq_len=512, cache_mode="hierarchical")
+    flat = memory.memory_plan(None, batch=2, max_seq_len=512)
+    m = K25Model(K25Config(num_threads=1, max_seq_len=512, kv_cache_bytes=plan.kv_cache_bytes,
+                           cache_mode="hierarchical", enable_async_offload=True))
+    try:
+        assert m.engine_config.l2_bytes == plan.l2_bytes > plan.kv_cache_bytes
+    finally:
+        m.close()
+    # On the CPU the L2 pool is more of the same memory, so it counts in the total and in the limits.
+    assert plan.total_bytes - flat.total_bytes == plan.l2_bytes and flat.l2_bytes == 0
+    room = memory.memory_plan(None, batch=2, max_seq_len=512, cache_mode="hierarchical",
+                              available_bytes=plan.required_bytes)
+    assert room.fits and room.max_batch == 2

@@ -204,3 +204,9 @@ def test_without_a_url_it_serves_the_model_itself(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(out.read_text())
     assert d["summary"]["completed"] == 3 and d["config"]["url"].startswith("http://127.0.0.1:")
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_log():
+    r = k25("bench", "--num-prompts", "1", "--input-len", "5", "--server-args", "--threads 1 --kv-cache-bytes 1")
+    assert r.returncode == 2
+    assert "exited with" in r.stderr and "holds no KV block" in r.stderr  # the server's own error, from its log
