@@ -169,7 +169,8 @@ def cmd_mem(a) -> int:
     plan = memory.memory_plan(a.model_path or a.model, device=a.device, dtype=a.dtype, batch=a.batch,
                               max_seq_len=a.max_seq_len, block_size=a.block_size,
                               max_num_batched_tokens=a.max_num_batched_tokens, sparsity=a.sparsity,
-                              score_rule=a.score_rule, selection_interval=a.selection_interval,
+                              score_rule=a.score_rule, compensation=a.compensation,
+                              selection_interval=a.selection_interval,
                               cache_mode=a.cache_mode, margin=a.safety_margin, available_bytes=avail)
     print(json.dumps(plan.as_dict(), indent=1) if a.json else memory.format_plan(plan))
     return 0 if plan.fits is not False else 1
@@ -224,6 +225,8 @@ def main(argv=None) -> int:
     m.add_argument("--max-num-batched-tokens", type=int, default=2048)
     m.add_argument("--sparsity", action="store_true", help="with dynamic sparsity's block summaries")
     m.add_argument("--score-rule", choices=("channels", "codes", "bound"), default=None)
+    m.add_argument("--compensation", action="store_true", help="with the key and value sums compensation keeps "
+                                                               "(CPU)")
     m.add_argument("--selection-interval", type=int, default=1)
     m.add_argument("--cache-mode", choices=("standard", "hierarchical"), default="standard")
     m.add_argument("--memory", default=None,

@@ -15,6 +15,10 @@ with the same settings allocates:
 - a step's workspace: on CUDA the reserve K25Model leaves when it sizes the pool from
   gpu_memory_utilization (`cuda_workspace_bytes`, used by both); on the CPU an estimate of
   one step's activations by the same per-token count (the CPU allocator has no reserve).
+- the RoPE tables (float32 cos and sin for every position up to max_seq_len), and on CUDA
+  the one KV block (and summary row) past the pool that padded graph rows use;
+- with cache_mode="hierarchical", the L2 host pool at its default size (`default_l2_bytes`,
+  which K25Model calls too).
 What it leaves out (CUDA graphs' pools, the CUDA context, allocator fragmentation, the
 Python process itself) is what the safety margin is for: `required_bytes` is the total
 times (1 + margin), 10% unless told.
@@ -25,6 +29,7 @@ import math
 import os
 import re
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Any, Dict, Optional
 
 from . import _C
@@ -118,13 +123,17 @@ class MemoryPlan:
     model_context: int          # the model's trained context length
     batch: int                  # sequences of max_seq_len at once
     weight_bytes: int
+    rope_bytes: int             # the RoPE cos / sin tables (float32, a row per position up to max_seq_len)
     kv_block_bytes: int         # the KV pool's bytes a block (K and V, every layer)
     summary_block_bytes: int    # sparsity summaries a block (0 without sparsity)
     blocks_per_seq: int
+    extra_blocks: int           # blocks allocated past the pool: on CUDA the padded graph rows' scratch block
     workspace_bytes: int        # CUDA: K25Model's reserve; CPU: one step's activations (estimate)
     l2_bytes: int               # the tiered cache's L2 host pool (cache_mode="hierarchical"), else 0
     margin: float
     available_bytes: Optional[int]  # None: not known (no --memory, no such device here)
+    max_batch: Optional[int] = None    # sequences of max_seq_len that fit (with the margin)
+    max_context: Optional[int] = None  # tokens each of `batch` sequences may hold (not capped by the model)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -133,58 +142,46 @@ class MemoryPlan:
 
     @property
     def summary_bytes(self) -> int:
-        return self.batch * self.blocks_per_seq * self.summary_block_bytes
+        return (self.batch * self.blocks_per_seq + self.extra_blocks) * self.summary_block_bytes
 
     @property
     def total_bytes(self) -> int:
         """Bytes of the device's memory: on the CPU the L2 pool is in it, on CUDA it is host memory."""
         l2 = self.l2_bytes if self.device == "cpu" else 0
-        return self.weight_bytes + self.kv_cache_bytes + self.summary_bytes + self.workspace_bytes + l2
+        return (self.weight_bytes + self.rope_bytes + self.kv_cache_bytes + self.extra_blocks * self.kv_block_bytes
+                + self.summary_bytes + self.workspace_bytes + l2)
+
+    def _margin(self) -> Fraction:
+        return Fraction(self.margin).limit_denominator(1 << 20)
 
     @property
     def required_bytes(self) -> int:
-        return int(math.ceil(self.total_bytes * (1.0 + self.margin)))
+        """The total times (1 + margin), rounded up: the least memory the plan fits in."""
+        m = self._margin()
+        return -(-self.total_bytes * (m.denominator + m.numerator) // m.denominator)
 
     @property
     def fits(self) -> Optional[bool]:
         return None if self.available_bytes is None else self.required_bytes <= self.available_bytes
 
-    def _kv_budget(self) -> Optional[int]:
-        """Bytes left for the KV pool and its summaries (on the CPU an L2 pool of the default size
-        grows with the pool: counted per block below)."""
-        if self.available_bytes is None:
-            return None
-        return int(self.available_bytes / (1.0 + self.margin)) - self.weight_bytes - self.workspace_bytes
-
-    def _per_block(self) -> int:
-        n = self.kv_block_bytes + self.summary_block_bytes
-        if self.device == "cpu" and self.l2_bytes:
-            n += int(_C.kv_page_bytes(self.kv_block_bytes))
-        return n
-
-    @property
-    def max_batch(self) -> Optional[int]:
-        """Sequences of max_seq_len that fit the available memory with the margin."""
-        budget = self._kv_budget()
-        per_seq = self.blocks_per_seq * self._per_block()
-        return None if budget is None else max(0, budget // per_seq)
-
-    @property
-    def max_context(self) -> Optional[int]:
-        """Tokens each of `batch` sequences can hold in the available memory with the margin (not
-        capped by the model's context length)."""
-        budget = self._kv_budget()
-        if budget is None:
-            return None
-        blocks = max(0, budget // (self.batch * self._per_block()))
-        return blocks * self.block_size
-
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)
-        for k in ("kv_cache_bytes", "summary_bytes", "total_bytes", "required_bytes", "fits", "max_batch",
-                  "max_context"):
+        for k in ("kv_cache_bytes", "summary_bytes", "total_bytes", "required_bytes", "fits"):
             d[k] = getattr(self, k)
         return d
+
+
+def _largest(fits, hi: int) -> int:
+    """The largest n in [0, hi] with fits(n) (fits monotone: true up to some n, false after); 0 if
+    none."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str = "auto", batch: int = 1,
@@ -193,7 +190,9 @@ def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str 
                 selection_interval: int = 1, cache_mode: str = "standard", margin: float = DEFAULT_MARGIN,
                 available_bytes: Optional[int] = None) -> MemoryPlan:
     """The memory `batch` sequences of max_seq_len take on `device` ("cpu" or "cuda"), without
-    loading the weights (only the model's header). Options mean what K25Config's do."""
+    loading the weights (only the model's header and tensor names). Options mean what
+    K25Config's do; the engine's max_batch_size is taken to be `batch`. With available_bytes,
+    also the most sequences of max_seq_len, and the longest sequences of `batch`, that fit."""
     from .model import resolve_model_path
 
     if device not in ("cpu", "cuda"):
@@ -216,6 +215,8 @@ def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str 
         raise ConfigError(f"score_rule must be None, 'channels', 'codes' or 'bound', got {score_rule!r}")
     if cache_mode not in ("standard", "hierarchical"):
         raise ConfigError(f"cache_mode must be 'standard' or 'hierarchical', got {cache_mode!r}")
+    if available_bytes is not None and (not isinstance(available_bytes, int) or available_bytes < 0):
+        raise ConfigError(f"available_bytes must be a non-negative integer, got {available_bytes!r}")
     path = resolve_model_path(model)
     c = dict(_C.read_model_config(str(path)))
     context = int(c["max_position_embeddings"])
@@ -225,33 +226,63 @@ def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str 
         raise ConfigError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
     if max_seq_len > context:
         raise ConfigError(f"max_seq_len={max_seq_len} exceeds the model's context length ({context})")
+    if device == "cuda":
+        # The engine's own refusals (load_model, K25Config), so that a plan is one it would run.
+        if c["head_dim"] not in (64, 128):
+            raise ConfigError(f"the CUDA backend supports head_dim 64 and 128, not {c['head_dim']}")
+        if c["num_heads"] // c["num_kv_heads"] > 16:
+            raise ConfigError("the CUDA backend supports up to 16 query heads per KV head")
+        if sparsity and (score_rule == "channels" or compensation):
+            raise ConfigError("on CUDA, dynamic sparsity ranks by the key codes or the Quest bound, without "
+                              "compensation (K25Config says the same)")
+        if sparsity and score_rule == "codes" and dtype == "float32":
+            raise ConfigError("sparsity_score_rule='codes' on CUDA needs 16-bit KV (K25Config says the same)")
     elem = 4 if dtype == "float32" else 2
-    seq_blocks = -(-max_seq_len // block_size)
     kv_block = int(_C.kv_bytes_per_token(str(path), dtype)) * block_size
-    summary_block = 0
-    if device == "cpu":
-        workspace = step_bytes(c, elem, max_num_batched_tokens, batch)
-        if sparsity:
-            layout = (c["num_layers"], c["num_kv_heads"], c["head_dim"], block_size)
-            summary_block = int(_C.cpu_summary_bytes(layout, score_rule == "codes", bool(compensation)))
+    # The engine keeps an untied output head whenever the file has one (weight_loader.cpp).
+    if c["source_format"] == "gguf":
+        names = {t["name"] for t in _C.read_gguf(str(path))["tensors"]}
+        own_head = "output.weight" in names
     else:
-        workspace = cuda_workspace_bytes(c, elem, max_num_batched_tokens, batch,
-                                         cache_mode == "hierarchical" and not sparsity)
-        if sparsity:
-            if score_rule == "channels" or compensation:
-                raise ConfigError("on CUDA, dynamic sparsity ranks by the key codes or the Quest bound, without "
-                                  "compensation (K25Config says the same)")
-            rule = score_rule or ("bound" if dtype == "float32" else "codes")
-            summary_block, scratch = cuda_sparsity_bytes(c, dtype, block_size, batch, seq_blocks,
-                                                         cache_mode == "hierarchical", rule == "codes",
-                                                         selection_interval)
-            workspace += scratch
-    l2 = default_l2_bytes(batch * seq_blocks, kv_block, device) if cache_mode == "hierarchical" else 0
-    return MemoryPlan(model=str(path), device=device, dtype=dtype, block_size=block_size, max_seq_len=max_seq_len,
-                      model_context=context, batch=batch, weight_bytes=weight_bytes(c, elem), kv_block_bytes=kv_block,
-                      summary_block_bytes=summary_block, blocks_per_seq=seq_blocks, workspace_bytes=workspace,
-                      l2_bytes=l2,
-                      margin=float(margin), available_bytes=available_bytes)
+        own_head = "lm_head.weight" in {t["name"] for t in _C.read_safetensors(str(path))["tensors"]}
+    weights = weight_bytes(dict(c, tie_word_embeddings=not own_head), elem)
+    rule = score_rule or ("channels" if device == "cpu" else ("bound" if dtype == "float32" else "codes"))
+
+    def plan(b: int, seq_len: int, avail: Optional[int]) -> MemoryPlan:
+        seq_blocks = -(-seq_len // block_size)
+        summary_block = 0
+        if device == "cpu":
+            workspace = step_bytes(c, elem, max_num_batched_tokens, b)
+            if sparsity:
+                layout = (c["num_layers"], c["num_kv_heads"], c["head_dim"], block_size)
+                summary_block = int(_C.cpu_summary_bytes(layout, rule == "codes", bool(compensation)))
+        else:
+            workspace = cuda_workspace_bytes(c, elem, max_num_batched_tokens, b,
+                                             cache_mode == "hierarchical" and not sparsity)
+            if sparsity:
+                summary_block, scratch = cuda_sparsity_bytes(c, dtype, block_size, max(b, 1), seq_blocks,
+                                                             cache_mode == "hierarchical", rule == "codes",
+                                                             selection_interval)
+                workspace += scratch
+        l2 = default_l2_bytes(b * seq_blocks, kv_block, device) if cache_mode == "hierarchical" else 0
+        return MemoryPlan(model=str(path), device=device, dtype=dtype, block_size=block_size, max_seq_len=seq_len,
+                          model_context=context, batch=b, weight_bytes=weights,
+                          rope_bytes=4 * seq_len * c["head_dim"], kv_block_bytes=kv_block,
+                          summary_block_bytes=summary_block, blocks_per_seq=seq_blocks,
+                          extra_blocks=1 if device == "cuda" else 0, workspace_bytes=workspace, l2_bytes=l2,
+                          margin=float(margin), available_bytes=avail)
+
+    result = plan(batch, max_seq_len, available_bytes)
+    if available_bytes is not None:
+        # Searched, not divided out: the workspace (logits rows, the selection's scratch) and the
+        # L2 pool grow with the batch and the length too.
+        per_token = max(1, kv_block // block_size)
+        result.max_batch = _largest(lambda b: plan(b, max_seq_len, available_bytes).fits,
+                                    available_bytes // (per_token * max_seq_len) + 1)
+        blocks = _largest(lambda n: plan(batch, n * block_size, available_bytes).fits,
+                          available_bytes // (kv_block * batch) + 1)
+        result.max_context = blocks * block_size
+    return result
 
 
 def available_memory(device: str, gpu_memory_utilization: float = 0.9) -> Optional[int]:
@@ -282,10 +313,11 @@ def format_plan(p: MemoryPlan) -> str:
     lines = [
         f"model:        {p.model}",
         f"device:       {p.device} ({p.dtype}), block_size {p.block_size}",
-        f"weights:      {_size(p.weight_bytes)}",
+        f"weights:      {_size(p.weight_bytes)} (+ RoPE tables {_size(p.rope_bytes)})",
         f"KV cache:     {_size(p.kv_block_bytes // p.block_size)} a token, {_size(p.kv_block_bytes)} a block, "
         f"{_size(p.blocks_per_seq * p.kv_block_bytes)} a sequence of {p.max_seq_len}",
-        f"              x {p.batch} sequences = {_size(p.kv_cache_bytes)} (kv_cache_bytes={p.kv_cache_bytes})",
+        f"              x {p.batch} sequences = {_size(p.kv_cache_bytes)} (kv_cache_bytes={p.kv_cache_bytes})"
+        + (f", + {p.extra_blocks} scratch block" if p.extra_blocks else ""),
     ]
     if p.summary_block_bytes:
         lines.append(f"summaries:    {_size(p.summary_block_bytes)} a block = {_size(p.summary_bytes)} (dynamic sparsity)")

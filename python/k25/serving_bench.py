@@ -191,14 +191,20 @@ class RequestRecord:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
+def _error_message(err: Any) -> str:
+    """An OpenAI-style error's message: {"error": {"message": ...}}, {"error": "..."}, or as is."""
+    if isinstance(err, dict) and "error" in err:
+        err = err["error"]
+    if isinstance(err, dict):
+        err = err.get("message", err)
+    return str(err)[:300]
+
+
 def _error_text(raw: bytes) -> str:
     try:
-        err = json.loads(raw)
-        if isinstance(err, dict) and isinstance(err.get("error"), dict):
-            return str(err["error"].get("message", raw[:300]))
+        return _error_message(json.loads(raw))
     except (json.JSONDecodeError, UnicodeDecodeError):
-        pass
-    return raw[:300].decode("utf-8", "replace")
+        return raw[:300].decode("utf-8", "replace")
 
 
 async def _send(client, base: str, model: str, req: BenchRequest, extra: Dict[str, Any], t_run: float,
@@ -214,62 +220,77 @@ async def _send(client, base: str, model: str, req: BenchRequest, extra: Dict[st
     t0 = time.perf_counter()
     rec.start = t0 - t_run
     try:
-        async with client.stream("POST", url, json=body) as r:
-            rec.status = r.status_code
-            if r.status_code != 200:
-                rec.error = f"HTTP {r.status_code}: {_error_text(await r.aread())}"
+        await _stream(client, url, body, req, t0, rec)
+    except Exception as e:  # a network error or a timeout ends this request, not the run
+        rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    finally:
+        rec.latency = time.perf_counter() - t0  # failures too: the run lasts until its last answer
+
+
+async def _stream(client, url: str, body: Dict[str, Any], req: BenchRequest, t0: float, rec: RequestRecord) -> None:
+    async with client.stream("POST", url, json=body) as r:
+        rec.status = r.status_code
+        if r.status_code != 200:
+            rec.error = f"HTTP {r.status_code}: {_error_text(await r.aread())}"
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if not isinstance(chunk, dict) or "error" in chunk:
+                rec.error = f"stream error: {_error_message(chunk)}"
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
-                    return
-                for ch in chunk.get("choices") or []:
-                    piece = ch.get("text") if req.endpoint != "chat" else (ch.get("delta") or {}).get("content")
-                    if piece:
-                        t = time.perf_counter() - t0
-                        if not rec.token_times:
-                            rec.ttft = t
-                        rec.token_times.append(t)
-                usage = chunk.get("usage")
-                if usage:
-                    rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
-                    rec.completion_tokens = int(usage.get("completion_tokens", 0))
-        rec.latency = time.perf_counter() - t0
-        if not rec.token_times and rec.completion_tokens == 0:
-            rec.error = "the stream ended without a token"
-        elif rec.completion_tokens == 0:
-            rec.error = "the stream gave no usage (stream_options.include_usage)"
-        else:
-            if not rec.token_times:  # tokens that decode to no text (e.g. only special tokens)
-                rec.ttft = rec.latency
-            rec.ok = True
-    except Exception as e:  # a network error ends this request, not the run
-        rec.error = f"{type(e).__name__}: {e}"
+            for ch in chunk.get("choices") or []:
+                piece = ch.get("text") if req.endpoint != "chat" else (ch.get("delta") or {}).get("content")
+                if piece:
+                    t = time.perf_counter() - t0
+                    if not rec.token_times:
+                        rec.ttft = t
+                    rec.token_times.append(t)
+            usage = chunk.get("usage")
+            if usage:
+                rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                rec.completion_tokens = int(usage.get("completion_tokens", 0))
+    if not rec.token_times and rec.completion_tokens == 0:
+        rec.error = "the stream ended without a token"
+    elif rec.completion_tokens == 0:
+        rec.error = "the stream gave no usage (stream_options.include_usage)"
+    else:
+        if not rec.token_times:  # tokens that decode to no text (e.g. only special tokens)
+            rec.ttft = time.perf_counter() - t0
+        rec.ok = True
+
+
+def arrival_times(n: int, request_rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Seconds after the start at which each of n requests is sent: all at 0 for an infinite
+    rate, else a Poisson process of that rate (exponential gaps) whose first arrival is at 0."""
+    if math.isinf(request_rate):
+        return np.zeros(n)
+    gaps = rng.exponential(1.0 / request_rate, size=n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
 
 
 async def run_requests(base: str, model: str, reqs: Sequence[BenchRequest], *, request_rate: float = math.inf,
                        max_concurrency: Optional[int] = None, extra: Optional[Dict[str, Any]] = None,
                        api_key: Optional[str] = None, rng: Optional[np.random.Generator] = None,
-                       ) -> Tuple[List[RequestRecord], float]:
-    """Sends every request (arrivals a Poisson process of request_rate a second, or all at once)
-    and returns their records and the run's duration (first send to last end, seconds)."""
+                       request_timeout: Optional[float] = 600.0) -> Tuple[List[RequestRecord], float]:
+    """Sends every request (arrival_times) and returns their records and the run's duration
+    (first send to the last answer, failures included, in seconds). A request whose stream is
+    silent for request_timeout seconds fails with a timeout."""
     import httpx
 
     rng = rng or np.random.default_rng(0)
-    gaps = (np.zeros(len(reqs)) if math.isinf(request_rate)
-            else rng.exponential(1.0 / request_rate, size=len(reqs)))
-    arrivals = np.cumsum(gaps) - gaps[0]
+    arrivals = arrival_times(len(reqs), request_rate, rng)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(reqs), max_keepalive_connections=64)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord(r.endpoint, r.max_tokens, r.prompt_len) for r in reqs]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits, headers=headers) as client:
+    timeout = httpx.Timeout(request_timeout, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         t_run = time.perf_counter()
 
         async def one(i):
@@ -283,9 +304,7 @@ async def run_requests(base: str, model: str, reqs: Sequence[BenchRequest], *, r
                     await _send(client, base, model, reqs[i], extra or {}, t_run, records[i])
 
         await asyncio.gather(*(one(i) for i in range(len(reqs))))
-    ends = [r.start + r.latency for r in records if r.ok]
-    starts = [r.start for r in records]
-    duration = (max(ends) - min(starts)) if ends else 0.0
+    duration = max(r.start + r.latency for r in records) - min(r.start for r in records)
     return records, duration
 
 
@@ -328,10 +347,12 @@ def meets_slo(r: RequestRecord, slo: Dict[str, float]) -> bool:
 def summarize(records: Sequence[RequestRecord], duration: float, percentiles: Sequence[float] = (50, 95, 99),
               slo: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
     ok = [r for r in records if r.ok]
-    errors: Dict[str, int] = {}
+    errors: Dict[str, Dict[str, Any]] = {}  # by reason (the HTTP status, or the error's kind): count, an example
     for r in records:
         if not r.ok:
-            errors[r.error] = errors.get(r.error, 0) + 1
+            reason = f"HTTP {r.status}" if r.status not in (0, 200) else r.error.split(":")[0]
+            e = errors.setdefault(reason, {"count": 0, "example": r.error})
+            e["count"] += 1
     inp = sum(r.prompt_tokens for r in ok)
     out = sum(r.completion_tokens for r in ok)
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
@@ -374,8 +395,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         for k, v in s[key].items():
             label = "Mean" if k == "mean" else ("Std" if k == "std" else k.upper())
             lines.append(f"{label + ' (ms):':<36}{num(v)}")
-    for msg, n in s["errors"].items():
-        lines.append(f"failed x{n}: {msg}")
+    for reason, e in s["errors"].items():
+        lines.append(f"failed: {e['count']} x {reason}, e.g. {e['example']}")
     return "\n".join(lines)
 
 
@@ -463,8 +484,6 @@ class OwnServer:
     """`k25 serve` in a subprocess on a free loopback port, for a benchmark given no --url."""
 
     def __init__(self, model: Optional[str], server_args: str = "", timeout: float = 600.0):
-        import httpx
-
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="k25-bench-server-", suffix=".log", delete=False)
@@ -475,6 +494,15 @@ class OwnServer:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("K25_API_KEY", None)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_ready(cmd, timeout)
+        except BaseException:  # a failed start, Ctrl-C or anything else: no server left behind
+            self.stop()
+            raise
+
+    def _wait_ready(self, cmd: List[str], timeout: float) -> None:
+        import httpx
+
         deadline = time.monotonic() + timeout
         while True:
             failure = None
@@ -489,9 +517,7 @@ class OwnServer:
                 if time.monotonic() > deadline:
                     failure = f"the server did not answer /healthz within {timeout:.0f} s"
             if failure is not None:
-                log = self.tail()
-                self.stop()  # the process (if still up) and its log file
-                raise BenchError(f"{failure}:\n{log}")
+                raise BenchError(f"{failure}:\n{self.tail()}")
             time.sleep(0.1)
 
     def tail(self, n: int = 20) -> str:
@@ -500,7 +526,8 @@ class OwnServer:
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def stop(self, keep_log: bool = False) -> None:
+        """SIGTERM (the server drains), then SIGKILL after 60 s; the log is removed unless kept."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -508,8 +535,10 @@ class OwnServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
-        os.unlink(self.log.name)
+        if not self.log.closed:
+            self.log.close()
+            if not keep_log:
+                os.unlink(self.log.name)
 
 
 def served_model_name(base: str, api_key: Optional[str]) -> str:
@@ -523,10 +552,15 @@ def served_model_name(base: str, api_key: Optional[str]) -> str:
     if r.status_code != 200:
         raise BenchError(f"{base}/v1/models answered HTTP {r.status_code}: {_error_text(r.content)}; "
                          "name the model with --served-model-name")
-    data = r.json().get("data") or []
-    if not data:
+    try:
+        data = r.json().get("data") or []
+        name = str(data[0]["id"]) if data else None
+    except (ValueError, AttributeError, KeyError, TypeError, IndexError):
+        raise BenchError(f"{base}/v1/models did not answer an OpenAI model list; name the model with "
+                         "--served-model-name") from None
+    if name is None:
         raise BenchError(f"{base}/v1/models lists no model; name one with --served-model-name")
-    return str(data[0]["id"])
+    return name
 
 
 # ---- the command ---------------------------------------------------------------------------
@@ -540,7 +574,8 @@ def add_arguments(p) -> None:
     p.add_argument("--server-args", default="", help="more `k25 serve` options for the server started here")
     p.add_argument("--served-model-name", default=None, help="the request's 'model' (default: /v1/models' first)")
     p.add_argument("--tokenizer", default=None, help="a model file or directory whose tokenizer makes synthetic "
-                                                     "prompts (default: --model)")
+                                                     "prompts (default: --model, or with --url the served model "
+                                                     "when this machine has it)")
     p.add_argument("--api-key", default=None, help="Bearer key (default: $K25_API_KEY or $OPENAI_API_KEY)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="where synthetic prompts go (token ids to completions, text to chat)")
@@ -554,6 +589,8 @@ def add_arguments(p) -> None:
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals a second (default: inf, "
                                                                         "all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a stream may stay silent before its request fails (default: 600)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentiles", default="50,95,99")
     p.add_argument("--goodput", nargs="*", default=None, metavar="NAME:MS",
@@ -563,15 +600,34 @@ def add_arguments(p) -> None:
                                                                    "length")
 
 
-def main(a) -> int:
+def _tokenizer_for(a, served: str):
+    """The tokenizer of synthetic prompts: --tokenizer, else --model, else (with --url) the served
+    model's name when it names a model on this machine."""
+    from .errors import ModelNotFoundError
     from .model import load_tokenizer, resolve_model_path
 
+    source = a.tokenizer or a.model or (served if a.url is not None else None)
+    try:
+        tok = load_tokenizer(resolve_model_path(source))
+    except ModelNotFoundError:
+        raise BenchError(f"synthetic prompts are token ids of the served model's vocabulary, and {source!r} is "
+                         "not a model on this machine: give --tokenizer (a .gguf file or HF directory of that "
+                         "model), or --dataset") from None
+    if tok is None:
+        raise BenchError(f"{source or 'the default model'} has no tokenizer: give --tokenizer a model with one, "
+                         "or --dataset")
+    return tok
+
+
+def main(a) -> int:
     if a.num_prompts is not None and a.num_prompts < 1:
         raise BenchError(f"--num-prompts must be positive, got {a.num_prompts}")
     if a.max_concurrency is not None and a.max_concurrency < 1:
         raise BenchError(f"--max-concurrency must be positive, got {a.max_concurrency}")
     if not a.request_rate > 0:
         raise BenchError(f"--request-rate must be positive (inf: all at once), got {a.request_rate}")
+    if a.request_timeout is not None and not a.request_timeout > 0:
+        raise BenchError(f"--request-timeout must be positive, got {a.request_timeout}")
     try:
         percentiles = [float(x) for x in a.percentiles.split(",")]
     except ValueError:
@@ -581,16 +637,11 @@ def main(a) -> int:
     slo = parse_goodput(a.goodput)
     if a.plot and not str(a.plot).endswith(".svg"):
         raise BenchError(f"--plot writes SVG: give a file name ending in .svg, got {a.plot!r}")
+    parse_lengths(a.input_len), parse_lengths(a.output_len)  # bad specs fail before a server starts
     rng = np.random.default_rng(a.seed)
-    if a.dataset:
-        reqs = dataset_requests(a.dataset, a.output_len, a.num_prompts, rng)
-    else:
-        tok = load_tokenizer(resolve_model_path(a.tokenizer or a.model))
-        if tok is None:
-            raise BenchError("synthetic prompts need a tokenizer: give --tokenizer a model with one, or --dataset")
-        reqs = synthetic_requests(tok, a.input_len, a.output_len, a.num_prompts or 100, a.endpoint, rng)
+    reqs = dataset_requests(a.dataset, a.output_len, a.num_prompts, rng) if a.dataset else None
     api_key = a.api_key or os.environ.get("K25_API_KEY") or os.environ.get("OPENAI_API_KEY")
-    server = None
+    server, records = None, None
     try:
         if a.url is None:
             server = OwnServer(a.model, a.server_args)
@@ -600,15 +651,21 @@ def main(a) -> int:
             if base.endswith("/v1"):
                 base = base[:-3]
         model = a.served_model_name or served_model_name(base, api_key)
+        if reqs is None:
+            reqs = synthetic_requests(_tokenizer_for(a, model), a.input_len, a.output_len, a.num_prompts or 100,
+                                      a.endpoint, rng)
         extra: Dict[str, Any] = {"temperature": a.temperature}
         if a.ignore_eos:
             extra["ignore_eos"] = True
         records, duration = asyncio.run(run_requests(base, model, reqs, request_rate=a.request_rate,
                                                      max_concurrency=a.max_concurrency, extra=extra,
-                                                     api_key=api_key, rng=rng))
+                                                     api_key=api_key, rng=rng, request_timeout=a.request_timeout))
     finally:
         if server is not None:
-            server.stop()
+            failed = records is None or any(not r.ok for r in records)
+            server.stop(keep_log=failed)
+            if failed:
+                print(f"k25 bench: the server's log is kept at {server.log.name}", file=sys.stderr)
     summary = summarize(records, duration, percentiles, slo)
     print(format_summary(summary))
     if a.json:

@@ -155,9 +155,14 @@ def test_gpu_memory_usage_is_real(model_dir):
 @pytest.mark.parametrize("sparsity", [False, True])
 def test_memory_plan_matches_the_gpu_model(model_dir, sparsity):
     # `k25 mem`'s plan, made before the load, against the pool K25Model sizes from
-    # gpu_memory_utilization after it: the same weights, block and workspace bytes, and as many
-    # blocks up to what the allocator rounds the weights' segments to.
+    # gpu_memory_utilization after it: the same weight and block bytes, as many blocks up to what
+    # the allocator rounds the weights' segments to, and the device memory the model then holds
+    # within the plan's total (the workspace reserve covers what warm-up and graph capture took).
+    import gc
+
     from k25 import memory
+    gc.collect()
+    torch.cuda.empty_cache()  # earlier models' cached segments would count as used before and reused after
     util = 0.25
     plan = memory.memory_plan(model_dir, device="cuda", batch=8, max_seq_len=2048, sparsity=sparsity, margin=0.0,
                               available_bytes=memory.available_memory("cuda", util))
@@ -166,10 +171,13 @@ def test_memory_plan_matches_the_gpu_model(model_dir, sparsity):
     try:
         s = m.stats()
         assert s["weight_bytes"] == plan.weight_bytes and m.kv_block_bytes == plan.kv_block_bytes
-        planned = (plan.available_bytes - plan.weight_bytes - plan.workspace_bytes) // (
-            plan.kv_block_bytes + plan.summary_block_bytes)
+        per_block = plan.kv_block_bytes + plan.summary_block_bytes
+        planned = (plan.available_bytes - plan.weight_bytes - plan.rope_bytes - plan.workspace_bytes) // per_block
         got = s["kv_cache_bytes"] // m.kv_block_bytes
         assert planned * 0.98 <= got <= planned
+        held = m.get_gpu_memory_usage()
+        assert plan.weight_bytes + plan.rope_bytes + (got + 1) * per_block <= held
+        assert held <= plan.weight_bytes + plan.rope_bytes + (got + 1) * per_block + plan.workspace_bytes
     finally:
         m.close()
 

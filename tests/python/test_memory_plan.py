@@ -90,6 +90,30 @@ def test_fit_verdicts_and_limits_follow_the_available_memory():
     assert fits.required_bytes == pytest.approx(1.1 * fits.total_bytes, abs=1)
 
 
+@pytest.mark.parametrize("cache_mode", ["standard", "hierarchical"])
+def test_the_limits_are_the_largest_plans_that_fit(cache_mode):
+    # max_batch and max_context are what a plan of that batch or length says of itself: it fits,
+    # one more sequence or block does not (the workspace and L2 grow with them).
+    avail = memory.memory_plan(None, batch=4, max_seq_len=2048, cache_mode=cache_mode).required_bytes + (50 << 20)
+    p = memory.memory_plan(None, batch=4, max_seq_len=2048, cache_mode=cache_mode, available_bytes=avail)
+    kw = dict(cache_mode=cache_mode, available_bytes=avail)
+    assert memory.memory_plan(None, batch=p.max_batch, max_seq_len=2048, **kw).fits
+    assert not memory.memory_plan(None, batch=p.max_batch + 1, max_seq_len=2048, **kw).fits
+    assert 2048 < p.max_context < 8192
+    assert memory.memory_plan(None, batch=4, max_seq_len=p.max_context, **kw).fits
+    assert not memory.memory_plan(None, batch=4, max_seq_len=p.max_context + 16, **kw).fits
+
+
+def test_rope_tables_and_the_cuda_scratch_block_are_counted():
+    cpu = memory.memory_plan(None, batch=2, max_seq_len=1024)
+    gpu = memory.memory_plan(None, device="cuda", batch=2, max_seq_len=1024)
+    head_dim = 64  # SmolLM2-135M
+    assert cpu.rope_bytes == gpu.rope_bytes == 2 * 1024 * (head_dim // 2) * 4  # cos and sin, float32
+    assert cpu.extra_blocks == 0 and gpu.extra_blocks == 1
+    assert gpu.total_bytes == (gpu.weight_bytes + gpu.rope_bytes + (2 * 64 + 1) * gpu.kv_block_bytes
+                               + gpu.workspace_bytes)
+
+
 def test_cuda_plans_use_two_byte_weights_and_kv():
     cpu = memory.memory_plan(None, batch=2, max_seq_len=1024)
     gpu = memory.memory_plan(None, device="cuda", batch=2, max_seq_len=1024)
@@ -107,6 +131,8 @@ def test_cuda_plans_use_two_byte_weights_and_kv():
     (dict(margin=-0.1), "margin"),
     (dict(score_rule="exact"), "score_rule"),
     (dict(device="cuda", sparsity=True, score_rule="channels"), "key codes or the Quest bound"),
+    (dict(device="cuda", dtype="float32", sparsity=True, score_rule="codes"), "needs 16-bit KV"),
+    (dict(available_bytes=-1), "available_bytes"),
 ])
 def test_bad_plans_raise_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -151,3 +177,21 @@ def test_the_l2_tier_is_sized_as_the_engine_sizes_it():
     room = memory.memory_plan(None, batch=2, max_seq_len=512, cache_mode="hierarchical",
                               available_bytes=plan.required_bytes)
     assert room.fits and room.max_batch == 2
+
+
+def test_an_untied_head_in_the_file_is_counted_whatever_the_flag(tmp_path):
+    # A checkpoint that says tie_word_embeddings=true but ships lm_head.weight: the engine keeps the
+    # head it finds (weight_loader.cpp), so the plan counts it.
+    from safetensors.torch import load_file, save_file
+    write_random_checkpoint(tmp_path, "qwen2")  # tied
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    tied = memory.memory_plan(str(tmp_path), max_seq_len=256)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    m = K25Model(K25Config(model_path=str(tmp_path), num_threads=1, max_seq_len=256, kv_cache_bytes=1 << 20))
+    try:
+        engine = m.stats()["weight_bytes"]
+    finally:
+        m.close()
+    assert engine == memory.memory_plan(str(tmp_path), max_seq_len=256).weight_bytes > tied.weight_bytes

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from k25.errors import BenchError
-from k25.serving_bench import (LengthMode, RequestRecord, parse_goodput, parse_lengths, sample_lengths, summarize)
+from k25.serving_bench import (LengthMode, RequestRecord, _error_message, arrival_times, parse_goodput, parse_lengths,
+                                sample_lengths, summarize)
 
 from server_utils import Server
 
@@ -73,7 +74,8 @@ def test_summary_statistics_and_goodput():
     recs = _records()
     s = summarize(recs, duration=2.0, percentiles=(50, 90), slo=parse_goodput(["ttft:500", "tpot:60"]))
     ttft_ms = [100.0 * (i + 1) for i in range(10)]
-    assert s["completed"] == 10 and s["failed"] == 2 and s["errors"] == {"HTTP 400: too long": 2}
+    assert s["completed"] == 10 and s["failed"] == 2
+    assert s["errors"] == {"HTTP 400": {"count": 2, "example": "HTTP 400: too long"}}
     assert s["input_tokens"] == sum(20 + i for i in range(10)) and s["output_tokens"] == 110
     assert s["request_throughput"] == pytest.approx(5.0) and s["output_throughput"] == pytest.approx(55.0)
     assert s["total_token_throughput"] == pytest.approx((110 + 245) / 2.0)
@@ -87,6 +89,24 @@ def test_summary_statistics_and_goodput():
     assert s["good_requests"] == 5 and s["goodput"] == pytest.approx(2.5)
     tight = summarize(recs, 2.0, slo=parse_goodput(["tpot:40"]))
     assert tight["good_requests"] == 0
+
+
+def test_poisson_arrivals_have_the_asked_rate():
+    t = arrival_times(20000, 8.0, np.random.default_rng(3))
+    gaps = np.diff(t)
+    assert t[0] == 0.0 and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(1 / 8.0, rel=0.03) and gaps.std() == pytest.approx(1 / 8.0, rel=0.05)
+    assert (arrival_times(5, float("inf"), np.random.default_rng(3)) == 0).all()
+
+
+@pytest.mark.parametrize("err, msg", [
+    ({"error": {"message": "too long", "type": "invalid_request_error"}}, "too long"),
+    ({"error": "overloaded"}, "overloaded"),
+    ("plain", "plain"),
+    ([1, 2], "[1, 2]"),
+])
+def test_error_messages_of_every_shape(err, msg):
+    assert _error_message(err) == msg
 
 
 @pytest.mark.parametrize("bad", ["ttft", "ttft:", "ttft:-5", "latency:100", "tpot:abc"])
@@ -166,8 +186,9 @@ def test_failed_requests_are_counted_with_the_servers_reason(srv, tmp_path):
     assert r.returncode == 1  # nothing completed
     s = json.loads(out.read_text())["summary"]
     assert s["completed"] == 0 and s["failed"] == 3
-    (msg, n), = s["errors"].items()
-    assert n == 3 and msg.startswith("HTTP 400") and f"at most {SEQ_LEN} tokens" in msg
+    assert s["duration_s"] > 0  # the run lasts until its last answer, failures included
+    (reason, e), = s["errors"].items()
+    assert reason == "HTTP 400" and e["count"] == 3 and f"at most {SEQ_LEN} tokens" in e["example"]
     wrong_key = k25("bench", "--url", srv.url, "--api-key", "nope", "--num-prompts", "1", "--input-len", "5")
     assert wrong_key.returncode == 2 and "HTTP 401" in wrong_key.stderr
 
@@ -179,6 +200,8 @@ def test_failed_requests_are_counted_with_the_servers_reason(srv, tmp_path):
     (["--request-rate", "0"], "--request-rate"),
     (["--plot", "out.png"], ".svg"),
     (["--percentiles", "50,101"], "--percentiles"),
+    (["--request-timeout", "0"], "--request-timeout"),
+    (["--output-len", "0"], "a mean of at least 1"),
 ])
 def test_bad_arguments_exit_2_before_sending(args, message):
     r = k25("bench", "--url", "http://127.0.0.1:9", *args)
@@ -190,6 +213,12 @@ def test_bad_dataset_line_names_its_line(tmp_path):
     ds.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
     r = k25("bench", "--url", "http://127.0.0.1:9", "--dataset", str(ds))
     assert r.returncode == 2 and f"{ds}:2: not JSON" in r.stderr
+
+
+def test_synthetic_prompts_need_the_served_models_tokenizer(srv):
+    r = k25("bench", "--url", srv.url, "--api-key", KEY, "--served-model-name", "some-remote-model", "--num-prompts",
+            "1", "--input-len", "5")
+    assert r.returncode == 2 and "'some-remote-model' is not a model on this machine" in r.stderr
 
 
 def test_unreachable_server_is_a_clear_error():
