@@ -25,7 +25,6 @@ times (1 + margin), 10% unless told.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import asdict, dataclass
