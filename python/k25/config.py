@@ -19,6 +19,15 @@ _KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 _CACHE_MODES = ("standard", "hierarchical")
 
 
+def default_score_rule(device: str, dtype: str) -> str:
+    """The sparsity rule neither sparsity_score_rule nor sparsity_score_channels names: each
+    backend's accurate one, "channels" on the CPU, on CUDA "codes" with 16-bit KV and "bound"
+    with float32 KV (which the key codes do not take there)."""
+    if device.startswith("cuda"):
+        return "bound" if dtype == "float32" else "codes"
+    return "channels"
+
+
 @dataclass
 class K25Config:
     model_path: Optional[str] = None  # None: the default model (smollm2-135m-instruct)
@@ -253,12 +262,9 @@ class K25Config:
         bound is the fast one that does not (docs/sparsity.md "CUDA")."""
         if self.sparsity_score_rule is not None:
             return self.sparsity_score_rule
-        if self.resolved_score_channels() > 0:
-            return "channels"
-        if (self.sparsity_score_channels is None and self.resolved_device().startswith("cuda")
-                and self.resolved_dtype() != "float32"):
-            return "codes"
-        return "bound"
+        if self.sparsity_score_channels is None:
+            return default_score_rule(self.resolved_device(), self.resolved_dtype())
+        return "channels" if self.sparsity_score_channels > 0 else "bound"
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

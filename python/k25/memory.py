@@ -32,6 +32,7 @@ from fractions import Fraction
 from typing import Any, Dict, Optional
 
 from . import _C
+from .config import default_score_rule
 from .errors import ConfigError
 
 DEFAULT_MARGIN = 0.10
@@ -245,16 +246,17 @@ def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str 
     else:
         own_head = "lm_head.weight" in {t["name"] for t in _C.read_safetensors(str(path))["tensors"]}
     weights = weight_bytes(dict(c, tie_word_embeddings=not own_head), elem)
-    rule = score_rule or ("channels" if device == "cpu" else ("bound" if dtype == "float32" else "codes"))
+    rule = score_rule or default_score_rule(device, dtype)
+    cpu_summary = 0  # a block's summary rows on the CPU: the same for every batch and length
+    if device == "cpu" and sparsity:
+        layout = (c["num_layers"], c["num_kv_heads"], c["head_dim"], block_size)
+        cpu_summary = int(_C.cpu_summary_bytes(layout, rule == "codes", bool(compensation)))
 
     def plan(b: int, seq_len: int, avail: Optional[int]) -> MemoryPlan:
         seq_blocks = -(-seq_len // block_size)
-        summary_block = 0
+        summary_block = cpu_summary
         if device == "cpu":
             workspace = step_bytes(c, elem, max_num_batched_tokens, b)
-            if sparsity:
-                layout = (c["num_layers"], c["num_kv_heads"], c["head_dim"], block_size)
-                summary_block = int(_C.cpu_summary_bytes(layout, rule == "codes", bool(compensation)))
         else:
             workspace = cuda_workspace_bytes(c, elem, max_num_batched_tokens, b,
                                              cache_mode == "hierarchical" and not sparsity)

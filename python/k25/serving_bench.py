@@ -29,6 +29,7 @@ starts `k25 serve` on a free loopback port with `--model` (and `--server-args`),
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -287,7 +288,7 @@ async def run_requests(base: str, model: str, reqs: Sequence[BenchRequest], *, r
     arrivals = arrival_times(len(reqs), request_rate, rng)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(reqs), max_keepalive_connections=64)
-    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     records = [RequestRecord(r.endpoint, r.max_tokens, r.prompt_len) for r in reqs]
     timeout = httpx.Timeout(request_timeout, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
@@ -297,11 +298,8 @@ async def run_requests(base: str, model: str, reqs: Sequence[BenchRequest], *, r
             delay = t_run + arrivals[i] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if sem is None:
+            async with limit:
                 await _send(client, base, model, reqs[i], extra or {}, t_run, records[i])
-            else:
-                async with sem:
-                    await _send(client, base, model, reqs[i], extra or {}, t_run, records[i])
 
         await asyncio.gather(*(one(i) for i in range(len(reqs))))
     duration = max(r.start + r.latency for r in records) - min(r.start for r in records)
