@@ -114,6 +114,7 @@ def cmd_chat(a) -> int:
 
 def cmd_info(a) -> int:
     from . import _C
+    from .memory import model_parameters
     from .model import resolve_model_path
     path = resolve_model_path(a.model_path or a.model)
     cfg = dict(_C.read_model_config(str(path)))
@@ -121,8 +122,7 @@ def cmd_info(a) -> int:
     info.update(cfg)
     H, I, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_layers"], cfg["vocab_size"]
     D, Hq, Hkv = cfg["head_dim"], cfg["num_heads"], cfg["num_kv_heads"]
-    per_layer = H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I + 2 * H
-    params = L * per_layer + V * H + H + (0 if cfg["tie_word_embeddings"] else V * H)
+    params = model_parameters(path, cfg)
     info["parameters"] = params
     info["kv_bytes_per_token_f32"] = _C.kv_bytes_per_token(str(path))
     if cfg["source_format"] == "gguf":

@@ -49,6 +49,17 @@ def weight_bytes(c: Dict[str, Any], elem: int) -> int:
     return n * elem
 
 
+def model_parameters(path, c: Dict[str, Any]) -> int:
+    """Parameters the engine loads from the model at `path` (config `c`, from read_model_config):
+    biases included, and an untied output head whenever the file has one (weight_loader.cpp keeps
+    it even where the config says tied)."""
+    if c["source_format"] == "gguf":
+        own_head = "output.weight" in {t["name"] for t in _C.read_gguf(str(path))["tensors"]}
+    else:
+        own_head = "lm_head.weight" in {t["name"] for t in _C.read_safetensors(str(path))["tensors"]}
+    return weight_bytes(dict(c, tie_word_embeddings=not own_head), 1)
+
+
 def step_bytes(c: Dict[str, Any], elem: int, max_num_batched_tokens: int, max_batch_size: int) -> int:
     """One step's activations: two sets of a token's hidden, QKV and MLP rows for every token
     of the step's budget, and three float rows of logits for each sequence."""
@@ -239,13 +250,7 @@ def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str 
             raise ConfigError("sparsity_score_rule='codes' on CUDA needs 16-bit KV (K25Config says the same)")
     elem = 4 if dtype == "float32" else 2
     kv_block = int(_C.kv_bytes_per_token(str(path), dtype)) * block_size
-    # The engine keeps an untied output head whenever the file has one (weight_loader.cpp).
-    if c["source_format"] == "gguf":
-        names = {t["name"] for t in _C.read_gguf(str(path))["tensors"]}
-        own_head = "output.weight" in names
-    else:
-        own_head = "lm_head.weight" in {t["name"] for t in _C.read_safetensors(str(path))["tensors"]}
-    weights = weight_bytes(dict(c, tie_word_embeddings=not own_head), elem)
+    weights = model_parameters(path, c) * elem
     rule = score_rule or default_score_rule(device, dtype)
     cpu_summary = 0  # a block's summary rows on the CPU: the same for every batch and length
     if device == "cpu" and sparsity:

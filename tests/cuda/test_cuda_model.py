@@ -163,6 +163,12 @@ def test_memory_plan_matches_the_gpu_model(model_dir, sparsity):
     from k25 import memory
     gc.collect()
     torch.cuda.empty_cache()  # earlier models' cached segments would count as used before and reused after
+    # What this process holds already (earlier tests' live tensors): the allocator's count is
+    # process-wide, the plan is this model's.
+    before = torch.cuda.memory_allocated()
+    # Free space inside segments those tensors keep: the model's first tensors may land there
+    # without the device's used memory growing, so its pool may exceed the plan by that much.
+    slack = torch.cuda.memory_reserved() - before
     util = 0.25
     plan = memory.memory_plan(model_dir, device="cuda", batch=8, max_seq_len=2048, sparsity=sparsity, margin=0.0,
                               available_bytes=memory.available_memory("cuda", util))
@@ -174,10 +180,10 @@ def test_memory_plan_matches_the_gpu_model(model_dir, sparsity):
         per_block = plan.kv_block_bytes + plan.summary_block_bytes
         planned = (plan.available_bytes - plan.weight_bytes - plan.rope_bytes - plan.workspace_bytes) // per_block
         got = s["kv_cache_bytes"] // m.kv_block_bytes
-        assert planned * 0.98 <= got <= planned
-        held = m.get_gpu_memory_usage()
-        assert plan.weight_bytes + plan.rope_bytes + (got + 1) * per_block <= held
-        assert held <= plan.weight_bytes + plan.rope_bytes + (got + 1) * per_block + plan.workspace_bytes
+        assert planned * 0.98 <= got <= planned + slack // per_block, (planned, got, slack // per_block)
+        held = m.get_gpu_memory_usage() - before
+        resident = plan.weight_bytes + plan.rope_bytes + (got + 1) * per_block
+        assert resident <= held <= resident + plan.workspace_bytes, (before, held, resident, plan.workspace_bytes)
     finally:
         m.close()
 

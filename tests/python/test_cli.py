@@ -45,6 +45,8 @@ def test_info_on_a_safetensors_checkpoint(tmp_path):
     from safetensors import safe_open
     with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
         assert info["tensor_types"] == {"F32": len(list(f.keys()))}
+        # Every tensor of the file, the QKV biases included, is a parameter the engine loads.
+        assert info["parameters"] == sum(f.get_tensor(k).size for k in f.keys())
 
 
 def test_generate_streams_the_same_text_as_the_api(default_model):
