@@ -115,9 +115,9 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("dtype", [](const ModelHandle& h) { return h.spec().dtype; })
       .def_property_readonly("device_allocated_bytes",
                              [](const ModelHandle& h) { return device_allocated_bytes(h.spec()); })
-      .def("kv_block_bytes", [](const ModelHandle& h, int32_t bs) {
-        return kv_block_bytes(h.config(), bs, dtype_bytes(h.spec().dtype));
-      });
+      .def("kv_block_bytes", [](const ModelHandle& h, int32_t bs, const std::string& kv_dtype) {
+        return kv_block_bytes(h.config(), bs, dtype_bytes(resolve_kv_dtype(h.spec().dtype, h.spec().device, kv_dtype)));
+      }, py::arg("block_size"), py::arg("kv_dtype") = "");
 
   m.def("read_model_config", [](const std::string& path) {
           ModelConfig c;
@@ -162,6 +162,7 @@ void bind_engine(py::module_& m) {
       .def_readwrite("max_seq_len", &EngineConfig::max_seq_len)
       .def_readwrite("decode_max_tokens", &EngineConfig::decode_max_tokens)
       .def_readwrite("num_threads", &EngineConfig::num_threads)
+      .def_readwrite("kv_cache_dtype", &EngineConfig::kv_cache_dtype)
       .def_readwrite("admission_watermark", &EngineConfig::admission_watermark)
       .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readwrite("batching_window_ms", &EngineConfig::batching_window_ms)
@@ -254,7 +255,7 @@ void bind_engine(py::module_& m) {
              sp.compensation = cfg.sparsity_compensation;
              sp.selection_interval = cfg.sparsity_selection_interval;
              auto exec = make_executor(model, cfg.block_size, cfg.num_kv_blocks, fused, cfg.num_threads,
-                                       cfg.enable_dynamic_sparsity ? &sp : nullptr);
+                                       cfg.enable_dynamic_sparsity ? &sp : nullptr, cfg.kv_cache_dtype);
              return std::make_unique<Engine>(cfg, std::move(exec), std::move(tb), std::move(eos));
            }),
            py::arg("model"), py::arg("config"), py::arg("fused"), py::arg("token_bytes"), py::arg("eos_token_ids"))

@@ -55,6 +55,18 @@ KVLayout layout_of(py::tuple l) {
   return KVLayout{l[0].cast<int32_t>(), l[1].cast<int32_t>(), l[2].cast<int32_t>(), l[3].cast<int32_t>()};
 }
 
+// A CPU pool (float32, or bfloat16: KVElem::kBF16) and its layout.
+KVLayout pool_layout(const at::Tensor& kv, py::tuple layout) {
+  if (kv.device().type() != at::kCPU) throw Error(ErrorCode::kInvalidArgument, "kv: not on CPU");
+  if (kv.scalar_type() != at::kFloat && kv.scalar_type() != at::kBFloat16) {
+    throw Error(ErrorCode::kInvalidArgument, "kv: the CPU pool is float32 or bfloat16");
+  }
+  if (!kv.is_contiguous()) throw Error(ErrorCode::kInvalidArgument, "kv: not contiguous");
+  KVLayout L = layout_of(layout);
+  if (kv.scalar_type() == at::kBFloat16) L.elem = KVElem::kBF16;
+  return L;
+}
+
 #ifdef K25_WITH_CUDA
 void bind_cuda_ops(py::module_& m) {
   py::module_ cu = m.def_submodule("cuda_ops", "CUDA kernels on CUDA tensors (for tests)");
@@ -427,9 +439,9 @@ void bind_ops(py::module_& m) {
                          py::tuple layout, int32_t layer) {
     check_rows(qkv, "qkv");
     check(slots, at::kLong, "slot_mapping");
-    check(kv, at::kFloat, "kv");
+    const KVLayout L = pool_layout(kv, layout);
     cpu::write_kv(qkv.data_ptr<float>(), qkv.stride(0), slots.contiguous().data_ptr<int64_t>(), qkv.size(0),
-                  num_heads, kv.data_ptr<float>(), layout_of(layout), layer);
+                  num_heads, kv.data_ptr(), L, layer);
   });
   ops.def("rope_write_kv", [](at::Tensor qkv, const at::Tensor& positions, const at::Tensor& slots, int32_t num_heads,
                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv, py::tuple layout,
@@ -437,25 +449,24 @@ void bind_ops(py::module_& m) {
     check_rows(qkv, "qkv");
     check(positions, at::kInt, "positions");
     check(slots, at::kLong, "slot_mapping");
-    check(kv, at::kFloat, "kv");
+    const KVLayout L = pool_layout(kv, layout);
     cpu::rope_write_kv(qkv.data_ptr<float>(), qkv.stride(0), positions.contiguous().data_ptr<int32_t>(),
                        slots.contiguous().data_ptr<int64_t>(), qkv.size(0), num_heads,
-                       cos.contiguous().data_ptr<float>(), sin.contiguous().data_ptr<float>(), kv.data_ptr<float>(),
-                       layout_of(layout), layer);
+                       cos.contiguous().data_ptr<float>(), sin.contiguous().data_ptr<float>(), kv.data_ptr(), L,
+                       layer);
   });
   ops.def("paged_attention", [](const at::Tensor& q, const at::Tensor& kv, py::tuple layout, int32_t layer,
                                 const at::Tensor& query_start, const at::Tensor& context_lens,
                                 const at::Tensor& block_tables, int32_t num_heads, double scale,
                                 int32_t sliding_window) {
     check_rows(q, "q");
-    check(kv, at::kFloat, "kv");
-    KVLayout L = layout_of(layout);
+    const KVLayout L = pool_layout(kv, layout);
     at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous();
     const cpu::AttentionBatch b = cpu_batch(qs, cl, bt);
     at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * L.head_dim}, q.options());
     {
       py::gil_scoped_release release;
-      cpu::paged_attention(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), kv.data_ptr<float>(), L, layer, b,
+      cpu::paged_attention(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), kv.data_ptr(), L, layer, b,
                            num_heads, static_cast<float>(scale), sliding_window);
     }
     return out;
@@ -516,13 +527,12 @@ void bind_ops(py::module_& m) {
   ops.def("update_key_summaries", [=](const at::Tensor& kv, py::tuple layout, at::Tensor summaries, int32_t layer,
                                       const at::Tensor& query_start, const at::Tensor& context_lens,
                                       const at::Tensor& block_tables, bool key_codes) {
-    check(kv, at::kFloat, "kv");
-    const KVLayout L = layout_of(layout);
+    const KVLayout L = pool_layout(kv, layout);
     const SummaryLayout S = summary_layout(summaries, L, key_codes);
     at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous();
     const cpu::AttentionBatch b = cpu_batch(qs, cl, bt);
     py::gil_scoped_release release;
-    update_key_summaries(kv.data_ptr<float>(), L, summaries.data_ptr<float>(), S, layer, b);
+    update_key_summaries(kv.data_ptr(), L, summaries.data_ptr<float>(), S, layer, b);
   }, py::arg("kv"), py::arg("layout"), py::arg("summaries"), py::arg("layer"), py::arg("query_start"),
      py::arg("context_lens"), py::arg("block_tables"), py::arg("key_codes") = false);
   ops.def(
@@ -533,8 +543,7 @@ void bind_ops(py::module_& m) {
           double max_ratio, double mass_target, bool compensation, int32_t score_channels, bool key_codes,
           bool info, py::object reuse) -> py::object {
         check_rows(q, "q");
-        check(kv, at::kFloat, "kv");
-        const KVLayout L = layout_of(layout);
+        const KVLayout L = pool_layout(kv, layout);
         const SummaryLayout S = summary_layout(summaries, L, key_codes);
         at::Tensor qs = query_start.contiguous(), cl = context_lens.contiguous(), bt = block_tables.contiguous();
         const cpu::AttentionBatch b = cpu_batch(qs, cl, bt);
@@ -607,7 +616,7 @@ void bind_ops(py::module_& m) {
         at::Tensor out = at::empty({q.size(0), static_cast<int64_t>(num_heads) * L.head_dim}, q.options());
         {
           py::gil_scoped_release release;
-          sparse_decode_attention(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), kv.data_ptr<float>(), L,
+          sparse_decode_attention(q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), kv.data_ptr(), L,
                                   layer, b, summaries.data_ptr<float>(), S, num_heads, static_cast<float>(scale), p,
                                   &sel, &lse, reused.empty() ? nullptr : reused.data());
         }

@@ -148,7 +148,7 @@ namespace {
 class TorchExecutor : public ModelExecutor {
  public:
   TorchExecutor(std::shared_ptr<ModelHandle> model, int32_t block_size, int32_t num_blocks, bool fused,
-                int32_t num_threads, const SparsityParams* sparsity)
+                int32_t num_threads, const SparsityParams* sparsity, const std::string& kv_dtype)
       : handle_(std::move(model)),
         model_(handle_->model().get()),
         fused_(fused),
@@ -157,6 +157,8 @@ class TorchExecutor : public ModelExecutor {
     const at::Device device = model_->device();
     layout_ = KVLayout{c.num_layers, c.num_kv_heads, c.head_dim, block_size};
     layout_.k_transposed = device.is_cpu();
+    const bool bf16_pool = device.is_cpu() && kv_dtype == "bfloat16";
+    if (bf16_pool) layout_.elem = KVElem::kBF16;
     if (device.is_cpu()) {
       // Workers call ATen (slices of the GEMMs): single-threaded there, the pool is the
       // only source of parallelism.
@@ -173,7 +175,7 @@ class TorchExecutor : public ModelExecutor {
     // CUDA-graph batch write to and read from.
     num_blocks_ = num_blocks;
     kv_ = at::empty({static_cast<int64_t>(num_blocks + (device.is_cuda() ? 1 : 0)) * layout_.block_elems()},
-                    at::TensorOptions().dtype(model_->dtype()).device(device));
+                    at::TensorOptions().dtype(bf16_pool ? at::kBFloat16 : model_->dtype()).device(device));
     if (sparsity) {
       if (!fused_) {
         fail(ErrorCode::kUnsupported, "dynamic sparsity needs kernel fusion (the unfused path has no sparse "
@@ -486,7 +488,7 @@ class TorchExecutor : public ModelExecutor {
     // again, as the step that wrote them did.
     const cpu::AttentionBatch ab = cpu_attention_batch(runs);
     for (int32_t l = 0; l < layout_.num_layers; ++l) {
-      update_key_summaries(kv_.data_ptr<float>(), layout_, sparse_->summaries, sparse_->layout, l, ab);
+      update_key_summaries(kv_.data_ptr(), layout_, sparse_->summaries, sparse_->layout, l, ab);
     }
   }
   // The CPU fused kernels (dense and sparse) read cold blocks in host memory; the CUDA
@@ -1317,9 +1319,18 @@ class TorchExecutor : public ModelExecutor {
 
 std::unique_ptr<ModelExecutor> make_executor(std::shared_ptr<ModelHandle> model, int32_t block_size,
                                              int32_t num_blocks, bool fused, int32_t num_threads,
-                                             const SparsityParams* sparsity) {
+                                             const SparsityParams* sparsity, const std::string& kv_dtype) {
   if (num_blocks <= 0) fail(ErrorCode::kInvalidArgument, "the KV pool needs at least one block");
-  return std::make_unique<TorchExecutor>(std::move(model), block_size, num_blocks, fused, num_threads, sparsity);
+  const std::string kv = resolve_kv_dtype(model->spec().dtype, model->spec().device, kv_dtype);
+  return std::make_unique<TorchExecutor>(std::move(model), block_size, num_blocks, fused, num_threads, sparsity, kv);
+}
+
+std::string resolve_kv_dtype(const std::string& model_dtype, const std::string& device, const std::string& kv_dtype) {
+  if (kv_dtype.empty() || kv_dtype == "auto" || kv_dtype == model_dtype) return model_dtype;
+  if (kv_dtype == "bfloat16" && model_dtype == "float32" && device.rfind("cpu", 0) == 0) return kv_dtype;
+  fail(ErrorCode::kUnsupported, "kv_cache_dtype='" + kv_dtype + "' is not implemented for " + model_dtype +
+                                    " compute on " + device + ": KV is kept in the compute dtype, or in bfloat16 "
+                                    "with float32 compute on the CPU");
 }
 
 }  // namespace k25

@@ -56,10 +56,15 @@ std::shared_ptr<ModelHandle> load_model(const std::string& path, int32_t max_pos
 int64_t kv_block_bytes(const ModelConfig& config, int32_t block_size, int32_t elem_bytes = 4);
 int32_t dtype_bytes(const std::string& dtype);
 
-// sparsity: nullptr, or the dynamic-sparsity rule (CPU fused path only).
+// sparsity: nullptr, or the dynamic-sparsity rule (CPU fused path only). kv_dtype: as
+// EngineConfig::kv_cache_dtype.
 std::unique_ptr<ModelExecutor> make_executor(std::shared_ptr<ModelHandle> model, int32_t block_size,
                                              int32_t num_blocks, bool fused, int32_t num_threads,
-                                             const SparsityParams* sparsity = nullptr);
+                                             const SparsityParams* sparsity = nullptr,
+                                             const std::string& kv_dtype = "");
+// The KV pool's dtype for a model of compute dtype `model_dtype` on `device` and a requested
+// kv_cache_dtype ("" or "auto": the compute dtype); a kError for a combination the backend lacks.
+std::string resolve_kv_dtype(const std::string& model_dtype, const std::string& device, const std::string& kv_dtype);
 
 // CUDA: built in and a device visible; free and total bytes of a device.
 bool cuda_available();

@@ -199,7 +199,7 @@ struct LlamaModel::Pass::State {
   bool select(int32_t l, const float* q, LayerSelection* out) {
     const int64_t* ids = meta.named_ids();
     sparse->memory.lookup(ab, ids, l, sparse->params, &reuse);
-    const bool any = select_blocks(q, qkv_dim, kv.data_ptr<float>(), sparse->summaries, sparse->layout, layout, l, ab,
+    const bool any = select_blocks(q, qkv_dim, kv.data_ptr(), sparse->summaries, sparse->layout, layout, l, ab,
                                    Hq, scale, sparse->params, out, reuse.data());
     sparse->memory.store(ab, ids, l, Hkv, layout.block_size, sparse->params, *out);
     return any;
@@ -319,7 +319,9 @@ void LlamaModel::Pass::State::begin() {
     fail(ErrorCode::kInvalidArgument, "position beyond the RoPE table (max_seq_len)");
   }
   if (kv.device() != dev) fail(ErrorCode::kInternal, "the KV pool is not on the model's device");
-  if (!cuda && kv.scalar_type() != at::kFloat) fail(ErrorCode::kUnsupported, "the CPU backend keeps KV in float32");
+  if (!cuda && kv.scalar_type() != (layout.elem == KVElem::kBF16 ? at::kBFloat16 : at::kFloat)) {
+    fail(ErrorCode::kInternal, "the CPU KV pool's dtype is not its layout's element");
+  }
   if (sparse && !cuda) sparse->memory.begin_step();
 
   // The step's metadata on the device.
@@ -344,7 +346,7 @@ void LlamaModel::Pass::State::begin() {
          std::find(meta.cold_summaries.begin(), meta.cold_summaries.end(), nullptr) != meta.cold_summaries.end())) {
       fail(ErrorCode::kInternal, "cold blocks without their key summaries");
     }
-    ab.cold_blocks = reinterpret_cast<const float* const*>(meta.cold_blocks.data());
+    ab.cold_blocks = meta.cold_blocks.data();
     ab.cold_summaries = sparse ? meta.cold_summaries.data() : nullptr;
     // Staged (cold blocks in L3 on CUDA): the tables keep entry ids, and each layer's launch
     // gets that layer's staging region as its cold pool (below).
@@ -471,15 +473,15 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
     ColdLayerSource* const cl = meta.cold_layers;
     if (!second) {
       cpu::rope_write_kv(q, qkv_dim, meta.positions.data(), meta.slot_mapping.data(), T, Hq,
-                         m.rope_cos_.data_ptr<float>(), m.rope_sin_.data_ptr<float>(), kv.data_ptr<float>(), layout, l);
+                         m.rope_cos_.data_ptr<float>(), m.rope_sin_.data_ptr<float>(), kv.data_ptr(), layout, l);
     }
     // Cold blocks in L3: this layer's K and V of each, read while the layers before ran
     // (selective: what the selection reads; the rest of what attention reads is read after it).
-    if (cl) ab.cold_blocks = reinterpret_cast<const float* const*>(cl->layer(l));
+    if (cl) ab.cold_blocks = cl->layer(l);
     if (sparse && !second) {
       // Summaries follow every write (prefill too); selection is for decodes of layers
       // without a sliding window.
-      update_key_summaries(kv.data_ptr<float>(), layout, sparse->summaries, sparse->layout, l, ab);
+      update_key_summaries(kv.data_ptr(), layout, sparse->summaries, sparse->layout, l, ab);
     }
     if (cl && cl->selective() && !second) {
       selected = sparse && window == 0 && select(l, q, &sel_kept);
@@ -490,12 +492,12 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
         split = true;
         return false;
       }
-      ab.cold_blocks = reinterpret_cast<const float* const*>(cl->layer(l));
+      ab.cold_blocks = cl->layer(l);
     }
     if (sparse && window == 0) {
       // Selected above (or in the first part) with selective cold reads, else here.
       if (!(cl && cl->selective())) selected = select(l, q, &sel_kept);
-      attend_selected(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, sparse->summaries,
+      attend_selected(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr(), layout, l, ab, sparse->summaries,
                       sparse->layout, Hq, scale, sparse->params, selected, sel_kept, &sparse->lse);
       std::swap(sparse->layers[l], sel_kept);  // this layer's selection, for the stats and block_reads
     } else {
@@ -503,7 +505,7 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
         LayerSelection& sel = sparse->layers[l];
         sel.blocks_total = sel.blocks_kept = sel.selections = sel.reused_selections = 0;
       }
-      cpu::paged_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr<float>(), layout, l, ab, Hq, scale,
+      cpu::paged_attention(q, qkv_dim, attn.data_ptr<float>(), kv.data_ptr(), layout, l, ab, Hq, scale,
                            window);
     }
   } else {
@@ -518,7 +520,7 @@ bool LlamaModel::Pass::State::layer(int32_t l) {
 #ifdef K25_WITH_CUDA
     if (cuda) cuda_glue::write_kv(qkv, slots, Hq, kv, layout, l);
 #endif
-    if (!cuda) cpu::write_kv(qkv.data_ptr<float>(), qkv_dim, meta.slot_mapping.data(), T, Hq, kv.data_ptr<float>(),
+    if (!cuda) cpu::write_kv(qkv.data_ptr<float>(), qkv_dim, meta.slot_mapping.data(), T, Hq, kv.data_ptr(),
                              layout, l);
     m.attention_unfused(qkv, meta, kv, layout, l, attn);
   }
@@ -657,8 +659,10 @@ void LlamaModel::attention_unfused(const at::Tensor& qkv, const BatchMeta& meta,
   };
   // [blocks, layers, K/V, heads, bs * D]
   at::Tensor pool = kv.view({num_blocks, layout.num_layers, 2, Hkv, bs * D}).select(1, layer);
-  // Blocks [n, 2, Hkv, bs * D] -> K and V as [n, Hkv, bs, D] views.
-  auto split_kv = [&](const at::Tensor& blocks, int64_t n) {
+  // Blocks [n, 2, Hkv, bs * D] -> K and V as [n, Hkv, bs, D] views, in the compute dtype (a
+  // bfloat16 CPU pool is read back exactly).
+  auto split_kv = [&](const at::Tensor& gathered, int64_t n) {
+    const at::Tensor blocks = gathered.to(qkv.scalar_type());
     at::Tensor k = layout.k_transposed ? blocks.select(1, 0).view({n, Hkv, D, bs}).transpose(2, 3)
                                        : blocks.select(1, 0).view({n, Hkv, bs, D});
     return std::make_pair(k, blocks.select(1, 1).view({n, Hkv, bs, D}));

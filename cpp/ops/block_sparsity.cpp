@@ -16,15 +16,18 @@ namespace k25 {
 
 namespace {
 
-// Key `off` of a block's head, channel d (the CPU cache keeps K transposed).
-inline float key_at(const float* K, const KVLayout& L, int32_t off, int32_t d) {
-  return L.k_transposed ? K[static_cast<int64_t>(d) * L.block_size + off]
-                        : K[static_cast<int64_t>(off) * L.head_dim + d];
+// Key `off` of a block's head, channel d (the CPU cache keeps K transposed); T is the pool's
+// element (float, or uint16_t for bfloat16).
+template <typename T>
+inline float key_at(const T* K, const KVLayout& L, int32_t off, int32_t d) {
+  return cpu::as_float(L.k_transposed ? K[static_cast<int64_t>(d) * L.block_size + off]
+                                      : K[static_cast<int64_t>(off) * L.head_dim + d]);
 }
 
 // The key codes of one block's first n keys (SummaryLayout), from the summary row's bounds;
 // codes past n are 0.
-void write_key_codes(const float* K, const KVLayout& L, float* row, const SummaryLayout& S, int32_t n) {
+template <typename T>
+void write_key_codes(const T* K, const KVLayout& L, float* row, const SummaryLayout& S, int32_t n) {
   const int32_t D = L.head_dim;
   float* codes = row + S.codes_at();
   for (int32_t d = 0; d < D; ++d) {
@@ -41,10 +44,9 @@ void write_key_codes(const float* K, const KVLayout& L, float* row, const Summar
   }
 }
 
-}  // namespace
-
-void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
-                          int32_t layer, const cpu::AttentionBatch& B) {
+template <typename T>
+void update_key_summaries_of(const T* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
+                             int32_t layer, const cpu::AttentionBatch& B) {
   const int32_t bs = L.block_size, D = L.head_dim;
   // Sequences never share a block that is being written: one task per sequence keeps
   // each block's updates in position order without locks.
@@ -57,7 +59,7 @@ void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, 
         const int64_t block = table[pos / bs];
         const int32_t off = pos % bs;
         for (int32_t h = 0; h < L.num_kv_heads; ++h) {
-          const float* K = kv + L.k_offset(block, layer, h);
+          const T* K = kv + L.k_offset(block, layer, h);
           float* row = summaries + S.offset(block, layer, h);
           // Rounding is monotone, so the rounded minimum of the keys is the minimum of their
           // rounded values: each key folds in rounded.
@@ -79,16 +81,27 @@ void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, 
           if (!S.has_sums()) continue;
           float* sk = row + S.sums_at();
           float* sv = sk + D;
-          const float* v = kv + L.v_offset(block, layer, h) + static_cast<int64_t>(off) * D;
+          const T* v = kv + L.v_offset(block, layer, h) + static_cast<int64_t>(off) * D;
           for (int32_t d = 0; d < D; ++d) {
-            const float k = key_at(K, L, off, d);
+            const float k = key_at(K, L, off, d), vd = cpu::as_float(v[d]);
             sk[d] = off == 0 ? k : sk[d] + k;
-            sv[d] = off == 0 ? v[d] : sv[d] + v[d];
+            sv[d] = off == 0 ? vd : sv[d] + vd;
           }
         }
       }
     }
   });
+}
+
+}  // namespace
+
+void update_key_summaries(const void* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
+                          int32_t layer, const cpu::AttentionBatch& B) {
+  if (L.elem == KVElem::kBF16) {
+    update_key_summaries_of(static_cast<const uint16_t*>(kv), L, summaries, S, layer, B);
+  } else {
+    update_key_summaries_of(static_cast<const float*>(kv), L, summaries, S, layer, B);
+  }
 }
 
 namespace {
@@ -100,9 +113,12 @@ inline const float* summary_at(const float* summaries, const SummaryLayout& S, c
   return block >= 0 ? summaries + S.offset(block, layer, h)
                     : B.cold_summaries[cold_block_index(block)] + S.offset(0, layer, h);
 }
-inline const float* keys_at(const float* kv, const KVLayout& L, const cpu::AttentionBatch& B, int32_t block,
-                            int32_t layer, int32_t h) {
-  return block >= 0 ? kv + L.k_offset(block, layer, h) : B.cold_blocks[cold_block_index(block)] + L.k_in_block(layer, h);
+// (Bytes: the pool's element is L.elem.)
+inline const void* keys_at(const void* kv, const KVLayout& L, const cpu::AttentionBatch& B, int32_t block,
+                           int32_t layer, int32_t h) {
+  const char* base = block >= 0 ? static_cast<const char*>(kv) + block * L.block_elems() * L.elem_bytes()
+                                : static_cast<const char*>(B.cold_blocks[cold_block_index(block)]);
+  return base + L.k_in_block(layer, h) * L.elem_bytes();
 }
 
 using cpu::fold_lanes;
@@ -235,9 +251,9 @@ inline void lse_group(vn* sc, int32_t valid, bool first, float* m, float* l) {
 // l = sum exp(score - m), so that its log-mass is m + log l. The centre term is the same
 // for every key of a block, so it is added to m at the end, not to each key's score.
 // Fast path: K stored [D][bs] with bs a multiple of 16, so one channel of 16 keys is kV
-// vector loads.
-template <int kB>
-inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, const float* const* K,
+// vector loads. T: the pool's element (K points at T).
+template <int kB, typename T>
+inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, const void* const* K,
                         const float* const* mn, const int32_t* n, float* m, float* l) {
   int32_t n_max = 0;
   for (int b = 0; b < kB; ++b) n_max = std::max(n_max, n[b]);
@@ -247,7 +263,7 @@ inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, c
       const int64_t off = static_cast<int64_t>(qp.chan[i]) * bs + c;
       const float qd = qp.qv[i];
       for (int b = 0; b < kB; ++b) {
-        const float* at = K[b] + off;
+        const T* at = static_cast<const T*>(K[b]) + off;
         for (int v = 0; v < kV; ++v) acc[b][v] += loadn(at + v * kLanes) * qd;
       }
     }
@@ -261,7 +277,8 @@ inline void channel_lse(const QueryPrep& qp, int32_t R, int32_t D, int32_t bs, c
 }
 
 // The same for one block of any layout and block size: keys gathered 16 at a time.
-inline void channel_lse_any(const QueryPrep& qp, int32_t R, const KVLayout& L, const float* K, const float* mn,
+template <typename T>
+inline void channel_lse_any(const QueryPrep& qp, int32_t R, const KVLayout& L, const T* K, const float* mn,
                             int32_t n, float* m, float* l) {
   for (int32_t c = 0; c < n; c += 16) {
     const int32_t cnt = std::min(16, n - c);
@@ -423,7 +440,7 @@ struct TaskScratch {
 
 }  // namespace
 
-bool select_blocks(const float* q, int64_t q_stride, const float* kv, const float* summaries, const SummaryLayout& S,
+bool select_blocks(const float* q, int64_t q_stride, const void* kv, const float* summaries, const SummaryLayout& S,
                    const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B, int32_t num_heads, float scale,
                    const SparsityParams& p, LayerSelection* out, const ReusedSelection* reuse) {
   const int32_t Hkv = L.num_kv_heads, group = num_heads / Hkv, D = L.head_dim, bs = L.block_size;
@@ -524,7 +541,7 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
   //    the two threads, and equal halves left one idle for ~100 us a layer at 4K.
   parallel_for_dynamic(0, static_cast<int64_t>(X.tasks.size()), [&](int64_t tb, int64_t te) {
     const float* mn[kBlocksPerTask];
-    const float* K[kBlocksPerTask];
+    const void* K[kBlocksPerTask];
     int32_t n[kBlocksPerTask];
     float m[kBlocksPerTask], l[kBlocksPerTask];
     // The key-code estimate's lane shifts (key t of a word at bits 2t) and weights.
@@ -571,13 +588,21 @@ bool select_blocks(const float* q, int64_t q_stride, const float* kv, const floa
           const size_t at = static_cast<size_t>(h * group + g) * nb;
           int32_t k = 0;
           if (R > 0) {
-            if (fast) {
-              for (; k + kBatch <= cnt; k += kBatch) {
-                channel_lse<kBatch>(qp, R, D, bs, K + k, mn + k, n + k, m + k, l + k);
+            auto score = [&](auto elem) {
+              using T = decltype(elem);
+              if (fast) {
+                for (; k + kBatch <= cnt; k += kBatch) {
+                  channel_lse<kBatch, T>(qp, R, D, bs, K + k, mn + k, n + k, m + k, l + k);
+                }
+                for (; k < cnt; ++k) channel_lse<1, T>(qp, R, D, bs, K + k, mn + k, n + k, m + k, l + k);
+              } else {
+                for (; k < cnt; ++k) channel_lse_any(qp, R, L, static_cast<const T*>(K[k]), mn[k], n[k], m + k, l + k);
               }
-              for (; k < cnt; ++k) channel_lse<1>(qp, R, D, bs, K + k, mn + k, n + k, m + k, l + k);
+            };
+            if (L.elem == KVElem::kBF16) {
+              score(uint16_t{});
             } else {
-              for (; k < cnt; ++k) channel_lse_any(qp, R, L, K[k], mn[k], n[k], m + k, l + k);
+              score(0.0f);
             }
             // log-mass = m + log l, a vector of blocks at a time (l >= 1: the best key adds exp(0)).
             for (k = 0; k < cnt; k += kLanes) {
@@ -790,7 +815,7 @@ cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelect
   return b;
 }
 
-void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L,
+void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const void* kv, const KVLayout& L,
                              int32_t layer, const cpu::AttentionBatch& B, const float* summaries,
                              const SummaryLayout& S, int32_t num_heads, float scale, const SparsityParams& p,
                              LayerSelection* sel, std::vector<float>* lse, const ReusedSelection* reuse) {
@@ -798,7 +823,7 @@ void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const
   attend_selected(q, q_stride, out, kv, L, layer, B, summaries, S, num_heads, scale, p, selected, *sel, lse);
 }
 
-void attend_selected(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L, int32_t layer,
+void attend_selected(const float* q, int64_t q_stride, float* out, const void* kv, const KVLayout& L, int32_t layer,
                      const cpu::AttentionBatch& B, const float* summaries, const SummaryLayout& S, int32_t num_heads,
                      float scale, const SparsityParams& p, bool selected, const LayerSelection& sel,
                      std::vector<float>* lse) {

@@ -101,7 +101,7 @@ inline uint32_t key_code(float k, float lo, float scale) {
 // codes, every key of a block this step wrote to is coded again against the block's new
 // bounds (a new key can widen them). Keys are read back from the cache (after RoPE), so any
 // write path works.
-void update_key_summaries(const float* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
+void update_key_summaries(const void* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
                           int32_t layer, const cpu::AttentionBatch& B);
 
 // A summary word's bfloat16 halves (field 0 of SummaryLayout) and their making: x rounded
@@ -188,7 +188,7 @@ class ReuseSlots {
 // sliding window only). q: rows after RoPE; kv: the cache (read on the chosen channels
 // by the channel estimate). reuse (null, or [S]): the sequences whose tables come from an
 // earlier selection (such a row is not scored). Returns whether any sequence went sparse.
-bool select_blocks(const float* q, int64_t q_stride, const float* kv, const float* summaries, const SummaryLayout& S,
+bool select_blocks(const float* q, int64_t q_stride, const void* kv, const float* summaries, const SummaryLayout& S,
                    const KVLayout& L, int32_t layer, const cpu::AttentionBatch& B, int32_t num_heads, float scale,
                    const SparsityParams& p, LayerSelection* out, const ReusedSelection* reuse = nullptr);
 
@@ -237,12 +237,12 @@ cpu::AttentionBatch sparse_batch(const cpu::AttentionBatch& B, const LayerSelect
 // (select_blocks), attends over the kept blocks of the sequences that went sparse and
 // over all blocks of the others, then, with p.compensation, folds the skipped blocks back
 // in (compensate_skipped; `lse` is its scratch). `sel` receives the selection.
-void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L,
+void sparse_decode_attention(const float* q, int64_t q_stride, float* out, const void* kv, const KVLayout& L,
                              int32_t layer, const cpu::AttentionBatch& B, const float* summaries,
                              const SummaryLayout& S, int32_t num_heads, float scale, const SparsityParams& p,
                              LayerSelection* sel, std::vector<float>* lse, const ReusedSelection* reuse = nullptr);
 // Its second half, for a selection made already: `selected` is what select_blocks returned.
-void attend_selected(const float* q, int64_t q_stride, float* out, const float* kv, const KVLayout& L, int32_t layer,
+void attend_selected(const float* q, int64_t q_stride, float* out, const void* kv, const KVLayout& L, int32_t layer,
                      const cpu::AttentionBatch& B, const float* summaries, const SummaryLayout& S, int32_t num_heads,
                      float scale, const SparsityParams& p, bool selected, const LayerSelection& sel,
                      std::vector<float>* lse);

@@ -84,14 +84,21 @@ inline void rotate(float* x, const float* c, const float* s, int32_t half) {
   }
 }
 
-inline void store_kv(const float* k, const float* v, int64_t slot, float* kv, const KVLayout& L,
+inline void store_kv(const float* k, const float* v, int64_t slot, void* pool, const KVLayout& L,
                      int32_t layer, int32_t head) {
   const int64_t block = slot / L.block_size;
   const int32_t off = static_cast<int32_t>(slot % L.block_size);
-  float* kd = kv + L.k_offset(block, layer, head);
-  float* vd = kv + L.v_offset(block, layer, head) + static_cast<int64_t>(off) * L.head_dim;
-  for (int32_t d = 0; d < L.head_dim; ++d) kd[static_cast<int64_t>(d) * L.block_size + off] = k[d];
-  std::memcpy(vd, v, sizeof(float) * L.head_dim);
+  auto store = [&](auto* kv) {
+    auto* kd = kv + L.k_offset(block, layer, head);
+    auto* vd = kv + L.v_offset(block, layer, head) + static_cast<int64_t>(off) * L.head_dim;
+    for (int32_t d = 0; d < L.head_dim; ++d) store_elem(kd + static_cast<int64_t>(d) * L.block_size + off, k[d]);
+    for (int32_t d = 0; d < L.head_dim; ++d) store_elem(vd + d, v[d]);
+  };
+  if (L.elem == KVElem::kBF16) {
+    store(static_cast<uint16_t*>(pool));
+  } else {
+    store(static_cast<float*>(pool));
+  }
 }
 
 }  // namespace
@@ -111,7 +118,7 @@ void rope_inplace(float* qkv, int64_t row_stride, const int32_t* positions, int6
 }
 
 void write_kv(const float* qkv, int64_t row_stride, const int64_t* slot_mapping, int64_t rows,
-              int32_t num_heads, float* kv, const KVLayout& L, int32_t layer) {
+              int32_t num_heads, void* kv, const KVLayout& L, int32_t layer) {
   const int32_t D = L.head_dim;
   parallel_for(0, rows, grain_for(rows, 4 * L.num_kv_heads * D), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
@@ -127,7 +134,7 @@ void write_kv(const float* qkv, int64_t row_stride, const int64_t* slot_mapping,
 
 void rope_write_kv(float* qkv, int64_t row_stride, const int32_t* positions,
                    const int64_t* slot_mapping, int64_t rows, int32_t num_heads,
-                   const float* cos_table, const float* sin_table, float* kv, const KVLayout& L,
+                   const float* cos_table, const float* sin_table, void* kv, const KVLayout& L,
                    int32_t layer) {
   const int32_t D = L.head_dim, half = D / 2;
   parallel_for(0, rows, grain_for(rows, 8 * (num_heads + L.num_kv_heads) * D), [&](int64_t b, int64_t e) {
@@ -162,16 +169,18 @@ struct Partials {
   }
 };
 
-// The KV blocks a step reads: pool blocks by id, cold blocks (negative ids) by pointer.
+// The KV blocks a step reads: pool blocks by id, cold blocks (negative ids) by pointer; T is
+// the pool's element (float, or uint16_t for bfloat16).
+template <typename T>
 struct KVBlocks {
-  const float* pool;
-  const float* const* cold;
+  const T* pool;
+  const void* const* cold;
   const KVLayout& L;
-  const float* block(int32_t id) const {
-    return id >= 0 ? pool + id * L.block_elems() : cold[cold_block_index(id)];
+  const T* block(int32_t id) const {
+    return id >= 0 ? pool + id * L.block_elems() : static_cast<const T*>(cold[cold_block_index(id)]);
   }
-  const float* k(int32_t id, int32_t layer, int32_t head) const { return block(id) + L.k_in_block(layer, head); }
-  const float* v(int32_t id, int32_t layer, int32_t head) const { return block(id) + L.v_in_block(layer, head); }
+  const T* k(int32_t id, int32_t layer, int32_t head) const { return block(id) + L.k_in_block(layer, head); }
+  const T* v(int32_t id, int32_t layer, int32_t head) const { return block(id) + L.v_in_block(layer, head); }
 };
 
 // Query rows of one tile (the heads of a GQA group for a few tokens of one sequence)
@@ -223,8 +232,8 @@ inline float reduce(const vn (&x)[N]) {
 
 // Raw scores q.k of rows [r0, r0 + NR) for the 16 keys of piece `piece` (K^T of the piece at
 // Kt: [D][bs]) into t.s.
-template <int kD, int NR>
-inline void score_group(const TileRows& t, int r0, const float* Kt, int32_t bs, int piece) {
+template <int kD, int NR, typename T>
+inline void score_group(const TileRows& t, int r0, const T* Kt, int32_t bs, int piece) {
   vn s[NR][kParts];
   for (int r = 0; r < NR; ++r) {
     for (int h = 0; h < kParts; ++h) s[r][h] = vn{};
@@ -276,15 +285,16 @@ inline void softmax_row(const TileRows& t, int row, int32_t base, const vn (&iot
 
 // One 16-key piece of a chunk for the accumulation: its V rows ([bs][D], from the piece's
 // first key) and the keys [t0, t1) of it that hold written K/V.
+template <typename T>
 struct Piece {
-  const float* v;
+  const T* v;
   int32_t t0, t1;
 };
 
 // Rows [r0, r0 + NR): the accumulators times alpha, plus the chunk's keys weighted by their
 // probabilities, piece by piece in key order.
-template <int kD, int NR>
-inline void accumulate_group(const TileRows& t, int r0, const Piece* pieces) {
+template <int kD, int NR, typename T>
+inline void accumulate_group(const TileRows& t, int r0, const Piece<T>* pieces) {
   for (int j = 0; j < kD / 16; ++j) {
     vn acc[NR][kParts];
     float* o[NR];
@@ -294,8 +304,8 @@ inline void accumulate_group(const TileRows& t, int r0, const Piece* pieces) {
       for (int h = 0; h < kParts; ++h) acc[r][h] = loadn(o[r] + h * kLanes) * a;
     }
     for (int pc = 0; pc < kPieces; ++pc) {
-      const Piece& P = pieces[pc];
-      const float* V = P.v + 16 * j;
+      const Piece<T>& P = pieces[pc];
+      const T* V = P.v + 16 * j;
       const float* p = t.s + r0 * kChunkKeys + 16 * pc;
       for (int32_t k = P.t0; k < P.t1; ++k) {
         vn vv[kParts];
@@ -312,9 +322,9 @@ inline void accumulate_group(const TileRows& t, int r0, const Piece* pieces) {
   }
 }
 
-template <int kD>
+template <int kD, typename T>
 void attend_tile(int rows, const float* const* qrows, float* const* orows, float* const* lrows, const int32_t* pos,
-                 const int32_t* lo, const KVBlocks& kv, const KVLayout& L, int32_t layer, int32_t kv_head,
+                 const int32_t* lo, const KVBlocks<T>& kv, const KVLayout& L, int32_t layer, int32_t kv_head,
                  const int32_t* table, float scale, bool partial) {
   alignas(64) float o_buf[kMaxTileRows * kD];
   alignas(64) float s_buf[kMaxTileRows * kChunkKeys];
@@ -342,14 +352,14 @@ void attend_tile(int rows, const float* const* qrows, float* const* orows, float
       default: break;
     }
   };
-  const int64_t piece_bytes = 16 * kD * static_cast<int64_t>(sizeof(float));
+  const int64_t piece_bytes = 16 * kD * static_cast<int64_t>(sizeof(T));
   for (int32_t cbase = lo_min / kChunkKeys * kChunkKeys; cbase <= pos_max; cbase += kChunkKeys) {
     // The chunk's pieces holding written keys in [lo_min, pos_max]; the others are not read
     // (their keys are masked for every row).
-    Piece pieces[kPieces];
+    Piece<T> pieces[kPieces];
     for (int pc = 0; pc < kPieces; ++pc) {
       const int32_t base = cbase + 16 * pc;
-      Piece& P = pieces[pc];
+      Piece<T>& P = pieces[pc];
       P.t0 = std::clamp(lo_min - base, 0, 16);
       P.t1 = std::clamp(pos_max - base + 1, 0, 16);
       if (P.t0 >= P.t1) {
@@ -358,7 +368,7 @@ void attend_tile(int rows, const float* const* qrows, float* const* orows, float
         continue;
       }
       const int32_t id = table[base / bs], off = base % bs;
-      const float* Kt = kv.k(id, layer, kv_head) + off;
+      const T* Kt = kv.k(id, layer, kv_head) + off;
       P.v = kv.v(id, layer, kv_head) + static_cast<int64_t>(off) * kD;
       each_group([&](auto nr, int r0) { score_group<kD, decltype(nr)::value>(t, r0, Kt, bs, pc); });
       // Blocks of one sequence are scattered in the pool, so the hardware prefetcher cannot
@@ -389,7 +399,8 @@ void attend_tile(int rows, const float* const* qrows, float* const* orows, float
 }
 
 // Any head_dim and block size: the same algorithm one key at a time.
-inline void attend_row_generic(const float* qr, float* out, float* lse, const KVBlocks& kv, const KVLayout& L,
+template <typename T>
+inline void attend_row_generic(const float* qr, float* out, float* lse, const KVBlocks<T>& kv, const KVLayout& L,
                                int32_t layer, int32_t kv_head, const int32_t* table, int32_t pos, int32_t lo,
                                float scale, bool partial, std::vector<float>& acc) {
   const int32_t bs = L.block_size, D = L.head_dim;
@@ -398,15 +409,15 @@ inline void attend_row_generic(const float* qr, float* out, float* lse, const KV
   for (int32_t kp = lo; kp <= pos; ++kp) {
     const int32_t block = table[kp / bs];
     const int32_t off = kp % bs;
-    const float* Kt = kv.k(block, layer, kv_head);
-    const float* v = kv.v(block, layer, kv_head) + static_cast<int64_t>(off) * D;
+    const T* Kt = kv.k(block, layer, kv_head);
+    const T* v = kv.v(block, layer, kv_head) + static_cast<int64_t>(off) * D;
     float s = 0.0f;
-    for (int32_t d = 0; d < D; ++d) s += qr[d] * Kt[static_cast<int64_t>(d) * bs + off];
+    for (int32_t d = 0; d < D; ++d) s += qr[d] * as_float(Kt[static_cast<int64_t>(d) * bs + off]);
     s *= scale;
     const float m_new = std::max(m, s);
     const float alpha = vexp(m - m_new), p = vexp(s - m_new);
     l = l * alpha + p;
-    for (int32_t d = 0; d < D; ++d) acc[d] = acc[d] * alpha + p * v[d];
+    for (int32_t d = 0; d < D; ++d) acc[d] = acc[d] * alpha + p * as_float(v[d]);
     m = m_new;
   }
   if (partial) {
@@ -419,7 +430,8 @@ inline void attend_row_generic(const float* qr, float* out, float* lse, const KV
   if (lse) *lse = m + std::log(l);
 }
 
-void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out, const KVBlocks& kv,
+template <typename T>
+void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out, const KVBlocks<T>& kv,
                  const KVLayout& L, int32_t layer, const AttentionBatch& B, int32_t num_heads, float scale,
                  int32_t window, const Partials& partials, std::vector<float>& scratch) {
   const bool partial = w.partial >= 0;
@@ -471,11 +483,10 @@ void attend_item(const WorkItem& w, const float* q, int64_t q_stride, float* out
   flush();
 }
 
-}  // namespace
-
-void paged_attention(const float* q, int64_t q_stride, float* out, const float* kv,
-                     const KVLayout& L, int32_t layer, const AttentionBatch& B,
-                     int32_t num_heads, float scale, int32_t sliding_window) {
+template <typename T>
+void paged_attention_of(const float* q, int64_t q_stride, float* out, const T* kv,
+                        const KVLayout& L, int32_t layer, const AttentionBatch& B,
+                        int32_t num_heads, float scale, int32_t sliding_window) {
   // Query tiles of a few tokens: one pass over the keys serves all rows (tokens x GQA
   // heads) of a tile; long single-token rows are split over the threads (split-KV).
   const int32_t threads = num_threads();
@@ -494,7 +505,7 @@ void paged_attention(const float* q, int64_t q_stride, float* out, const float* 
   // instead so that every thread gets a similar mix of long and short ones.
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n));
-  const KVBlocks blocks{kv, B.cold_blocks, L};
+  const KVBlocks<T> blocks{kv, B.cold_blocks, L};
   parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
     std::vector<float> scratch;
     for (int64_t wid = wb; wid < we; ++wid) {
@@ -526,6 +537,19 @@ void paged_attention(const float* q, int64_t q_stride, float* out, const float* 
       for (int32_t d = 0; d < D; ++d) o[d] *= inv;
       if (B.row_lse) B.row_lse[static_cast<int64_t>(row) * num_heads + kv_head * group + r] = m + std::log(l);
     }
+  }
+}
+
+}  // namespace
+
+void paged_attention(const float* q, int64_t q_stride, float* out, const void* kv, const KVLayout& L, int32_t layer,
+                     const AttentionBatch& B, int32_t num_heads, float scale, int32_t sliding_window) {
+  if (L.elem == KVElem::kBF16) {
+    paged_attention_of(q, q_stride, out, static_cast<const uint16_t*>(kv), L, layer, B, num_heads, scale,
+                       sliding_window);
+  } else {
+    paged_attention_of(q, q_stride, out, static_cast<const float*>(kv), L, layer, B, num_heads, scale,
+                       sliding_window);
   }
 }
 

@@ -26,7 +26,7 @@ struct AttentionBatch {
   // Cold blocks (kv_layout.h): table entry cold_block_id(j) is read at cold_blocks[j]; with
   // dynamic sparsity its key summaries (one block of ops/block_sparsity.h's layout) at
   // cold_summaries[j].
-  const float* const* cold_blocks = nullptr;
+  const void* const* cold_blocks = nullptr;   // elements of layout.elem
   const float* const* cold_summaries = nullptr;
 };
 
@@ -47,11 +47,11 @@ void rope_inplace(float* qkv, int64_t row_stride, const int32_t* positions, int6
                   const float* cos_table, const float* sin_table);
 // Writes the k and v heads of each qkv row into the paged cache at slot_mapping[t].
 void write_kv(const float* qkv, int64_t row_stride, const int64_t* slot_mapping, int64_t rows,
-              int32_t num_heads, float* kv, const KVLayout& layout, int32_t layer);
+              int32_t num_heads, void* kv, const KVLayout& layout, int32_t layer);
 // RoPE on q (in place) and k, fused with the cache write of k (rotated) and v.
 void rope_write_kv(float* qkv, int64_t row_stride, const int32_t* positions,
                    const int64_t* slot_mapping, int64_t rows, int32_t num_heads,
-                   const float* cos_table, const float* sin_table, float* kv,
+                   const float* cos_table, const float* sin_table, void* kv,
                    const KVLayout& layout, int32_t layer);
 
 // y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for rows m < M and columns n in [n0, n1), on the
@@ -63,7 +63,7 @@ void linear_few_rows(const float* x, int64_t x_stride, const float* w, const flo
 // Causal attention of each sequence's new tokens over its paged KV (prefill chunks and
 // decodes mixed). q rows: [T][num_heads * head_dim] with stride q_stride; out: [T][num_heads
 // * head_dim] contiguous. sliding_window > 0 limits each query to its last window keys.
-void paged_attention(const float* q, int64_t q_stride, float* out, const float* kv,
+void paged_attention(const float* q, int64_t q_stride, float* out, const void* kv,
                      const KVLayout& layout, int32_t layer, const AttentionBatch& batch,
                      int32_t num_heads, float scale, int32_t sliding_window);
 

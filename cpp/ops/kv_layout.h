@@ -12,12 +12,18 @@
 
 namespace k25 {
 
+// The CPU pool's element type (on CUDA the pool tensor's dtype says it and this stays kF32):
+// float32, or bfloat16 (kv_cache_dtype="bfloat16": half the bytes; keys and values rounded to
+// nearest-even as they are written, read back exactly).
+enum class KVElem : int32_t { kF32 = 0, kBF16 = 1 };
+
 struct KVLayout {
   int32_t num_layers = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   int32_t block_size = 0;
   bool k_transposed = true;
+  KVElem elem = KVElem::kF32;
 
   int64_t head_elems() const { return static_cast<int64_t>(block_size) * head_dim; }
   int64_t layer_elems() const { return 2 * num_kv_heads * head_elems(); }
@@ -31,6 +37,7 @@ struct KVLayout {
   int64_t v_offset(int64_t block, int32_t layer, int32_t head) const {
     return k_offset(block, layer, head) + num_kv_heads * head_elems();
   }
+  int64_t elem_bytes() const { return elem == KVElem::kBF16 ? 2 : 4; }
 };
 
 // Cold blocks (a sequence longer than the primary pool, tiered KV on the CPU): a block that

@@ -30,6 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV pool dtype (auto: the compute dtype; bfloat16 halves the CPU's pool)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +53,7 @@ def _sampling(a) -> dict:
 def _load(a):
     from .model import K25Model
     return K25Model(K25Config(model_path=a.model, num_threads=a.threads, max_seq_len=a.max_seq_len,
-                              kv_cache_bytes=a.kv_cache_bytes))
+                              kv_cache_bytes=a.kv_cache_bytes, kv_cache_dtype=a.kv_cache_dtype))
 
 
 async def _stream_to(out, model, prompt, sampling) -> str:
@@ -166,7 +168,8 @@ def cmd_mem(a) -> int:
     from . import memory
     avail = memory.parse_bytes(a.memory) if a.memory is not None else memory.available_memory(
         a.device, a.gpu_memory_utilization)
-    plan = memory.memory_plan(a.model_path or a.model, device=a.device, dtype=a.dtype, batch=a.batch,
+    plan = memory.memory_plan(a.model_path or a.model, device=a.device, dtype=a.dtype,
+                              kv_cache_dtype=a.kv_cache_dtype, batch=a.batch,
                               max_seq_len=a.max_seq_len, block_size=a.block_size,
                               max_num_batched_tokens=a.max_num_batched_tokens, sparsity=a.sparsity,
                               score_rule=a.score_rule, compensation=a.compensation,
@@ -219,6 +222,8 @@ def main(argv=None) -> int:
     m.add_argument("--model", default=None)
     m.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     m.add_argument("--dtype", default="auto", help="compute dtype (auto: float32 on cpu, bfloat16 on cuda)")
+    m.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV pool dtype (auto: the compute dtype; bfloat16 with float32 compute on cpu)")
     m.add_argument("--batch", type=int, default=1, help="sequences of max-seq-len at once (default: 1)")
     m.add_argument("--max-seq-len", type=int, default=None, help="default: min(8192, the model's context)")
     m.add_argument("--block-size", type=int, default=16)

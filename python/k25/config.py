@@ -150,9 +150,11 @@ class K25Config:
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         need(self.kv_cache_dtype in _KV_DTYPES,
              f"kv_cache_dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
-        need(self.kv_cache_dtype in ("auto", self.resolved_dtype()),
-             f"kv_cache_dtype={self.kv_cache_dtype!r} is not implemented yet; KV is stored in the compute "
-             f"dtype ('auto' = {self.resolved_dtype()})")
+        need(self.resolved_kv_dtype() in (self.resolved_dtype(), "bfloat16") and
+             (self.resolved_kv_dtype() == self.resolved_dtype() or device == "cpu"),
+             f"kv_cache_dtype={self.kv_cache_dtype!r} is not implemented yet for {self.resolved_dtype()} compute on "
+             f"{device}: KV is stored in the compute dtype ('auto' = {self.resolved_dtype()}), or on the CPU in "
+             f"bfloat16 (docs/configuration.md)")
         need(self.cache_mode in _CACHE_MODES,
              f"cache_mode must be one of {_CACHE_MODES}, got {self.cache_mode!r}")
         need(isinstance(self.max_sparsity_ratio, (int, float))
@@ -265,6 +267,10 @@ class K25Config:
         if self.sparsity_score_channels is None:
             return default_score_rule(self.resolved_device(), self.resolved_dtype())
         return "channels" if self.sparsity_score_channels > 0 else "bound"
+
+    def resolved_kv_dtype(self) -> str:
+        """The KV pool's dtype: the compute dtype for "auto"."""
+        return self.resolved_dtype() if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

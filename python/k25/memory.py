@@ -128,7 +128,8 @@ def parse_bytes(text: str) -> int:
 class MemoryPlan:
     model: str
     device: str                 # "cpu" or "cuda"
-    dtype: str                  # compute dtype (weights and KV)
+    dtype: str                  # compute dtype (weights)
+    kv_dtype: str               # the KV pool's dtype
     block_size: int
     max_seq_len: int
     model_context: int          # the model's trained context length
@@ -195,7 +196,8 @@ def _largest(fits, hi: int) -> int:
     return lo
 
 
-def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str = "auto", batch: int = 1,
+def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str = "auto", kv_cache_dtype: str = "auto",
+                batch: int = 1,
                 max_seq_len: Optional[int] = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                 sparsity: bool = False, score_rule: Optional[str] = None, compensation: bool = False,
                 selection_interval: int = 1, cache_mode: str = "standard", margin: float = DEFAULT_MARGIN,
@@ -214,6 +216,10 @@ def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str 
         raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
     if device == "cpu" and dtype != "float32":
         raise ConfigError(f"dtype={dtype!r} needs the CUDA backend; the CPU backend computes in float32")
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    if kv_dtype != dtype and not (device == "cpu" and kv_dtype == "bfloat16"):
+        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented for {dtype} compute on {device} "
+                          f"(K25Config says the same)")
     for name, v in (("batch", batch), ("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
                     ("selection_interval", selection_interval)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -249,7 +255,7 @@ def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str 
         if sparsity and score_rule == "codes" and dtype == "float32":
             raise ConfigError("sparsity_score_rule='codes' on CUDA needs 16-bit KV (K25Config says the same)")
     elem = 4 if dtype == "float32" else 2
-    kv_block = int(_C.kv_bytes_per_token(str(path), dtype)) * block_size
+    kv_block = int(_C.kv_bytes_per_token(str(path), kv_dtype)) * block_size
     weights = model_parameters(path, c) * elem
     rule = score_rule or default_score_rule(device, dtype)
     cpu_summary = 0  # a block's summary rows on the CPU: the same for every batch and length
@@ -271,7 +277,8 @@ def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str 
                                                              selection_interval)
                 workspace += scratch
         l2 = default_l2_bytes(b * seq_blocks, kv_block, device) if cache_mode == "hierarchical" else 0
-        return MemoryPlan(model=str(path), device=device, dtype=dtype, block_size=block_size, max_seq_len=seq_len,
+        return MemoryPlan(model=str(path), device=device, dtype=dtype, kv_dtype=kv_dtype, block_size=block_size,
+                          max_seq_len=seq_len,
                           model_context=context, batch=b, weight_bytes=weights,
                           rope_bytes=4 * seq_len * c["head_dim"], kv_block_bytes=kv_block,
                           summary_block_bytes=summary_block, blocks_per_seq=seq_blocks,
@@ -318,7 +325,7 @@ def format_plan(p: MemoryPlan) -> str:
     """The plan as `k25 mem` prints it."""
     lines = [
         f"model:        {p.model}",
-        f"device:       {p.device} ({p.dtype}), block_size {p.block_size}",
+        f"device:       {p.device} ({p.dtype}, KV {p.kv_dtype}), block_size {p.block_size}",
         f"weights:      {_size(p.weight_bytes)} (+ RoPE tables {_size(p.rope_bytes)})",
         f"KV cache:     {_size(p.kv_block_bytes // p.block_size)} a token, {_size(p.kv_block_bytes)} a block, "
         f"{_size(p.blocks_per_seq * p.kv_block_bytes)} a sequence of {p.max_seq_len}",

@@ -227,7 +227,8 @@ class K25Model:
         ec.sparsity_selection_interval = config.sparsity_selection_interval
         ec.sparsity_score_channels = config.resolved_score_channels()
         ec.sparsity_key_codes = config.resolved_score_rule() == "codes"
-        self.kv_block_bytes = self._handle.kv_block_bytes(config.block_size)
+        ec.kv_cache_dtype = config.resolved_kv_dtype()
+        self.kv_block_bytes = self._handle.kv_block_bytes(config.block_size, ec.kv_cache_dtype)
         ec.num_kv_blocks = self._kv_blocks(config)
         self.kv_cache_bytes = ec.num_kv_blocks * self.kv_block_bytes
         if config.cache_mode == "hierarchical":
@@ -583,6 +584,7 @@ class K25Model:
         s["weight_bytes"] = self._handle.weight_bytes
         s["device"] = self.device
         s["dtype"] = self.dtype
+        s["kv_cache_dtype"] = self.config.resolved_kv_dtype()
         s["load_seconds"] = self.load_seconds
         tiers = self._engine.tier_stats()
         s["offload_count"] = int(tiers["offloads"]) if tiers else 0

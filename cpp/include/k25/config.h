@@ -15,6 +15,9 @@ struct EngineConfig {
   int32_t max_seq_len = 8192;            // prompt + generated tokens of one sequence
   int32_t decode_max_tokens = 0;         // cap on max_new_tokens of any request (0: none)
   int32_t num_threads = 0;               // intra-op threads of the engine thread (0: default)
+  // The KV pool's dtype: "" is the model's compute dtype; "bfloat16" with float32 compute on
+  // the CPU halves the pool (keys and values rounded to nearest-even as they are written).
+  std::string kv_cache_dtype;
   float admission_watermark = 0.01f;     // fraction of blocks kept free when admitting
   double batching_window_ms = 0;         // an idle engine waits this long to gather arrivals
   // Prefix caching: full computed blocks are registered by the hash of their token prefix

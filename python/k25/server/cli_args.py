@@ -23,6 +23,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="KV pool dtype (auto: the compute dtype; bfloat16 halves the CPU's pool)")
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--prefill-chunk-size", type=int, default=None)

@@ -85,6 +85,7 @@ def serve(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     engine_kw = dict(num_threads=args.threads, max_seq_len=args.max_seq_len, kv_cache_bytes=args.kv_cache_bytes,
+                     kv_cache_dtype=args.kv_cache_dtype,
                      max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                      prefill_chunk_size=args.prefill_chunk_size, device=args.device, dtype=args.dtype,
                      batching_window_ms=args.batching_window_ms, enable_prefix_caching=args.enable_prefix_caching,
