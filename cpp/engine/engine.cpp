@@ -81,6 +81,13 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<ModelExecutor> execut
   if (!executor_) fail(ErrorCode::kInvalidArgument, "engine needs a model executor");
   if (config_.max_seq_len <= 0) fail(ErrorCode::kInvalidArgument, "max_seq_len must be positive");
   vocab_size_ = executor_->vocab_size();
+  // The pool's dtype is make_executor's choice; a config that names another one was not passed
+  // there (a C++ host's mistake), so say so rather than run with a pool it did not ask for.
+  const std::string& want = config_.kv_cache_dtype;
+  if (!want.empty() && want != "auto" && !executor_->kv_dtype().empty() && executor_->kv_dtype() != want) {
+    fail(ErrorCode::kInvalidArgument, "EngineConfig::kv_cache_dtype is '" + want + "' but the executor's KV pool is " +
+                                          executor_->kv_dtype() + ": pass it to make_executor");
+  }
   if (config_.max_seq_len > executor_->max_positions()) {
     fail(ErrorCode::kInvalidArgument, "max_seq_len " + std::to_string(config_.max_seq_len) +
                                           " exceeds the positions the model was loaded for (" +

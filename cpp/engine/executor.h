@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -211,6 +212,8 @@ class ModelExecutor {
     return false;
   }
   virtual int64_t kv_block_bytes() const { return 0; }
+  // The KV pool's dtype ("float32", "bfloat16", ...; "" where the executor has no pool).
+  virtual std::string kv_dtype() const { return ""; }
   // Cold entries gathered a layer ahead so far (CUDA; Stats::cold_gathered).
   virtual int64_t cold_gathered() const { return 0; }
   // KV fetched back from the tiers into L1 (tokens [context_lens[s] - query length,

@@ -65,7 +65,11 @@ at::Device torch_device(const DeviceSpec& spec) {
 
 }  // namespace
 
-int32_t dtype_bytes(const std::string& dtype) { return dtype == "float32" ? 4 : 2; }
+int32_t dtype_bytes(const std::string& dtype) {
+  if (dtype == "float32") return 4;
+  if (dtype == "bfloat16" || dtype == "float16") return 2;
+  fail(ErrorCode::kInvalidArgument, "dtype must be float32, bfloat16 or float16, not '" + dtype + "'");
+}
 
 bool cuda_available() {
 #ifdef K25_WITH_CUDA
@@ -352,6 +356,14 @@ class TorchExecutor : public ModelExecutor {
     return INT64_MAX;
   }
   int64_t kv_block_bytes() const override { return layout_.block_elems() * static_cast<int64_t>(kv_.element_size()); }
+  std::string kv_dtype() const override {
+    switch (kv_.scalar_type()) {
+      case at::kFloat: return "float32";
+      case at::kBFloat16: return "bfloat16";
+      case at::kHalf: return "float16";
+      default: return "";
+    }
+  }
   int32_t max_positions() const override { return handle_->max_positions(); }
 
   // A layered step (the engine's L3 lane): eager, on the engine stream; each layer's

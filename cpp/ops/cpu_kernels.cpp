@@ -92,7 +92,11 @@ inline void store_kv(const float* k, const float* v, int64_t slot, void* pool, c
     auto* kd = kv + L.k_offset(block, layer, head);
     auto* vd = kv + L.v_offset(block, layer, head) + static_cast<int64_t>(off) * L.head_dim;
     for (int32_t d = 0; d < L.head_dim; ++d) store_elem(kd + static_cast<int64_t>(d) * L.block_size + off, k[d]);
-    for (int32_t d = 0; d < L.head_dim; ++d) store_elem(vd + d, v[d]);
+    if constexpr (std::is_same_v<decltype(vd), float*>) {
+      std::memcpy(vd, v, sizeof(float) * L.head_dim);
+    } else {
+      for (int32_t d = 0; d < L.head_dim; ++d) store_elem(vd + d, v[d]);
+    }
   };
   if (L.elem == KVElem::kBF16) {
     store(static_cast<uint16_t*>(pool));

@@ -32,7 +32,7 @@ from fractions import Fraction
 from typing import Any, Dict, Optional
 
 from . import _C
-from .config import default_score_rule
+from .config import _KV_DTYPES, default_score_rule
 from .errors import ConfigError
 
 DEFAULT_MARGIN = 0.10
@@ -216,6 +216,8 @@ def memory_plan(model: Optional[str] = None, *, device: str = "cpu", dtype: str 
         raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
     if device == "cpu" and dtype != "float32":
         raise ConfigError(f"dtype={dtype!r} needs the CUDA backend; the CPU backend computes in float32")
+    if kv_cache_dtype not in _KV_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {_KV_DTYPES}, got {kv_cache_dtype!r}")
     kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     if kv_dtype != dtype and not (device == "cpu" and kv_dtype == "bfloat16"):
         raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented for {dtype} compute on {device} "

@@ -153,9 +153,10 @@ def test_paged_attention_bfloat16_pool_with_a_sliding_window():
 
 @pytest.mark.parametrize("rule", ["channels", "codes", "bound"])
 @pytest.mark.parametrize("compensation", [False, True])
-def test_summaries_and_sparse_attention_read_a_bfloat16_pool_exactly(rule, compensation):
-    g = torch.Generator().manual_seed(hash((rule, compensation)) % 1000)
-    L, Hkv, D, bs, Hq = 2, 2, 64, 16, 6
+@pytest.mark.parametrize("bs", [16, 8])  # 8: the selection's and attention's any-layout paths
+def test_summaries_and_sparse_attention_read_a_bfloat16_pool_exactly(rule, compensation, bs):
+    g = torch.Generator().manual_seed(["channels", "codes", "bound"].index(rule) * 2 + compensation + bs)
+    L, Hkv, D, Hq = 2, 2, 64, 6
     layout = (L, Hkv, D, bs)
     ctxs = [3000, 700, 2100]
     codes = rule == "codes"
@@ -318,10 +319,12 @@ def test_bfloat16_kv_halves_the_pool_and_serves_every_path(k25_bf16_kv, tmp_path
 
 
 @pytest.mark.parametrize("sparse", [False, True])
-def test_cold_blocks_in_l2_are_read_in_place_from_a_bfloat16_pool(k25_bf16_kv, sparse):
+@pytest.mark.parametrize("l3", [False, True])
+def test_cold_blocks_are_read_from_a_bfloat16_pool_in_l2_and_l3(k25_bf16_kv, sparse, l3, tmp_path):
     # A sequence three times longer than L1: its cold blocks' bytes (16-bit elements) are read
-    # where they lie in L2, by the attention and (sparse, channel estimate) by the selection's
-    # key reads. The oracle: the same bfloat16 run with every block resident.
+    # where they lie in L2 (or, with l3, read back from an L3 file layer by layer: with this
+    # model's 6 KB K halves, whole layers), by the attention and (sparse, channel estimate) by
+    # the selection's key reads. The oracle: the same bfloat16 run with every block resident.
     ids = k25_bf16_kv.tokenizer.encode(long_text()[3000:12000])[:600]
     kw = dict(num_threads=2, block_size=16, prefill_chunk_size=64, max_num_batched_tokens=96,
               kv_cache_dtype="bfloat16")
@@ -331,14 +334,19 @@ def test_cold_blocks_in_l2_are_read_in_place_from_a_bfloat16_pool(k25_bf16_kv, s
     per_block = k25_bf16_kv.kv_block_bytes
     outs = []
     for tiered in (False, True):
+        page = _C.kv_page_bytes(per_block)
         extra = dict(kv_cache_bytes=12 * per_block, cache_mode="hierarchical", enable_async_offload=True,
-                     l2_bytes=40 * _C.kv_page_bytes(per_block)) if tiered else dict(kv_cache_bytes=48 * per_block)
+                     l2_bytes=(4 if l3 else 40) * page) if tiered else dict(kv_cache_bytes=48 * per_block)
+        if tiered and l3:
+            extra.update(l3_path=str(tmp_path / "l3.bin"), l3_bytes=80 * page)
         m = K25Model(K25Config(**kw, **extra))
         try:
             outs.append(m.generate([ids], max_new_tokens=20, ignore_eos=True, temperature=0.0)[0].token_ids)
             s = m.stats()
             if tiered:
                 assert s["cold_demotes"] >= 27 and s["preemptions"] == 0
+                t = m.tier_stats()
+                assert t["failures"] == 0 and (t["bytes_from_l3"] > 0) == l3
             if sparse:
                 assert m.get_current_sparsity_ratio() > 0
         finally:
@@ -354,3 +362,5 @@ def test_memory_plan_counts_the_bfloat16_pool():
     assert b.kv_cache_bytes * 2 == a.kv_cache_bytes and b.weight_bytes == a.weight_bytes
     with pytest.raises(ConfigError, match="not implemented"):
         memory.memory_plan(device="cpu", kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match="must be one of"):
+        memory.memory_plan(device="cpu", kv_cache_dtype="bf16")
