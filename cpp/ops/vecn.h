@@ -48,7 +48,10 @@ inline vn loadn(const uint16_t* p) {
   return reinterpret_cast<vn>(_mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 #elif defined(__ARM_NEON)
-  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+  const uint32x4_t w = vshll_n_u16(vld1_u16(p), 16);
+  vn f;
+  std::memcpy(&f, &w, sizeof(f));  // NEON and GCC vector types convert only through memory rules
+  return f;
 #else
   vnh h;
   std::memcpy(&h, p, sizeof(h));
