@@ -97,11 +97,7 @@ void update_key_summaries_of(const T* kv, const KVLayout& L, float* summaries, c
 
 void update_key_summaries(const void* kv, const KVLayout& L, float* summaries, const SummaryLayout& S,
                           int32_t layer, const cpu::AttentionBatch& B) {
-  if (L.elem == KVElem::kBF16) {
-    update_key_summaries_of(static_cast<const uint16_t*>(kv), L, summaries, S, layer, B);
-  } else {
-    update_key_summaries_of(static_cast<const float*>(kv), L, summaries, S, layer, B);
-  }
+  with_elem(L, kv, [&](auto* pool) { update_key_summaries_of(pool, L, summaries, S, layer, B); });
 }
 
 namespace {
@@ -588,8 +584,8 @@ bool select_blocks(const float* q, int64_t q_stride, const void* kv, const float
           const size_t at = static_cast<size_t>(h * group + g) * nb;
           int32_t k = 0;
           if (R > 0) {
-            auto score = [&](auto elem) {
-              using T = decltype(elem);
+            with_elem(L, kv, [&](auto* pool) {  // the blocks' keys (K) are of the pool's element
+              using T = std::remove_const_t<std::remove_pointer_t<decltype(pool)>>;
               if (fast) {
                 for (; k + kBatch <= cnt; k += kBatch) {
                   channel_lse<kBatch, T>(qp, R, D, bs, K + k, mn + k, n + k, m + k, l + k);
@@ -598,12 +594,7 @@ bool select_blocks(const float* q, int64_t q_stride, const void* kv, const float
               } else {
                 for (; k < cnt; ++k) channel_lse_any(qp, R, L, static_cast<const T*>(K[k]), mn[k], n[k], m + k, l + k);
               }
-            };
-            if (L.elem == KVElem::kBF16) {
-              score(uint16_t{});
-            } else {
-              score(0.0f);
-            }
+            });
             // log-mass = m + log l, a vector of blocks at a time (l >= 1: the best key adds exp(0)).
             for (k = 0; k < cnt; k += kLanes) {
               vn lv = vn{} + 1.0f, mv{};

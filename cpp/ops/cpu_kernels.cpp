@@ -88,7 +88,7 @@ inline void store_kv(const float* k, const float* v, int64_t slot, void* pool, c
                      int32_t layer, int32_t head) {
   const int64_t block = slot / L.block_size;
   const int32_t off = static_cast<int32_t>(slot % L.block_size);
-  auto store = [&](auto* kv) {
+  with_elem(L, pool, [&](auto* kv) {
     auto* kd = kv + L.k_offset(block, layer, head);
     auto* vd = kv + L.v_offset(block, layer, head) + static_cast<int64_t>(off) * L.head_dim;
     for (int32_t d = 0; d < L.head_dim; ++d) store_elem(kd + static_cast<int64_t>(d) * L.block_size + off, k[d]);
@@ -97,12 +97,7 @@ inline void store_kv(const float* k, const float* v, int64_t slot, void* pool, c
     } else {
       for (int32_t d = 0; d < L.head_dim; ++d) store_elem(vd + d, v[d]);
     }
-  };
-  if (L.elem == KVElem::kBF16) {
-    store(static_cast<uint16_t*>(pool));
-  } else {
-    store(static_cast<float*>(pool));
-  }
+  });
 }
 
 }  // namespace
@@ -548,13 +543,9 @@ void paged_attention_of(const float* q, int64_t q_stride, float* out, const T* k
 
 void paged_attention(const float* q, int64_t q_stride, float* out, const void* kv, const KVLayout& L, int32_t layer,
                      const AttentionBatch& B, int32_t num_heads, float scale, int32_t sliding_window) {
-  if (L.elem == KVElem::kBF16) {
-    paged_attention_of(q, q_stride, out, static_cast<const uint16_t*>(kv), L, layer, B, num_heads, scale,
-                       sliding_window);
-  } else {
-    paged_attention_of(q, q_stride, out, static_cast<const float*>(kv), L, layer, B, num_heads, scale,
-                       sliding_window);
-  }
+  with_elem(L, kv, [&](auto* pool) {
+    paged_attention_of(q, q_stride, out, pool, L, layer, B, num_heads, scale, sliding_window);
+  });
 }
 
 }  // namespace k25::cpu

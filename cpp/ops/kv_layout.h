@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace k25 {
 
@@ -39,6 +40,16 @@ struct KVLayout {
   }
   int64_t elem_bytes() const { return elem == KVElem::kBF16 ? 2 : 4; }
 };
+
+// Calls f with the pool as a pointer to its element, float or uint16_t (bfloat16's bits),
+// const as `pool` is: the CPU kernels' one dispatch on KVLayout::elem to their templates.
+template <typename V, typename F>
+decltype(auto) with_elem(const KVLayout& L, V* pool, F&& f) {
+  using F32 = std::conditional_t<std::is_const_v<V>, const float, float>;
+  using B16 = std::conditional_t<std::is_const_v<V>, const uint16_t, uint16_t>;
+  if (L.elem == KVElem::kBF16) return f(static_cast<B16*>(pool));
+  return f(static_cast<F32*>(pool));
+}
 
 // Cold blocks (a sequence longer than the primary pool, tiered KV on the CPU): a block that
 // lives in L2 host memory is named in a block table by a negative id, cold_block_id(j),

@@ -150,8 +150,8 @@ class K25Config:
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         need(self.kv_cache_dtype in _KV_DTYPES,
              f"kv_cache_dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
-        need(self.resolved_kv_dtype() in (self.resolved_dtype(), "bfloat16") and
-             (self.resolved_kv_dtype() == self.resolved_dtype() or device == "cpu"),
+        kv = self.resolved_kv_dtype()  # the rule of make_executor (resolve_kv_dtype)
+        need(kv == self.resolved_dtype() or (kv == "bfloat16" and device == "cpu"),
              f"kv_cache_dtype={self.kv_cache_dtype!r} is not implemented yet for {self.resolved_dtype()} compute on "
              f"{device}: KV is stored in the compute dtype ('auto' = {self.resolved_dtype()}), or on the CPU in "
              f"bfloat16 (docs/configuration.md)")
